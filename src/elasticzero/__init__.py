@@ -1,0 +1,31 @@
+"""elasticzero: DeepSpeed's launcher, elastic agent and ZeRO engine as small composable torch pieces.
+
+Every piece can be imported on its own; nothing here imports torch until a piece is used, so
+``import elasticzero.launch`` stays cheap on a login node.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (resolved lazily, PEP 562)
+_LAZY = {
+    "ZeroStage1": "elasticzero.engine.zero",
+    "ZeroStage2": "elasticzero.engine.zero",
+    "ZeroStage3": "elasticzero.engine.zero",
+    "LossScaler": "elasticzero.engine.loss_scaler",
+    "GradBucketer": "elasticzero.engine.bucketer",
+    "PhaseTimers": "elasticzero.engine.timers",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'elasticzero' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,132 @@
+"""The launch plan: everything ``elasticzero-launch`` will do, decided before anything starts.
+
+Discovery (hostfile / Slurm allocation / local accelerators) and filters produce the nodes; env rules produce the
+exported environment; the backend turns the plan into :class:`~elasticzero.launch.backend.Command` argv lists.
+``--dry-run`` prints the plan, otherwise it is executed. The plan is plain data: it can be printed, compared in
+tests and serialised as JSON without touching the network.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from elasticzero.launch.backend import Command
+
+SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+MASK = "****"
+
+
+def mask_value(name: str, value: str) -> str:
+    """The value to show for ``name`` in logs and dry-run output (secrets are masked)."""
+    return MASK if SECRET_NAME.search(name) else value
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One node of the plan: the host name as the user wrote it, its node rank and the slot ids bound there."""
+
+    host: str
+    node_rank: int
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    """What every node's ``elasticzero-run`` receives besides its identity (torchrun-compatible options)."""
+
+    nnodes: str  # "N" or "MIN:MAX"
+    rdzv_backend: str = "elasticzero"
+    rdzv_conf: tuple[tuple[str, str], ...] = ()
+    max_restarts: int = 0
+    monitor_interval: float | None = None
+    log_dir: str | None = None
+    redirects: str | None = None
+    tee: str | None = None
+    bind_cores_to_rank: bool = False
+    module: bool = False
+    no_python: bool = False
+    python: str = field(default_factory=lambda: sys.executable)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Hosts in rank order, their slots, the rendezvous endpoint, the exported env, and the commands."""
+
+    job_id: str
+    backend: str
+    nodes: tuple[NodeSpec, ...]
+    master_addr: str
+    master_port: int
+    entry: tuple[str, ...]  # user script (or module / program) and its arguments, untouched
+    cwd: str
+    agent: AgentOptions
+    env: dict[str, str] = field(default_factory=dict)  # exported name -> value
+    launcher_args: tuple[str, ...] = ()  # raw extra args for the transport (--launcher-args), passed as given
+    options: dict[str, Any] = field(default_factory=dict)  # backend options (ssh_port, ssh_check, …)
+    commands: tuple[Command, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(n.slots) for n in self.nodes)
+
+    def node_table_json(self) -> str:
+        """The node table every agent receives: ``[[host, [slot, …]], …]`` in node-rank order."""
+        return json.dumps([[n.host, list(n.slots)] for n in self.nodes], separators=(",", ":"))
+
+    def agent_argv(self, identity: list[str]) -> list[str]:
+        """The ``elasticzero-run`` argv for a node.
+
+        ``identity`` tells the agent which node of the node table it is, chosen by the backend:
+        ``["--node-rank", "1"]`` (one command per node), ``["--node-rank-env", "OMPI_COMM_WORLD_RANK"]``,
+        ``["--node-host-env", "SLURMD_NODENAME"]`` or ``["--node-host", "%h"]`` (pdsh substitutes it).
+        """
+        a = self.agent
+        argv = [a.python, "-u", "-m", "elasticzero.agent.cli"]
+        argv += ["--nnodes", a.nnodes, "--node-table", self.node_table_json(), *identity]
+        endpoint = f"{_host_for_url(self.master_addr)}:{self.master_port}"
+        argv += ["--rdzv-backend", a.rdzv_backend, "--rdzv-endpoint", endpoint]
+        argv += ["--rdzv-id", self.job_id]
+        if a.rdzv_conf:
+            argv += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in a.rdzv_conf)]
+        argv += ["--max-restarts", str(a.max_restarts)]
+        if a.monitor_interval is not None:
+            argv += ["--monitor-interval", str(a.monitor_interval)]
+        if a.log_dir:
+            argv += ["--log-dir", a.log_dir]
+        if a.redirects:
+            argv += ["--redirects", a.redirects]
+        if a.tee:
+            argv += ["--tee", a.tee]
+        if a.bind_cores_to_rank:
+            argv.append("--bind-cores-to-rank")
+        if a.module:
+            argv.append("--module")
+        if a.no_python:
+            argv.append("--no-python")
+        return [*argv, *self.entry]
+
+    def with_commands(self, commands: list[Command]) -> LaunchPlan:
+        return replace(self, commands=tuple(commands))
+
+    def to_json(self) -> dict[str, Any]:
+        """The machine-readable plan printed by ``--dry-run=json`` (secret values masked)."""
+        return {
+            "job_id": self.job_id,
+            "backend": self.backend,
+            "world_size": self.world_size,
+            "master_addr": self.master_addr,
+            "master_port": self.master_port,
+            "nodes": [{"host": n.host, "node_rank": n.node_rank, "slots": list(n.slots)} for n in self.nodes],
+            "commands": [list(c.argv) for c in self.commands],
+            "env": {k: mask_value(k, v) for k, v in sorted(self.env.items())},
+            "cwd": self.cwd,
+        }
+
+
+def _host_for_url(host: str) -> str:
+    """Bracket an IPv6 literal so ``host:port`` stays unambiguous."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -1,0 +1,78 @@
+"""Shared helpers for elasticzero's tests (importable as ``ez_testing``; ``tests/`` is on pytest's pythonpath).
+
+Real parts, not mocks: a test that needs etcd, the sshd hosts, pdsh, mpirun or Slurm calls :func:`require`. Outside
+CI a missing part skips with the reason; under ``CI=true`` it fails, because CI provisions every part
+(``tests/cluster/up.sh``) and a skip there would hide a broken test bed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+REPO = Path(__file__).resolve().parent.parent
+TESTBED_FILE = Path(os.environ.get("EZ_TESTBED_FILE", "/run/elasticzero-testbed/testbed.json"))
+PYTHON = sys.executable
+
+
+def require(ok: bool, reason: str) -> None:
+    """Skip (outside CI) or fail (under ``CI=true``) the calling test unless ``ok``."""
+    if ok:
+        return
+    if IN_CI:
+        pytest.fail(f"required part missing under CI=true: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def require_program(*names: str) -> None:
+    """Require every named program on PATH."""
+    for name in names:
+        require(shutil.which(name) is not None, f"{name!r} not on PATH (run: bash tests/cluster/up.sh)")
+
+
+@dataclass(frozen=True)
+class Testbed:
+    """The cluster that ``tests/cluster/up.sh`` brought up (network-namespace hosts with sshd, Slurm)."""
+
+    hosts: tuple[str, ...]  # node names, each its own netns + UTS ns + sshd
+    addrs: tuple[str, ...]  # their addresses on the bridge
+    head: str  # name of the root namespace on the bridge
+    head_addr: str
+    slurm_nodes: tuple[str, ...]
+    netns: tuple[str, ...]  # namespace names, same order as hosts
+
+
+def testbed() -> Testbed:
+    """The running test bed, or skip/fail (per :func:`require`) when it is not up."""
+    require(TESTBED_FILE.exists(), f"cluster test bed not up ({TESTBED_FILE} missing; run: bash tests/cluster/up.sh)")
+    d = json.loads(TESTBED_FILE.read_text())
+    return Testbed(
+        hosts=tuple(d["hosts"]),
+        addrs=tuple(d["addrs"]),
+        head=d["head"],
+        head_addr=d["head_addr"],
+        slurm_nodes=tuple(d.get("slurm_nodes", ())),
+        netns=tuple(d["netns"]),
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (never assume 2379/29500 are free)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def run(argv: Sequence[str], timeout: float = 120, **kw: object) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` (a list, never a shell string) with a hard timeout, capturing text output."""
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False, **kw)  # type: ignore[call-overload]

@@ -1,0 +1,111 @@
+"""The ``elasticzero`` rendezvous handler: torch's :class:`DynamicRendezvousHandler` plus node-rank hints.
+
+torch's join, heartbeat, last-call and close logic run unchanged; only the store behind it (c10d TCPStore or etcd
+v3) and the final order of the group ranks are ours.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+
+from torch.distributed import Store
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousBackend,
+    RendezvousTimeout,
+)
+
+from elasticzero.rendezvous.endpoint import parse_endpoint
+from elasticzero.rendezvous.options import RendezvousOptions, parse_options
+from elasticzero.rendezvous.ordering import exchange_and_order
+
+logger = logging.getLogger(__name__)
+
+
+class ElasticZeroRendezvousHandler(DynamicRendezvousHandler):
+    """A :class:`DynamicRendezvousHandler` whose group ranks follow ``node_rank_hint`` and that frees its backend.
+
+    The rank is re-assigned inside ``_get_world`` (called once per ``next_rendezvous``, before torch builds the
+    bootstrap store info), so the node that ends up as group rank 0 is also the one that hosts the workers' store and
+    publishes ``MASTER_ADDR``/``MASTER_PORT``: every node sees the same master address.
+    """
+
+    _ez_hint: int | None = None
+    _ez_release: Callable[[], None] | None = None
+    _ez_world: tuple[int, tuple[int, int]] | None = None
+
+    def _get_world(self) -> tuple[int, int]:
+        rank, world_size = super()._get_world()
+        round_ = self._state_holder.state.round
+        if self._ez_world is not None and self._ez_world[0] == round_:
+            return self._ez_world[1]
+        new_rank = exchange_and_order(self._get_store(), rank, world_size, self._ez_hint)
+        if new_rank != rank:
+            logger.info("elasticzero: node_rank_hint=%s moves group rank %d to %d", self._ez_hint, rank, new_rank)
+        self._ez_world = (round_, (new_rank, world_size))
+        return new_rank, world_size
+
+    def shutdown(self) -> bool:
+        """Close the rendezvous (torch), then release the backend (etcd lease, connections)."""
+        try:
+            return super().shutdown()
+        finally:
+            release, self._ez_release = self._ez_release, None
+            if release is not None:
+                release()
+
+
+def _timeout(seconds: int | None) -> timedelta | None:
+    return None if seconds is None else timedelta(seconds=seconds)
+
+
+def build_handler(
+    params: RendezvousParameters,
+    options: RendezvousOptions,
+    backend: RendezvousBackend,
+    store: Store,
+    release: Callable[[], None] | None = None,
+) -> ElasticZeroRendezvousHandler:
+    """Wrap ``backend``/``store`` in torch's dynamic handler with the timeouts and keep-alive from ``options``."""
+    timeout = RendezvousTimeout(
+        _timeout(options.join_timeout),
+        _timeout(options.last_call_timeout),
+        _timeout(options.close_timeout),
+        _timeout(options.heartbeat_timeout),
+    )
+    handler = ElasticZeroRendezvousHandler.from_backend(
+        params.run_id,
+        store,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        timeout,
+        keep_alive_interval=options.keep_alive_interval,
+        keep_alive_max_attempt=options.keep_alive_max_attempt,
+    )
+    handler._ez_hint = options.node_rank_hint
+    handler._ez_release = release
+    return handler
+
+
+def create_rdzv_handler(params: RendezvousParameters) -> ElasticZeroRendezvousHandler:
+    """Creator registered as ``elasticzero``: endpoint → store, ``--rdzv-conf`` → options, then torch's handler.
+
+    Raises :class:`~elasticzero.errors.UsageError` for a bad endpoint or option and torch's
+    ``RendezvousConnectionError`` when the store cannot be reached.
+    """
+    spec = parse_endpoint(params.endpoint)
+    options = parse_options(params.config)
+    if spec.kind == "c10d":
+        from elasticzero.rendezvous.c10d import create_c10d_backend
+
+        backend, store = create_c10d_backend(params, spec, options)
+        return build_handler(params, options, backend, store)
+    from elasticzero.rendezvous.etcd_backend import create_etcd_backend
+
+    etcd = create_etcd_backend(params, spec, options)
+    return build_handler(params, options, etcd.backend, etcd.store, etcd.release)

@@ -1,0 +1,212 @@
+"""``elasticzero-launch``: discovery + filters + env rules + backend → :class:`LaunchPlan` → dry-run or execute.
+
+Flow: parse flags (:mod:`.args`) → discover the pool (:mod:`.resources`) → ``-i``/``-e`` then ``--num-nodes`` /
+``--num-gpus`` (:mod:`.filters`) → exported env (:mod:`.envexport`) → :class:`LaunchPlan` → backend commands.
+``--dry-run`` prints the plan and starts nothing; otherwise ``backend.preflight(plan)`` and
+``elasticzero.launch.execute.execute(plan, backend)``, whose return value is the exit code.
+
+Backend options the plan carries in ``plan.options``: ``ssh_port`` (int | None), ``ssh_check`` (bool),
+``node_rank`` (int | None, ``--no-ssh``), ``per_rank`` (bool), ``save_pid`` (path | None), ``force_multi`` (bool).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import secrets
+import shlex
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from elasticzero.errors import UsageError, cli_main
+from elasticzero.launch import backend as backend_mod
+from elasticzero.launch.args import DEFAULT_MASTER_PORT, PROG, parse_args
+from elasticzero.launch.envexport import export_env
+from elasticzero.launch.filters import apply_filters, select_first
+from elasticzero.launch.hostfile import ResourcePool
+from elasticzero.launch.plan import AgentOptions, LaunchPlan, NodeSpec, mask_value
+from elasticzero.launch.resources import LOCALHOST, discover
+
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_NNODES = re.compile(r"(\d+)(?::(\d+))?")
+
+
+def make_job_id() -> str:
+    """A job id unique per launch: ``ez-<UTC timestamp>-<random hex>`` (rendezvous id, scope of kills)."""
+    return f"ez-{time.strftime('%Y%m%d%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
+
+
+def _nnodes(spec: str | None, n_nodes: int) -> str:
+    if spec is None:
+        return str(n_nodes)
+    m = _NNODES.fullmatch(spec)
+    if not m:
+        raise UsageError(f"--nnodes {spec!r}: expected N or MIN:MAX, e.g. --nnodes 2:4")
+    lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+    if lo < 1 or hi < lo:
+        raise UsageError(f"--nnodes {spec!r}: need 1 <= MIN <= MAX")
+    if not lo <= n_nodes <= hi:
+        raise UsageError(f"--nnodes {spec} contradicts the {n_nodes} node(s) selected; adjust --nnodes or the hosts")
+    return spec
+
+
+def _rdzv_conf(text: str | None) -> tuple[tuple[str, str], ...]:
+    if not text:
+        return ()
+    pairs = []
+    for item in text.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise UsageError(f"--rdzv-conf {text!r}: bad item {item!r}; expected KEY=VALUE[,KEY=VALUE…]")
+        pairs.append((key.strip(), value.strip()))
+    return tuple(pairs)
+
+
+def _launcher_name(args: argparse.Namespace, n_nodes: int) -> str:
+    if args.no_ssh:
+        if args.launcher and args.launcher.lower() != "no-ssh":
+            raise UsageError(f"--no-ssh contradicts --launcher {args.launcher}; drop one of them")
+        if args.node_rank is None:
+            raise UsageError("--no-ssh needs --node-rank R (run the same command on every node with its rank)")
+        if args.node_rank >= n_nodes:
+            raise UsageError(f"--node-rank {args.node_rank} but the plan has {n_nodes} node(s) (ranks 0-{n_nodes - 1})")
+        return "no-ssh"
+    if args.node_rank is not None:
+        raise UsageError("--node-rank only applies with --no-ssh")
+    if args.launcher:
+        name = args.launcher.lower()
+        if name == "local" and n_nodes > 1:
+            raise UsageError(
+                f"--launcher local runs on this machine but {n_nodes} nodes are selected; use -i or --num-nodes 1"
+            )
+        return name
+    return "pdsh" if n_nodes > 1 or args.force_multi else "local"
+
+
+def select_pool(
+    args: argparse.Namespace, env: Mapping[str, str], detect_gpus: Callable[[], int] | None = None
+) -> ResourcePool:
+    """Discovery, then ``-i``/``-e``, then ``--num-nodes``/``--num-gpus``."""
+    found = discover(args.hostfile, env, args.num_gpus, detect_gpus)
+    pool = apply_filters(found.pool, args.include, args.exclude, found.source)
+    return select_first(pool, args.num_nodes, args.num_gpus, found.source)
+
+
+def build_plan(
+    args: argparse.Namespace,
+    entry: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str,
+    detect_gpus: Callable[[], int] | None = None,
+) -> LaunchPlan:
+    """The plan (without commands) for parsed ``args`` and the user's ``entry``."""
+    if not entry:
+        raise UsageError(f"missing training script; usage: {PROG} [flags] SCRIPT [ARGS…]")
+    if args.module and args.no_python:
+        raise UsageError("--module and --no-python cannot be combined")
+    if args.rdzv_id is not None and not _JOB_ID.fullmatch(args.rdzv_id):
+        raise UsageError(f"--rdzv-id {args.rdzv_id!r}: use letters, digits, '.', '_', '-' (at most 128)")
+    pool = select_pool(args, env, detect_gpus)
+    nodes = tuple(NodeSpec(host, rank, slots) for rank, (host, slots) in enumerate(pool.items()))
+    name = _launcher_name(args, len(nodes))
+    first = nodes[0].host
+    master_addr = args.master_addr or ("127.0.0.1" if first == LOCALHOST else first)
+    agent = AgentOptions(
+        nnodes=_nnodes(args.nnodes, len(nodes)),
+        rdzv_backend=args.rdzv_backend or AgentOptions.rdzv_backend,
+        rdzv_conf=_rdzv_conf(args.rdzv_conf),
+        max_restarts=args.max_restarts,
+        monitor_interval=args.monitor_interval,
+        log_dir=os.path.join(cwd, args.log_dir) if args.log_dir else None,
+        redirects=args.redirects,
+        tee=args.tee,
+        bind_cores_to_rank=args.bind_cores_to_rank,
+        module=args.module,
+        no_python=args.no_python,
+    )
+    save_pid = None
+    if args.save_pid is not None:
+        save_pid = args.save_pid or f"/tmp/{os.getpid()}.elasticzero"
+    home = Path(env["HOME"]) if env.get("HOME") else None
+    return LaunchPlan(
+        job_id=args.rdzv_id or make_job_id(),
+        backend=name,
+        nodes=nodes,
+        master_addr=master_addr,
+        master_port=args.master_port or DEFAULT_MASTER_PORT,
+        entry=tuple(entry),
+        cwd=cwd,
+        agent=agent,
+        env=export_env(env, args.export, args.export_prefix, home=home, cwd=Path(cwd)),
+        launcher_args=tuple(shlex.split(args.launcher_args)) if args.launcher_args.strip() else (),
+        options={
+            "ssh_port": args.ssh_port,
+            "ssh_check": not args.no_ssh_check,
+            "node_rank": args.node_rank,
+            "per_rank": args.per_rank,
+            "save_pid": save_pid,
+            "force_multi": args.force_multi,
+        },
+    )
+
+
+def render_plan(plan: LaunchPlan) -> str:
+    """The plan for people: hosts, slots, endpoint, exported env (secrets masked), commands (shlex-quoted)."""
+    lines = [
+        f"{PROG} plan (dry run; nothing started)",
+        f"  job id:    {plan.job_id}",
+        f"  backend:   {plan.backend}",
+        f"  world:     {plan.world_size} rank(s) on {len(plan.nodes)} node(s); nnodes {plan.agent.nnodes}",
+        f"  endpoint:  {plan.master_addr}:{plan.master_port} (rdzv {plan.agent.rdzv_backend})",
+        f"  cwd:       {shlex.quote(plan.cwd)}",
+        f"  entry:     {shlex.join(plan.entry)}",
+        "  nodes:",
+    ]
+    lines += [f"    {n.node_rank:>3}  {n.host}  slots {','.join(map(str, n.slots))}" for n in plan.nodes]
+    lines.append(f"  env ({len(plan.env)} exported):")
+    lines += [f"    {k}={shlex.quote(mask_value(k, v))}" for k, v in sorted(plan.env.items())]
+    lines.append("  commands:")
+    for cmd in plan.commands:
+        where = f" [{cmd.host}]" if cmd.host else ""
+        extra = " ".join(f"{k}={shlex.quote(mask_value(k, v))}" for k, v in sorted(cmd.env.items()))
+        lines.append(f"   {where} {extra + ' ' if extra else ''}{shlex.join(cmd.argv)}")
+    return "\n".join(lines)
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    try:
+        args, entry = parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    plan = build_plan(args, entry, os.environ, os.getcwd())
+    backend = backend_mod.get_launcher(plan.backend)
+    if args.dry_run:
+        try:
+            backend.check_available()
+        except UsageError as exc:
+            print(f"{PROG}: note: {exc} (a real launch would stop here)", file=sys.stderr)
+        plan = plan.with_commands(backend.commands(plan))
+        if args.dry_run == "json":
+            print(json.dumps(plan.to_json(), indent=2))
+        else:
+            print(render_plan(plan))
+        return 0
+    backend.check_available()
+    plan = plan.with_commands(backend.commands(plan))
+    backend.preflight(plan)
+    from elasticzero.launch.execute import execute  # lazy: execution lives with the backends
+
+    return int(execute(plan, backend))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console script ``elasticzero-launch``: returns the exit code (2 on bad input, nothing started)."""
+    return cli_main(PROG, _run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

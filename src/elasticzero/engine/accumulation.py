@@ -1,0 +1,63 @@
+"""Gradient accumulation bookkeeping: which micro-batch ends an optimizer step, and the 1/steps loss factor.
+
+::
+
+    acc = GradAccumulation(steps=4)
+    for x, y in loader:
+        with acc.no_sync(opt):                        # opt.no_sync() (ZeRO 1/2, DDP) except on the boundary
+            (acc.scale_loss(loss_fn(model(x), y))).backward()
+        if acc.advance():                             # True on every 4th micro-batch
+            opt.step(); opt.zero_grad()
+
+Dividing each micro-batch loss by ``steps`` makes the accumulated gradient the mean over the global batch, as one
+big batch would give (and as DeepSpeed does internally).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+from elasticzero.errors import UsageError
+
+__all__ = ["GradAccumulation"]
+
+
+class GradAccumulation:
+    """Micro-step counter for ``steps`` micro-batches per optimizer step (``steps=1``: every micro-batch steps)."""
+
+    def __init__(self, steps: int = 1) -> None:
+        """``steps`` >= 1 micro-batches per optimizer step."""
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise UsageError(f"gradient accumulation steps must be an integer >= 1, got {steps!r}")
+        self.steps = steps
+        self.micro_step = 0  # micro-batches seen so far (never reset; checkpointed)
+
+    @property
+    def is_boundary(self) -> bool:
+        """Whether the *current* micro-batch (the one before the next :meth:`advance`) ends an optimizer step."""
+        return (self.micro_step + 1) % self.steps == 0
+
+    def scale_loss(self, loss: Any) -> Any:
+        """``loss / steps`` (the loss itself when ``steps == 1``)."""
+        return loss if self.steps == 1 else loss / self.steps
+
+    def no_sync(self, target: Any) -> AbstractContextManager[Any]:
+        """``target.no_sync()`` unless this micro-batch is a boundary or ``target`` has no ``no_sync``."""
+        if self.is_boundary or not hasattr(target, "no_sync"):
+            return nullcontext()
+        return target.no_sync()
+
+    def advance(self) -> bool:
+        """Count one micro-batch; True when it completed an optimizer step (time to ``step``/``zero_grad``)."""
+        boundary = self.is_boundary
+        self.micro_step += 1
+        return boundary
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"steps", "micro_step"}``."""
+        return {"steps": self.steps, "micro_step": self.micro_step}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Restore the micro-step counter; the configured ``steps`` wins when it changed (a new accumulation)."""
+        self.micro_step = int(state_dict["micro_step"])

@@ -1,0 +1,63 @@
+"""GradAccumulation: boundaries, loss factor, no_sync selection, state."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from elasticzero.engine.accumulation import GradAccumulation
+from elasticzero.errors import UsageError
+
+
+def test_boundaries_every_nth_micro_batch() -> None:
+    acc = GradAccumulation(3)
+    assert [acc.advance() for _ in range(7)] == [False, False, True, False, False, True, False]
+    assert [GradAccumulation(1).advance() for _ in range(2)] == [True, True]
+
+
+def test_scaled_micro_batches_accumulate_the_big_batch_gradient() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(8, 3)
+    (x @ w).square().mean().backward()
+    big = w.grad.clone()
+    w.grad = None
+    acc = GradAccumulation(4)
+    for chunk in x.chunk(4):
+        acc.scale_loss((chunk @ w).square().mean()).backward()
+        acc.advance()
+    torch.testing.assert_close(w.grad, big)
+
+
+class _WithNoSync:
+    def __init__(self) -> None:
+        self.entered = 0
+
+    def no_sync(self) -> nullcontext[None]:
+        self.entered += 1
+        return nullcontext()
+
+
+def test_no_sync_only_between_boundaries() -> None:
+    acc, target = GradAccumulation(2), _WithNoSync()
+    for _ in range(4):
+        with acc.no_sync(target):
+            pass
+        acc.advance()
+    assert target.entered == 2
+    with acc.no_sync(object()):  # no no_sync method: plain context
+        pass
+
+
+def test_state_round_trip_and_bad_steps() -> None:
+    acc = GradAccumulation(4)
+    for _ in range(5):
+        acc.advance()
+    other = GradAccumulation(4)
+    other.load_state_dict(acc.state_dict())
+    assert other.micro_step == 5 and other.is_boundary is False
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(UsageError, match="accumulation steps"):
+            GradAccumulation(bad)  # type: ignore[arg-type]

@@ -154,6 +154,12 @@ def build_plan(
     )
 
 
+def _shown(name: str, value: str) -> str:
+    """``value`` as printed: masked when ``name`` looks secret, else shell-quoted."""
+    masked = mask_value(name, value)
+    return masked if masked != value else shlex.quote(value)
+
+
 def render_plan(plan: LaunchPlan) -> str:
     """The plan for people: hosts, slots, endpoint, exported env (secrets masked), commands (shlex-quoted)."""
     lines = [
@@ -168,11 +174,11 @@ def render_plan(plan: LaunchPlan) -> str:
     ]
     lines += [f"    {n.node_rank:>3}  {n.host}  slots {','.join(map(str, n.slots))}" for n in plan.nodes]
     lines.append(f"  env ({len(plan.env)} exported):")
-    lines += [f"    {k}={shlex.quote(mask_value(k, v))}" for k, v in sorted(plan.env.items())]
+    lines += [f"    {k}={_shown(k, v)}" for k, v in sorted(plan.env.items())]
     lines.append("  commands:")
     for cmd in plan.commands:
         where = f" [{cmd.host}]" if cmd.host else ""
-        extra = " ".join(f"{k}={shlex.quote(mask_value(k, v))}" for k, v in sorted(cmd.env.items()))
+        extra = " ".join(f"{k}={_shown(k, v)}" for k, v in sorted(cmd.env.items()))
         lines.append(f"   {where} {extra + ' ' if extra else ''}{shlex.join(cmd.argv)}")
     return "\n".join(lines)
 

@@ -1,0 +1,344 @@
+"""``elasticzero-launch`` end to end through ``main()``: plans, dry-run output, execution hand-off, and every
+bad input → one ``elasticzero-launch: error: …`` line, exit code 2, nothing launched."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elasticzero.launch import resources
+from elasticzero.launch.args import parse_args
+from elasticzero.launch.cli import build_plan, main
+
+Executions = Any  # the launch_env fixture (conftest.Executions): recorded execute() calls
+HOSTILE_ARGS = ["--foo;rm -rf /", "$(touch /tmp/x)", "`id`", "a b", "'q'", '"dq"', "#c", "*", "x\ny", "--", "-i"]
+
+
+def _hostfile(path: Path, text: str = "w0 slots=2\nw1 slots=2\nw2 slots=1\n") -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    return json.loads(out)
+
+
+def _error(capsys: pytest.CaptureFixture[str], argv: list[str], launched: Executions) -> str:
+    """Run ``main(argv)``, expect exit 2 and one error line; return the message after the prefix."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("elasticzero-launch: error: ")
+    assert launched.calls == []
+    return lines[0].removeprefix("elasticzero-launch: error: ")
+
+
+def test_dry_run_json_plan(launch_env: Executions, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    hf = _hostfile(tmp_path / "hf")
+    plan = _json(capsys, ["-H", hf, "-e", "w1:0", "--launcher", "fake", "--dry-run=json", "train.py", "--lr", "1"])
+    assert plan["backend"] == "fake"
+    assert plan["nodes"] == [
+        {"host": "w0", "node_rank": 0, "slots": [0, 1]},
+        {"host": "w1", "node_rank": 1, "slots": [1]},
+        {"host": "w2", "node_rank": 2, "slots": [0]},
+    ]
+    assert plan["world_size"] == 4
+    assert (plan["master_addr"], plan["master_port"]) == ("w0", 29500)
+    assert re.fullmatch(r"ez-\d{14}-[0-9a-f]{8}", plan["job_id"])
+    assert len(plan["commands"]) == 3
+    for rank, cmd in enumerate(plan["commands"]):
+        assert all(isinstance(x, str) for x in cmd)
+        assert cmd[-3:] == ["train.py", "--lr", "1"]
+        assert cmd[cmd.index("--node-rank") + 1] == str(rank)
+        assert cmd[cmd.index("--rdzv-id") + 1] == plan["job_id"]
+        assert cmd[cmd.index("--rdzv-endpoint") + 1] == "w0:29500"
+    assert launch_env.calls == []
+
+
+def test_dry_run_masks_secrets(launch_env: Executions, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_supersecret")
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    plan = _json(capsys, ["--launcher", "fake", "--dry-run=json", "t.py"])
+    assert plan["env"] == {"HF_TOKEN": "****", "NCCL_DEBUG": "INFO"}
+    assert main(["--launcher", "fake", "--dry-run", "t.py"]) == 0
+    text = capsys.readouterr().out
+    assert "HF_TOKEN=****" in text
+    assert "EZ_T_TOKEN=****" in text  # a backend's per-command env is masked too
+    assert "NCCL_DEBUG=INFO" in text
+    assert "hf_supersecret" not in text
+    assert launch_env.calls == []
+
+
+def test_dry_run_text_shows_hosts_slots_and_quoted_commands(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    hf = _hostfile(tmp_path / "hf")
+    assert main(["-H", hf, "-i", "w0@w2", "--launcher", "fake", "--dry-run", "train.py", "a;b"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run; nothing started" in out
+    assert re.search(r"^\s+0\s+w0\s+slots 0,1$", out, re.M)
+    assert re.search(r"^\s+1\s+w2\s+slots 0$", out, re.M)
+    cmd_lines = [line for line in out.splitlines() if "elasticzero.agent.cli" in line]
+    assert len(cmd_lines) == 2
+    argv = shlex.split(cmd_lines[0].split("] ", 1)[1])
+    assert argv[0] == "EZ_T_TOKEN=****"
+    assert argv[-2:] == ["train.py", "a;b"]
+    assert launch_env.calls == []
+
+
+def test_user_arguments_pass_untouched(launch_env: Executions, capsys: pytest.CaptureFixture[str]) -> None:
+    entry = ["train.py", "--hostfile", "x", *HOSTILE_ARGS, "--dry-run"]
+    plan = _json(capsys, ["--launcher", "fake", "--dry-run=json", *entry])
+    assert plan["commands"][0][-len(entry) :] == entry
+
+
+def test_double_dash_separates_the_script(launch_env: Executions, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = _json(capsys, ["--launcher=fake", "--dry-run=json", "--", "-weird-name.py", "-i", "x"])
+    assert plan["commands"][0][-3:] == ["-weird-name.py", "-i", "x"]
+
+
+def test_execute_gets_the_plan_and_its_exit_code(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import ez_fake_backend  # type: ignore[import-not-found]
+
+    launch_env.rc = 7
+    hf = _hostfile(tmp_path / "hf")
+    assert main(["-H", hf, "--num-nodes", "2", "--launcher", "fake", "train.py"]) == 7
+    [(plan, backend)] = launch_env.calls
+    assert backend.name == "fake"
+    assert [n.host for n in plan.nodes] == ["w0", "w1"]
+    assert len(plan.commands) == 2
+    assert ez_fake_backend.CALLS == [("preflight", plan.job_id)]
+
+
+def test_deepspeed_spellings(launch_env: Executions, tmp_path: Path) -> None:
+    hf = _hostfile(tmp_path / "hf")
+    argv = [
+        "--hostfile", hf, "--num_nodes", "2", "--num_gpus", "1", "--master_addr", "10.0.0.9", "--master_port", "1234",
+        "--launcher", "fake", "--launcher_args", "-x FOO --mca 'a b'", "--no_ssh_check", "--save_pid",
+        "--bind_cores_to_rank", "--no_python", "--no_local_rank", "--log_dir", "logs", "--ssh_port", "2222",
+        "--max_restarts", "3", "--force_multi", "--rdzv_conf", "join_timeout=5", "prog", "--x",
+    ]  # fmt: skip
+    args, entry = parse_args(argv)
+    plan = build_plan(args, entry, {"HOME": str(tmp_path)}, str(tmp_path))
+    assert [(n.host, n.slots) for n in plan.nodes] == [("w0", (0,)), ("w1", (0,))]
+    assert (plan.master_addr, plan.master_port) == ("10.0.0.9", 1234)
+    assert plan.launcher_args == ("-x", "FOO", "--mca", "a b")
+    assert plan.options["ssh_check"] is False
+    assert plan.options["ssh_port"] == 2222
+    assert plan.options["save_pid"].endswith(".elasticzero")
+    assert plan.agent.bind_cores_to_rank and plan.agent.no_python
+    assert plan.agent.log_dir == str(tmp_path / "logs")
+    assert plan.agent.max_restarts == 3
+    assert plan.agent.rdzv_conf == (("join_timeout", "5"),)
+    assert plan.entry == ("prog", "--x")
+
+
+def test_short_and_attached_forms(launch_env: Executions, tmp_path: Path) -> None:
+    hf = _hostfile(tmp_path / "hf")
+    for argv in (["-H", hf, "-iw1:1", "t.py"], [f"--hostfile={hf}", "--include=w1:1", "t.py"]):
+        args, entry = parse_args(argv)
+        plan = build_plan(args, entry, {}, str(tmp_path))
+        assert [(n.host, n.slots) for n in plan.nodes] == [("w1", (1,))]
+
+
+def test_default_launcher_local_for_one_node_pdsh_for_many(launch_env: Executions, tmp_path: Path) -> None:
+    hf = _hostfile(tmp_path / "hf")
+    one = build_plan(*parse_args(["-H", hf, "-i", "w1", "t.py"]), {}, str(tmp_path))
+    many = build_plan(*parse_args(["-H", hf, "t.py"]), {}, str(tmp_path))
+    forced = build_plan(*parse_args(["-H", hf, "-i", "w1", "--force-multi", "t.py"]), {}, str(tmp_path))
+    assert (one.backend, many.backend, forced.backend) == ("local", "pdsh", "pdsh")
+    assert one.master_addr == "w1"
+
+
+def test_localhost_cpu_uses_nproc_per_node(launch_env: Executions, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = _json(capsys, ["--nproc-per-node", "3", "--launcher", "fake", "--dry-run=json", "t.py"])
+    assert plan["nodes"] == [{"host": "localhost", "node_rank": 0, "slots": [0, 1, 2]}]
+    assert plan["master_addr"] == "127.0.0.1"
+
+
+def test_cuda_visible_devices_restricts_local_slots(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(resources, "detect_gpu_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    plan = _json(capsys, ["--launcher", "fake", "--dry-run=json", "t.py"])
+    assert plan["nodes"] == [{"host": "localhost", "node_rank": 0, "slots": [1, 3]}]
+    assert "CUDA_VISIBLE_DEVICES" not in plan["env"]
+
+
+def test_slurm_allocation_without_hostfile(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-3]")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x3)")
+    plan = _json(capsys, ["-e", "node2", "--launcher", "fake", "--dry-run=json", "t.py"])
+    assert [(n["host"], n["slots"]) for n in plan["nodes"]] == [("node1", [0, 1]), ("node3", [0, 1])]
+    assert plan["master_addr"] == "node1"
+
+
+def test_elastic_nnodes_and_no_ssh(launch_env: Executions, tmp_path: Path) -> None:
+    hf = _hostfile(tmp_path / "hf")
+    plan = build_plan(*parse_args(["-H", hf, "--nnodes", "2:4", "t.py"]), {}, str(tmp_path))
+    assert plan.agent.nnodes == "2:4"
+    plan = build_plan(*parse_args(["-H", hf, "--no-ssh", "--node-rank", "2", "t.py"]), {}, str(tmp_path))
+    assert (plan.backend, plan.options["node_rank"]) == ("no-ssh", 2)
+
+
+def test_job_ids_are_unique(launch_env: Executions, tmp_path: Path) -> None:
+    ids = {build_plan(*parse_args(["t.py"]), {}, str(tmp_path)).job_id for _ in range(20)}
+    assert len(ids) == 20
+
+
+def test_hostile_working_directory_is_kept_exactly(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    hostile = tmp_path / "a;echo PWNED $(x) `y` 'q' #"
+    hostile.mkdir()
+    monkeypatch.chdir(hostile)
+    plan = _json(capsys, ["--launcher", "fake", "--dry-run=json", "t.py"])
+    assert plan["cwd"] == str(hostile)
+
+
+def test_help_exits_zero(launch_env: Executions, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--num_gpus" in out
+    assert "--include" in out
+
+
+def test_missing_program_is_a_note_in_dry_run_and_an_error_otherwise(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--launcher", "fake-missing", "--dry-run=json", "t.py"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["backend"] == "fake-missing"
+    assert "needs 'ez-no-such-program-anywhere' on PATH" in captured.err
+    msg = _error(capsys, ["--launcher", "fake-missing", "t.py"], launch_env)
+    assert msg.startswith("launcher 'fake-missing' needs 'ez-no-such-program-anywhere' on PATH")
+
+
+def test_dry_run_json_with_the_local_backend(launch_env: Executions, capsys: pytest.CaptureFixture[str]) -> None:
+    if importlib.util.find_spec("elasticzero_plugins.local") is None:
+        pytest.skip("plugins/elasticzero_plugins/local.py not written yet")
+    plan = _json(capsys, ["--nproc-per-node", "2", "--launcher", "local", "--dry-run=json", "t.py", "a;b"])
+    assert plan["backend"] == "local"
+    assert plan["nodes"] == [{"host": "localhost", "node_rank": 0, "slots": [0, 1]}]
+    assert plan["commands"] and all(isinstance(a, str) for c in plan["commands"] for a in c)
+    assert plan["commands"][0][-2:] == ["t.py", "a;b"]
+    assert launch_env.calls == []
+
+
+BAD_HOSTFILE_CASES = [
+    ("w0 slots=2\nw0 slots=1\n", ":2: duplicate host 'w0' (first at line 1)"),
+    ("w0 slots=0\n", ":1: slots=0 must be a positive integer"),
+    ("w0 slots=-1\n", ":1: slots=-1 must be a positive integer"),
+    ("w0 slots=x\n", ":1: slots='x' is not a number"),
+    ("w0 slots=1 cpus=2\n", ":1: unknown key 'cpus'"),
+    ("# nothing\n", ": hostfile has no hosts"),
+    ("w0 slots=1\nthis is garbage\n", ":2: unexpected 'is'"),
+    ("bob@w0 slots=1\n", ":1: 'user@host' is not supported"),
+]
+
+
+@pytest.mark.parametrize(("text", "words"), BAD_HOSTFILE_CASES)
+def test_bad_hostfile_exit_2(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str], tmp_path: Path, text: str, words: str
+) -> None:
+    hf = _hostfile(tmp_path / "hf", text)
+    msg = _error(capsys, ["-H", hf, "--launcher", "fake", "t.py"], launch_env)
+    assert msg.startswith(hf + words)
+
+
+BAD_FLAG_CASES = [
+    (["-i", "w0", "-e", "w1"], "--include and --exclude cannot be combined; use one of them"),
+    (["-i", "w9"], "--include 'w9': unknown host 'w9'; hostfile {hf} has: w0, w1, w2"),
+    (["-e", "w9:0"], "--exclude 'w9:0': unknown host 'w9'"),
+    (["-i", "w2:1"], "--include 'w2:1': host 'w2' has no slot 1; its slots are 0 (hostfile {hf})"),
+    (["-i", "[fe80::1]"], "--include '[fe80::1]': unknown host 'fe80::1'"),
+    (["-i", "fe80::1"], "--include 'fe80::1': IPv6 hosts must be bracketed in filters"),
+    (["--num-gpus", "2"], "--num-gpus 2 but host 'w2' has only 1 slot(s)"),
+    (["-i", "w0:1", "--num_gpus", "2"], "--num-gpus 2 but host 'w0' has only 1 slot(s)"),
+    (["--num-nodes", "4"], "--num-nodes 4 but only 3 host(s) available"),
+    (["-i", "w0", "--num-nodes", "2"], "--num-nodes 2 but only 1 host(s) available"),
+    (["--num-nodes", "0"], "argument --num-nodes/--num_nodes: '0' must be at least 1"),
+    (["--num-gpus", "x"], "argument --num-gpus/--num_gpus/"),
+    (["--bogus"], "unknown option '--bogus'; see elasticzero-launch --help"),
+    (["--num_gpu", "1"], "unknown option '--num_gpu'"),
+    (["--autotuning", "run"], "--autotuning is not supported"),
+    (["--min_elastic_nodes", "1"], "--min_elastic_nodes is not supported: use --nnodes MIN:MAX"),
+    (["--launcher", "bogus"], "unknown --launcher 'bogus'; available: "),
+    (["--no-ssh"], "--no-ssh needs --node-rank R"),
+    (["--no-ssh", "--node-rank", "3"], "--node-rank 3 but the plan has 3 node(s) (ranks 0-2)"),
+    (["--node-rank", "1"], "--node-rank only applies with --no-ssh"),
+    (["--no-ssh", "--node-rank", "0", "--launcher", "pdsh"], "--no-ssh contradicts --launcher pdsh"),
+    (["--launcher", "local"], "--launcher local runs on this machine but 3 nodes are selected"),
+    (["--nnodes", "2"], "--nnodes 2 contradicts the 3 node(s) selected"),
+    (["--nnodes", "4:5"], "--nnodes 4:5 contradicts the 3 node(s) selected"),
+    (["--nnodes", "3:1"], "--nnodes '3:1': need 1 <= MIN <= MAX"),
+    (["--nnodes", "a"], "--nnodes 'a': expected N or MIN:MAX"),
+    (["--module", "--no-python"], "--module and --no-python cannot be combined"),
+    (["--master-port", "70000"], "argument --master-port/--master_port: '70000' is not a TCP port"),
+    (["--dry-run=xml"], "argument --dry-run/--dry_run: invalid choice: 'xml'"),
+    (["--rdzv-conf", "oops"], "--rdzv-conf 'oops': bad item 'oops'"),
+    (["--rdzv-id", "a;b"], "--rdzv-id 'a;b': use letters, digits"),
+    (["--export", "EZ_UNSET_VAR_X"], "--export EZ_UNSET_VAR_X: EZ_UNSET_VAR_X is not set"),
+    (["--export", "RANK"], "--export RANK: set per rank by the agent"),
+    (["--export-prefix", "A-"], "--export-prefix 'A-'"),
+    (["--hostfile"], "argument -H/--hostfile: expected one argument"),
+]
+
+
+@pytest.mark.parametrize(("flags", "words"), BAD_FLAG_CASES)
+def test_bad_flags_exit_2(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str], tmp_path: Path, flags: list[str], words: str
+) -> None:
+    hf = _hostfile(tmp_path / "hf")
+    argv = ["-H", hf, *flags] if "--hostfile" not in flags else flags
+    if "--launcher" not in flags and "--no-ssh" not in flags:
+        argv += ["--launcher", "fake"]
+    msg = _error(capsys, [*argv, "--dry-run", "t.py"] if "-H" in argv else [*argv], launch_env)
+    assert msg.startswith(words.format(hf=hf)), msg
+
+
+def test_unknown_launcher_lists_the_available_ones(launch_env: Executions, capsys: pytest.CaptureFixture[str]) -> None:
+    msg = _error(capsys, ["--launcher", "bogus", "t.py"], launch_env)
+    for name in ("fake", "local", "pdsh", "openmpi", "slurm"):
+        assert name in msg
+
+
+def test_missing_script(launch_env: Executions, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _error(capsys, ["--launcher", "fake"], launch_env).startswith("missing training script")
+    assert _error(capsys, ["--launcher", "fake", "--"], launch_env).startswith("missing training script")
+
+
+def test_missing_explicit_hostfile(launch_env: Executions, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    msg = _error(capsys, ["-H", str(tmp_path / "nope"), "t.py"], launch_env)
+    assert msg == f"hostfile '{tmp_path / 'nope'}' not found; fix the path or omit --hostfile to run on localhost"
+
+
+def test_bad_env_file_names_file_and_line(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (Path.cwd() / ".elasticzero_env").write_text("# ok\nGOOD=1\n9BAD=2\n")
+    msg = _error(capsys, ["--launcher", "fake", "t.py"], launch_env)
+    assert msg.startswith(f"{Path.cwd() / '.elasticzero_env'}:3: invalid variable name '9BAD'")
+
+
+def test_env_file_values_reach_the_plan_exactly(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (Path.cwd() / ".deepspeed_env").write_text("export MY_VAR='a;echo PWNED $(x) `y` \"q\" #'\n")
+    plan = _json(capsys, ["--launcher", "fake", "--dry-run=json", "t.py"])
+    assert plan["env"]["MY_VAR"] == 'a;echo PWNED $(x) `y` "q" #'

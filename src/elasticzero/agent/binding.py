@@ -1,0 +1,92 @@
+"""Slot and core binding, and the environment elasticzero adds to torch's worker environment.
+
+Pure functions: the agent calls them with facts it gathered; the exec shim (:mod:`elasticzero.agent.shim`)
+applies the result inside each worker before it execs the user's program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+#: environment names elasticzero sets for the agent and every worker
+JOB_ID_ENV = "ELASTICZERO_JOB_ID"
+AGENT_PID_ENV = "ELASTICZERO_AGENT_PID"
+CPUS_ENV = "ELASTICZERO_CPUS"  # ";"-separated core lists, one per local rank (set only with --bind-cores-to-rank)
+
+
+def visible_devices(slots: Sequence[int]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a node: all its slots, comma-joined (DeepSpeed style; LOCAL_RANK indexes it)."""
+    return ",".join(str(s) for s in slots)
+
+
+def split_cores(cores: Sequence[int], nproc: int) -> list[list[int]]:
+    """Split ``cores`` into ``nproc`` contiguous, disjoint, equal chunks (DeepSpeed's ``--bind_cores_to_rank``).
+
+    Leftover cores (``len(cores) % nproc``) stay unused. With fewer cores than ranks, ranks share cores
+    round-robin (one core each) rather than fail: oversubscription is the user's choice.
+    """
+    if nproc <= 0:
+        raise ValueError("nproc must be positive")
+    cores = sorted(cores)
+    if not cores:
+        raise ValueError("no cores to bind")
+    per = len(cores) // nproc
+    if per == 0:
+        return [[cores[i % len(cores)]] for i in range(nproc)]
+    return [cores[i * per : (i + 1) * per] for i in range(nproc)]
+
+
+def format_cpus_table(chunks: Sequence[Sequence[int]]) -> str:
+    """Encode per-local-rank core lists for :data:`CPUS_ENV`: ``"0,1;2,3"``."""
+    return ";".join(",".join(str(c) for c in chunk) for chunk in chunks)
+
+
+def parse_cpus_table(text: str) -> list[list[int]]:
+    """Inverse of :func:`format_cpus_table`."""
+    return [[int(c) for c in part.split(",") if c] for part in text.split(";")]
+
+
+def agent_env(job_id: str, slots: Sequence[int] | None, cpus: Sequence[Sequence[int]] | None) -> dict[str, str]:
+    """Variables the agent sets in its own environment; torch copies them into every worker's environment."""
+    import os
+
+    env = {JOB_ID_ENV: job_id, AGENT_PID_ENV: str(os.getpid())}
+    if slots is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(slots)
+    if cpus is not None:
+        env[CPUS_ENV] = format_cpus_table(cpus)
+    return env
+
+
+def worker_extra_env(env: Mapping[str, str]) -> dict[str, str]:
+    """DeepSpeed's extra worker variables, derived from the ones torch set for this round.
+
+    ``LOCAL_SIZE`` = local world size, ``CROSS_RANK`` = this node's group rank in the current rendezvous round
+    (equal to the node-table rank when the rendezvous honours ``node_rank_hint``), ``CROSS_SIZE`` = number of
+    nodes. With core binding, ``OMP_NUM_THREADS`` = the number of cores bound to this rank (as DeepSpeed does).
+    """
+    out: dict[str, str] = {}
+    if "LOCAL_WORLD_SIZE" in env:
+        out["LOCAL_SIZE"] = env["LOCAL_WORLD_SIZE"]
+    if "GROUP_RANK" in env:
+        out["CROSS_RANK"] = env["GROUP_RANK"]
+    if "GROUP_WORLD_SIZE" in env:
+        out["CROSS_SIZE"] = env["GROUP_WORLD_SIZE"]
+    cores = cores_for_worker(env)
+    if cores is not None:
+        out["OMP_NUM_THREADS"] = str(len(cores))
+    return out
+
+
+def cores_for_worker(env: Mapping[str, str]) -> list[int] | None:
+    """The cores this worker is bound to (from :data:`CPUS_ENV` and ``LOCAL_RANK``), or ``None``."""
+    table = env.get(CPUS_ENV)
+    if not table:
+        return None
+    chunks = parse_cpus_table(table)
+    return chunks[int(env.get("LOCAL_RANK", "0")) % len(chunks)]
+
+
+def shim_argv(python: str, entrypoint: str, args: Sequence[str]) -> tuple[str, list[str]]:
+    """Wrap a worker command in the exec shim: ``python -m elasticzero.agent.shim -- entrypoint *args``."""
+    return python, ["-m", "elasticzero.agent.shim", "--", entrypoint, *args]

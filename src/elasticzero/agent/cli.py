@@ -1,0 +1,139 @@
+"""``elasticzero-run``: torchrun's command line, run by :class:`~elasticzero.agent.agent.ElasticZeroAgent`.
+
+Every torchrun flag works as in torchrun (torch's own parser and ``config_from_args`` are reused); the flags
+added by :mod:`elasticzero.agent.options` bind the node to its slots from ``--node-table``. Also
+``elasticzero-run --kill-job JOBID [--grace S]`` (first flag) to stop a job's processes on this host.
+
+Exit status: 0 on success; 2 for bad input (one line on stderr, nothing started); the root-cause worker's exit
+code (128+N when it died of signal N) when workers failed and restarts are exhausted; 128+N when the agent
+itself was stopped by signal N; 1 for other agent errors (rendezvous timeout/closed, …).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import uuid
+from collections.abc import Sequence
+
+from elasticzero.errors import UsageError, cli_main
+
+PROG = "elasticzero-run"
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """torchrun's parser plus elasticzero-run's flags; argparse errors become :class:`UsageError`."""
+    from torch.distributed.run import get_args_parser
+
+    from elasticzero.agent.options import add_agent_flags
+
+    parser = get_args_parser()
+    parser.prog = PROG
+    parser.description = "torchrun-compatible per-node agent of elasticzero (ElasticZeroAgent)."
+    add_agent_flags(parser)
+
+    def error(message: str) -> None:  # argparse's default prints usage and exits; we want one line + exit 2
+        raise UsageError(message)
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser
+
+
+def _kill_job_argv(argv: Sequence[str]) -> bool:
+    return bool(argv) and (argv[0] == "--kill-job" or argv[0].startswith("--kill-job="))
+
+
+def run(argv: Sequence[str] | None) -> int:
+    """Parse, validate, then launch (or kill a job); see the module docstring for exit codes."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _kill_job_argv(argv):
+        return _kill_job(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.kill_job is not None:
+        raise UsageError("--kill-job must be the first flag and cannot be combined with a training script")
+    return _launch(args)
+
+
+def _kill_job(argv: list[str]) -> int:
+    from elasticzero.agent.killjob import main as kill_main
+
+    parser = argparse.ArgumentParser(prog=PROG)
+    parser.add_argument("--kill-job", required=True, metavar="JOBID")
+    parser.add_argument("--grace", type=float, default=5.0)
+    parser.error = lambda message: (_ for _ in ()).throw(UsageError(message))  # type: ignore[method-assign]
+    ns = parser.parse_args(argv)
+    if not ns.kill_job or ns.grace < 0:
+        raise UsageError("--kill-job needs a non-empty JOBID and --grace >= 0")
+    return kill_main(ns.kill_job, ns.grace)
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.run import _parse_rendezvous_config, config_from_args
+
+    from elasticzero.agent.binding import agent_env, shim_argv
+    from elasticzero.agent.launch import launch
+    from elasticzero.agent.options import rdzv_configs, resolve
+
+    _standalone(args)
+    settings = resolve(args)
+    try:
+        user_keys = set(_parse_rendezvous_config(args.rdzv_conf))
+        config, cmd, cmd_args = config_from_args(args)
+    except (ValueError, AssertionError) as exc:
+        raise UsageError(str(exc)) from None
+    rdzv_configs(config.rdzv_configs, user_keys, settings, config.rdzv_backend)
+    os.environ.update(agent_env(settings.job_id, settings.node.slots if settings.node else None, settings.cpus))
+    entrypoint, entry_args = (cmd, cmd_args) if callable(cmd) else shim_argv(sys.executable, cmd, cmd_args)
+    try:
+        result, agent = launch(config, entrypoint, entry_args, health_file=settings.health_file)
+    except SignalException as exc:
+        print(f"{PROG}: stopped by {exc.sigval.name}", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    except RendezvousError as exc:
+        print(f"{PROG}: rendezvous failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if result is None or not result.is_failed():
+        return 0
+    return _failed_exit(result, agent)
+
+
+def _failed_exit(result: object, agent: object) -> int:
+    """Exit code from the root-cause failure; copy its error file to ours like torch's ``@record`` does."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    from elasticzero.agent.agent import describe_failure, root_cause
+
+    rank, failure = root_cause(result.failures)  # type: ignore[attr-defined]
+    print(f"{PROG}: workers failed, restarts exhausted; {describe_failure(rank, failure)}", file=sys.stderr)
+    if os.path.isfile(failure.error_file) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        get_error_handler().dump_error_file(failure.error_file, failure.exitcode)
+    code = failure.exitcode
+    return 128 - code if code < 0 else (code or 1)
+
+
+def _standalone(args: argparse.Namespace) -> None:
+    """torchrun's ``--standalone`` and single-node shortcuts (from ``torch.distributed.run.run``)."""
+    if args.standalone:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
+        nnodes = args.nnodes or "1"
+        if nnodes.split(":")[-1] == "1" and not args.node_table:
+            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console-script entry point of ``elasticzero-run``."""
+    logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING").upper())
+    return cli_main(PROG, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Our small launch function: torch's ``launch_agent`` shape, running :class:`ElasticZeroAgent`.
+
+torch's ``launch_agent`` hard-codes ``LocalElasticAgent``; this builds the same rendezvous handler and
+``WorkerSpec`` from a ``LaunchConfig`` and runs our agent instead. The rendezvous is closed on the way out
+(so other nodes stop too) unless the agent was stopped by a signal, as torch does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port
+
+from elasticzero.agent.agent import ElasticZeroAgent
+
+
+def launch(
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str,
+    args: list[str],
+    *,
+    health_file: str | None = None,
+) -> tuple[RunResult, ElasticZeroAgent]:
+    """Rendezvous, run the workers under :class:`ElasticZeroAgent` until they finish; return the result."""
+    params = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    master_addr, master_port = _get_addr_and_port(params)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
+    )
+    agent = ElasticZeroAgent(
+        spec,
+        config.logs_specs,  # type: ignore[arg-type]
+        health_file=health_file,
+        start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+        shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
+    )
+    close_rendezvous = True
+    try:
+        return agent.run(), agent
+    except SignalException:
+        close_rendezvous = False  # closing would end the run for every node; a signalled node just leaves
+        raise
+    finally:
+        agent.remove_health_file()
+        if close_rendezvous:
+            spec.rdzv_handler.shutdown()

@@ -1,0 +1,49 @@
+"""Exec shim run as each worker process before the user's program (``python -m elasticzero.agent.shim -- CMD…``).
+
+Inside the worker it (1) asks the kernel to SIGKILL it when the agent dies (``PR_SET_PDEATHSIG``, which
+survives ``execve``) and exits if the agent is already gone, (2) binds the process to its cores when
+``--bind-cores-to-rank`` is on, (3) adds DeepSpeed's extra variables, then ``execvp``s the real command so the
+worker keeps this pid. Imports nothing heavy: it costs one small interpreter start per worker.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+from elasticzero.agent.binding import AGENT_PID_ENV, cores_for_worker, worker_extra_env
+
+PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent dies (Linux only); ``False`` if unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+
+
+def main(argv: list[str]) -> int:
+    """Apply the worker-side settings and exec ``argv`` (after ``--``)."""
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        print("elasticzero.agent.shim: usage: shim -- COMMAND [ARGS...]", file=sys.stderr)
+        return 2
+    agent_pid = os.environ.get(AGENT_PID_ENV)
+    set_parent_death_signal()
+    if agent_pid and os.getppid() != int(agent_pid):
+        return 1  # the agent died before the death signal was armed: do not become an orphan
+    cores = cores_for_worker(os.environ)
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+    os.environ.update(worker_extra_env(os.environ))
+    os.execvp(argv[0], argv)
+    return 127  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,75 @@
+"""Tiny gloo worker for the agent tests: ``ez_agent_worker.py OUT_DIR [key=value ...]``.
+
+Writes ``OUT_DIR/report.<pid>.json`` (rank, world size, env, allowed cpus) after one all_reduce. Options:
+``loop=1`` keep all-reducing every 0.1 s until ``OUT_DIR/stop`` exists (all ranks stop together);
+``fail_rank=R fail_code=C`` rank R exits with C after the first all_reduce (via torch's ``@record`` when
+``record=1``, raising so an error file is written); ``grandchild=1`` start a ``sleep`` in its own session first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+ENV_KEYS = (
+    "RANK LOCAL_RANK WORLD_SIZE GROUP_RANK LOCAL_SIZE CROSS_RANK CROSS_SIZE CUDA_VISIBLE_DEVICES "
+    "ELASTICZERO_JOB_ID OMP_NUM_THREADS TORCHELASTIC_RESTART_COUNT MASTER_ADDR"
+).split()
+
+
+def allowed_cpus() -> str:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+@record
+def main() -> None:
+    out = Path(sys.argv[1])
+    opts = dict(a.split("=", 1) for a in sys.argv[2:])
+    grandchild = None
+    if opts.get("grandchild") == "1":
+        grandchild = subprocess.Popen(["sleep", "600"], start_new_session=True).pid
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    t = torch.ones(1) * (rank + 1)
+    dist.all_reduce(t)
+    report = {
+        "pid": os.getpid(),
+        "rank": rank,
+        "world_size": dist.get_world_size(),
+        "sum": t.item(),
+        "env": {k: os.environ.get(k) for k in ENV_KEYS},
+        "cpus": allowed_cpus(),
+        "grandchild": grandchild,
+        "time": time.time(),
+    }
+    tmp = out / f".report.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(report))
+    os.replace(tmp, out / f"report.{os.getpid()}.json")
+    if "fail_rank" in opts and int(opts["fail_rank"]) == rank:
+        if opts.get("record") == "1":
+            raise RuntimeError(f"deliberate failure of rank {rank}")
+        sys.exit(int(opts.get("fail_code", "3")))
+    if opts.get("loop") == "1":
+        flag = torch.zeros(1)
+        while True:
+            flag.fill_(1.0 if (out / "stop").exists() else 0.0)
+            dist.all_reduce(flag)
+            if flag.item() > 0:
+                break
+            time.sleep(0.1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

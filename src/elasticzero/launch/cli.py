@@ -28,7 +28,7 @@ from elasticzero.launch.args import DEFAULT_MASTER_PORT, PROG, parse_args
 from elasticzero.launch.envexport import export_env
 from elasticzero.launch.filters import apply_filters, select_first
 from elasticzero.launch.hostfile import ResourcePool
-from elasticzero.launch.plan import AgentOptions, LaunchPlan, NodeSpec, mask_value
+from elasticzero.launch.plan import AgentOptions, LaunchPlan, NodeSpec, mask_value, redact
 from elasticzero.launch.resources import LOCALHOST, discover
 
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -176,10 +176,11 @@ def render_plan(plan: LaunchPlan) -> str:
     lines.append(f"  env ({len(plan.env)} exported):")
     lines += [f"    {k}={_shown(k, v)}" for k, v in sorted(plan.env.items())]
     lines.append("  commands:")
+    secrets = plan.secret_values()
     for cmd in plan.commands:
         where = f" [{cmd.host}]" if cmd.host else ""
         extra = " ".join(f"{k}={_shown(k, v)}" for k, v in sorted(cmd.env.items()))
-        lines.append(f"   {where} {extra + ' ' if extra else ''}{shlex.join(cmd.argv)}")
+        lines.append(f"   {where} {extra + ' ' if extra else ''}{redact(shlex.join(cmd.argv), secrets)}")
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -23,6 +24,21 @@ MASK = "****"
 def mask_value(name: str, value: str) -> str:
     """The value to show for ``name`` in logs and dry-run output (secrets are masked)."""
     return MASK if SECRET_NAME.search(name) else value
+
+
+def secret_values(env: Mapping[str, str]) -> list[str]:
+    """Values of secret-looking names (at least 4 characters), longest first, for :func:`redact`."""
+    return sorted({v for k, v in env.items() if SECRET_NAME.search(k) and len(v) >= 4}, key=len, reverse=True)
+
+
+def redact(text: str, secrets: Sequence[str]) -> str:
+    """``text`` with every occurrence of a secret value replaced by the mask (for printed commands).
+
+    Some transports carry values inside argv (pdsh's remote command string); dry-run output must not show them.
+    """
+    for secret in secrets:
+        text = text.replace(secret, MASK)
+    return text
 
 
 @dataclass(frozen=True)
@@ -112,8 +128,16 @@ class LaunchPlan:
     def with_commands(self, commands: list[Command]) -> LaunchPlan:
         return replace(self, commands=tuple(commands))
 
+    def secret_values(self) -> list[str]:
+        """Secret values of the exported env and of every command's env (see :func:`redact`)."""
+        merged = dict(self.env)
+        for c in self.commands:
+            merged.update(c.env)
+        return secret_values(merged)
+
     def to_json(self) -> dict[str, Any]:
-        """The machine-readable plan printed by ``--dry-run=json`` (secret values masked)."""
+        """The machine-readable plan printed by ``--dry-run=json`` (secret values masked, also inside commands)."""
+        secrets = self.secret_values()
         return {
             "job_id": self.job_id,
             "backend": self.backend,
@@ -121,7 +145,7 @@ class LaunchPlan:
             "master_addr": self.master_addr,
             "master_port": self.master_port,
             "nodes": [{"host": n.host, "node_rank": n.node_rank, "slots": list(n.slots)} for n in self.nodes],
-            "commands": [list(c.argv) for c in self.commands],
+            "commands": [[redact(a, secrets) for a in c.argv] for c in self.commands],
             "env": {k: mask_value(k, v) for k, v in sorted(self.env.items())},
             "cwd": self.cwd,
         }

@@ -36,6 +36,15 @@ class FakeBackend(LauncherBackend):
         ]
 
 
+class InlineEnvBackend(FakeBackend):
+    # carries env values inside argv, as pdsh's remote command string does
+    name = "fake-inline"
+
+    def commands(self, plan):
+        pairs = [f"{k}={v}" for k, v in plan.env.items()]
+        return [Command(("env", *pairs, *plan.agent_argv(["--node-rank", "0"])))]
+
+
 class MissingProgramBackend(FakeBackend):
     name = "fake-missing"
     required_programs = ("ez-no-such-program-anywhere",)
@@ -44,6 +53,7 @@ class MissingProgramBackend(FakeBackend):
 ENTRY_POINTS = """[elasticzero.launchers]
 fake = ez_fake_backend:FakeBackend
 fake-missing = ez_fake_backend:MissingProgramBackend
+fake-inline = ez_fake_backend:InlineEnvBackend
 """
 
 

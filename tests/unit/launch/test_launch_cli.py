@@ -79,6 +79,20 @@ def test_dry_run_masks_secrets(launch_env: Executions, capsys: pytest.CaptureFix
     assert launch_env.calls == []
 
 
+def test_secret_values_inside_commands_are_masked(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-value")
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    plan = _json(capsys, ["--launcher", "fake-inline", "--dry-run=json", "t.py"])
+    assert "WANDB_API_KEY=****" in plan["commands"][0]
+    assert "NCCL_DEBUG=INFO" in plan["commands"][0]
+    assert main(["--launcher", "fake-inline", "--dry-run", "t.py"]) == 0
+    text = capsys.readouterr().out
+    assert "WANDB_API_KEY=****" in text
+    assert "wandb-secret-value" not in text
+
+
 def test_dry_run_text_shows_hosts_slots_and_quoted_commands(
     launch_env: Executions, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -1,0 +1,107 @@
+"""Pieces shared by the shipped backends: input validation, job tagging and the per-rank argv.
+
+Backend options read from :attr:`LaunchPlan.options` (set by ``elasticzero-launch``):
+
+``per_rank`` (bool)
+    the scheduler owns every rank (openmpi, mpich, mvapich, slurm): ranks start ``elasticzero.launch.rankenv``
+    directly, no agent.
+``ssh_port`` (int), ``ssh_check`` (bool, default true)
+    pdsh: the ssh port and the passwordless-ssh preflight (``--no-ssh-check`` turns it off).
+``node_rank`` (int)
+    no-ssh: which node of the plan this machine is.
+``mpiexec`` (str)
+    mpich / mvapich-hydra: the hydra binary (default ``mpiexec.hydra`` / ``mpiexec``).
+``mvapich_launcher`` (str)
+    mvapich: ``mpirun_rsh`` (default) or ``hydra``.
+``save_pid`` (str)
+    :func:`elasticzero.launch.execute.execute` writes the launcher pid there and removes it at exit.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from elasticzero.errors import UsageError
+
+if TYPE_CHECKING:
+    from elasticzero.launch.plan import LaunchPlan
+
+#: every backend tags what it starts with this variable (value: the plan's job id), so cleanup is scoped to the job
+JOB_ID_VAR = "ELASTICZERO_JOB_ID"
+
+_HOST = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_JOB_ID = re.compile(r"[A-Za-z0-9_.:-]+")
+
+
+def check_host(host: str, backend: str) -> None:
+    """Reject a host name a transport could misread (option, list separator, range, shell syntax).
+
+    Accepted: DNS-style names and IPv4 addresses (letters, digits, ``.``, ``-``, ``_``; no leading ``-``).
+    Rejected: ``user@host`` (put the user in ~/.ssh/config) and IPv6 literals (``-w``/``-H``/``--nodelist``
+    lists give ``:`` its own meaning; use a name from /etc/hosts instead).
+    """
+    if not _HOST.fullmatch(host):
+        raise UsageError(
+            f"launcher {backend!r}: host name {host!r} is not usable (allowed: letters, digits, '.', '-', '_'; "
+            "no user@ part, no IPv6 literal: use a name from /etc/hosts or ~/.ssh/config)"
+        )
+
+
+def check_plan(plan: LaunchPlan, backend: str) -> None:
+    """Validate host names, env names and the job id before any transport argv is built."""
+    if not plan.nodes:
+        raise UsageError(f"launcher {backend!r}: the plan has no nodes")
+    for node in plan.nodes:
+        check_host(node.host, backend)
+    for name in plan.env:
+        if not _ENV_NAME.fullmatch(name):
+            raise UsageError(f"launcher {backend!r}: invalid environment variable name {name!r}")
+    if not _JOB_ID.fullmatch(plan.job_id):
+        raise UsageError(f"invalid job id {plan.job_id!r} (allowed: letters, digits, '.', ':', '-', '_')")
+
+
+def job_env(plan: LaunchPlan) -> dict[str, str]:
+    """The environment every started process gets: the exported env plus the job tag."""
+    return {**plan.env, JOB_ID_VAR: plan.job_id}
+
+
+def per_rank(plan: LaunchPlan) -> bool:
+    """Whether the plan asks for per-rank mode (the scheduler starts every rank)."""
+    return bool(plan.options.get("per_rank", False))
+
+
+def uniform_slots(plan: LaunchPlan, backend: str) -> int:
+    """The common slot count per node; per-rank mode with this backend needs the same count everywhere."""
+    counts = {len(n.slots) for n in plan.nodes}
+    if len(counts) != 1:
+        raise UsageError(
+            f"launcher {backend!r} in per-rank mode needs the same number of slots on every node "
+            f"(got {sorted(counts)}); use the agent mode (drop --per-rank) or even out the hostfile"
+        )
+    return counts.pop()
+
+
+def rankenv_argv(plan: LaunchPlan, *, node_host_env: str | None = None) -> list[str]:
+    """The argv of one rank in per-rank mode: ``python -m elasticzero.launch.rankenv … -- <entry>``.
+
+    The node table lets each rank find its node's slots (``CUDA_VISIBLE_DEVICES``) and its rank in hostfile
+    order: by the node name in ``node_host_env`` when given, else from the transport's block layout.
+    """
+    a = plan.agent
+    argv = [a.python, "-u", "-m", "elasticzero.launch.rankenv", "--node-table", plan.node_table_json()]
+    if node_host_env:
+        argv += ["--node-host-env", node_host_env]
+    argv += ["--master-addr", plan.master_addr, "--master-port", str(plan.master_port)]
+    if a.module:
+        argv.append("--module")
+    if a.no_python:
+        argv.append("--no-python")
+    return [*argv, "--", *plan.entry]
+
+
+def no_per_rank(plan: LaunchPlan, backend: str) -> None:
+    """Reject per-rank mode for a backend that always starts one agent per node."""
+    if per_rank(plan):
+        raise UsageError(f"--per-rank is not supported by launcher {backend!r} (use openmpi, mpich or slurm)")

@@ -1,0 +1,55 @@
+"""MVAPICH2: the ``mpirun_rsh`` shape, or its hydra ``mpiexec`` flavour.
+
+``mpirun_rsh`` (default, ``mvapich_launcher="mpirun_rsh"``)::
+
+    mpirun_rsh -export -np N h1 h2 … <agent>            # agent mode: one rank per host
+    mpirun_rsh -export -np N h1 h1 h2 h2 … <rankenv>    # per-rank mode: each host repeated per slot
+
+Hosts go on the command line (no hostfile to write); ``-export`` forwards the launcher's environment, so the
+exported values travel in the command's own environment and never as ``VAR=VAL`` words on the argv. Agents find
+their node from ``MV2_COMM_WORLD_RANK``.
+
+No Debian package of MVAPICH exists, so this shape is only unit-tested here. MVAPICH2's ``mpiexec`` is hydra:
+``mvapich_launcher="hydra"`` builds the MPICH command (``-genvlist``, ``PMI_RANK``) with ``mpiexec`` (override
+with the ``mpiexec`` option), and that path runs for real through MPICH's hydra in the tests.
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import TYPE_CHECKING
+
+from elasticzero.errors import UsageError
+from elasticzero.launch.backend import Command, LauncherBackend
+from elasticzero_plugins._common import check_plan, job_env, per_rank, rankenv_argv
+from elasticzero_plugins.mpich import hydra_command
+
+if TYPE_CHECKING:
+    from elasticzero.launch.plan import LaunchPlan
+
+
+class MVAPICHBackend(LauncherBackend):
+    """``mpirun_rsh`` (default) or hydra ``mpiexec`` starting one agent per host, or every rank."""
+
+    name = "mvapich"
+
+    def check_available(self) -> None:
+        """Needs ``mpirun_rsh`` or a hydra ``mpiexec``/``mpiexec.hydra`` on PATH."""
+        if not any(shutil.which(p) for p in ("mpirun_rsh", "mpiexec", "mpiexec.hydra")):
+            raise UsageError("launcher 'mvapich' needs 'mpirun_rsh' (or MVAPICH2's hydra 'mpiexec') on PATH")
+
+    def commands(self, plan: LaunchPlan) -> list[Command]:
+        flavour = plan.options.get("mvapich_launcher", "mpirun_rsh")
+        if flavour == "hydra":
+            return [hydra_command(plan, str(plan.options.get("mpiexec", "mpiexec")), self.name)]
+        if flavour != "mpirun_rsh":
+            raise UsageError(f"mvapich_launcher must be 'mpirun_rsh' or 'hydra', not {flavour!r}")
+        check_plan(plan, self.name)
+        if per_rank(plan):
+            hosts = [n.host for n in plan.nodes for _ in n.slots]
+            prog = rankenv_argv(plan)
+        else:
+            hosts = [n.host for n in plan.nodes]
+            prog = plan.agent_argv(["--node-rank-env", "MV2_COMM_WORLD_RANK"])
+        argv = ["mpirun_rsh", "-export", "-np", str(len(hosts)), *hosts, *plan.launcher_args, *prog]
+        return [Command(argv=tuple(argv), env=job_env(plan))]

@@ -1,0 +1,37 @@
+"""Per-node mode (``--no-ssh``): the user runs ``elasticzero-launch --no-ssh --node-rank R`` on every node.
+
+Only this node's agent starts, as a local process, with ``--node-rank R`` (``node_rank`` option); the others
+join the same rendezvous when their own launcher starts, exactly like running torchrun on each node.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from elasticzero.errors import UsageError
+from elasticzero.launch.backend import Command, LauncherBackend
+from elasticzero_plugins._common import check_plan, job_env, no_per_rank
+
+if TYPE_CHECKING:
+    from elasticzero.launch.plan import LaunchPlan
+
+
+class NoSSHBackend(LauncherBackend):
+    """This node's agent only; node identity from ``--node-rank``."""
+
+    name = "no-ssh"
+
+    def commands(self, plan: LaunchPlan) -> list[Command]:
+        check_plan(plan, self.name)
+        no_per_rank(plan, self.name)
+        rank = plan.options.get("node_rank")
+        if rank is None:
+            raise UsageError("--no-ssh needs --node-rank R (this node's rank in the hostfile order)")
+        try:
+            r = int(rank)
+        except (TypeError, ValueError):
+            raise UsageError(f"--node-rank must be an integer, not {rank!r}") from None
+        if not 0 <= r < len(plan.nodes):
+            raise UsageError(f"--node-rank {r} is out of range: the plan has nodes 0..{len(plan.nodes) - 1}")
+        argv = plan.agent_argv(["--node-rank", str(r)])
+        return [Command(argv=tuple(argv), env=job_env(plan), host=plan.nodes[r].host)]

@@ -1,0 +1,141 @@
+"""Run a :class:`~elasticzero.launch.plan.LaunchPlan`: start its commands, wait, stop them on a signal.
+
+Each :class:`~elasticzero.launch.backend.Command` starts as a local process from its argv list (never a shell),
+with ``os.environ`` plus ``command.env``, in ``plan.cwd``, in its own session so a terminal's Ctrl-C reaches the
+launcher only; its output goes straight to the launcher's stdout/stderr.
+
+Exit code: 0 when every command succeeds; otherwise the code of the first command that failed (the transport
+reports the failing rank's code: ``pdsh -S``, ``mpirun``, ``srun``), ``128+signal`` for a command killed by a
+signal. On SIGINT/SIGTERM the launcher stops the job everywhere, waits for its commands, and exits with
+``128+signal``: first the backend's optional ``stop_job(plan)`` (for transports that do not stop remote
+processes themselves, e.g. pdsh), then SIGTERM to each command's process group, SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from elasticzero.launch.backend import Command, LauncherBackend
+    from elasticzero.launch.plan import LaunchPlan
+
+#: seconds a command gets between SIGTERM and SIGKILL
+STOP_GRACE = 15.0
+#: seconds other commands may keep running after one failed, before they are stopped
+FAIL_GRACE = 30.0
+POLL = 0.1
+
+
+@runtime_checkable
+class StopsJob(Protocol):
+    """A backend whose transport leaves remote processes running when terminated (pdsh)."""
+
+    def stop_job(self, plan: LaunchPlan) -> None: ...
+
+
+def exit_code(returncode: int) -> int:
+    """A :class:`subprocess.Popen` return code as a shell would report it (``-N`` → ``128+N``)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def execute(plan: LaunchPlan, backend: LauncherBackend) -> int:
+    """Start ``plan.commands`` (or the backend's commands for ``plan``), wait, and return the exit code.
+
+    The caller runs ``backend.preflight(plan)`` first (``elasticzero-launch`` does).
+    """
+    commands = list(plan.commands) or backend.commands(plan)
+    pid_file = plan.options.get("save_pid")
+    if pid_file:
+        Path(pid_file).write_text(f"{os.getpid()}\n")
+    received: list[int] = []
+    restore = _install_handlers(received.append)
+    try:
+        return _run(plan, backend, commands, received)
+    finally:
+        restore()
+        if pid_file:
+            Path(pid_file).unlink(missing_ok=True)
+
+
+def _start(plan: LaunchPlan, cmd: Command) -> subprocess.Popen[bytes]:
+    # the command's variables last and in their order (a transport may care: see elasticzero_plugins.mpich)
+    env = {k: v for k, v in os.environ.items() if k not in cmd.env}
+    env.update(cmd.env)
+    return subprocess.Popen(list(cmd.argv), env=env, cwd=plan.cwd, start_new_session=True, stdin=subprocess.DEVNULL)
+
+
+def _run(plan: LaunchPlan, backend: LauncherBackend, commands: list[Command], received: list[int]) -> int:
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for cmd in commands:
+            if received:
+                break
+            procs.append(_start(plan, cmd))
+    except OSError as exc:
+        _stop(plan, backend, procs)
+        print(f"elasticzero-launch: cannot start {commands[len(procs)].argv[0]!r}: {exc}", file=sys.stderr)
+        return 127
+    first_failure: int | None = None
+    failed_at = 0.0
+    while True:
+        if received:
+            _stop(plan, backend, procs)
+            return 128 + received[0]
+        codes = [p.poll() for p in procs]
+        for rc in codes:
+            if rc not in (None, 0) and first_failure is None:
+                first_failure, failed_at = exit_code(rc), time.monotonic()
+        if all(rc is not None for rc in codes):
+            return first_failure or 0
+        if first_failure is not None and time.monotonic() - failed_at > FAIL_GRACE:
+            _stop(plan, backend, procs)
+            return first_failure
+        time.sleep(POLL)
+
+
+def _stop(plan: LaunchPlan, backend: LauncherBackend, procs: list[subprocess.Popen[bytes]]) -> None:
+    """Stop the job: backend cleanup on every node, then the local commands (TERM, then KILL)."""
+    if isinstance(backend, StopsJob):
+        backend.stop_job(plan)
+    for p in procs:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+
+
+def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
+    if p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _install_handlers(on_signal: Callable[[int], None]) -> Callable[[], None]:
+    """Record SIGINT/SIGTERM instead of dying; returns a function restoring the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.getsignal(s) for s in sigs}
+    for s in sigs:
+        signal.signal(s, lambda signum, _frame: on_signal(signum))
+
+    def restore() -> None:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+    return restore

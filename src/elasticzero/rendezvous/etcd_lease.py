@@ -1,0 +1,77 @@
+"""A per-agent etcd lease, kept alive by a daemon thread: every key an agent writes is attached to it.
+
+If every agent dies, every lease expires and the run's keys disappear with them; on a clean shutdown the agent
+revokes its lease, which deletes its keys at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+from torch.distributed.elastic.rendezvous import RendezvousError
+
+from elasticzero.rendezvous.etcd_client import EtcdAccessError, EtcdClient
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class KeptLease:
+    """Grant a lease of ``ttl`` seconds and refresh it every ``ttl / 3`` seconds until :meth:`release`."""
+
+    def __init__(self, client: EtcdClient, ttl: int, grant_timeout: float | None = None) -> None:
+        self._client = client
+        self._ttl = ttl
+        self._lock = threading.Lock()
+        self._id = client.grant(ttl, timeout=grant_timeout)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="elasticzero-etcd-lease", daemon=True)
+        self._thread.start()
+
+    @property
+    def id(self) -> int:
+        """The current lease id."""
+        with self._lock:
+            return self._id
+
+    def renew(self, lost_id: int) -> int:
+        """Grant a new lease if ``lost_id`` is still current (it expired, e.g. after a long outage); the new id."""
+        with self._lock:
+            if self._id == lost_id:
+                self._id = self._client.grant(self._ttl)
+                logger.warning("elasticzero: etcd lease %x was lost; granted %x", lost_id, self._id)
+            return self._id
+
+    def attached(self, op: Callable[[int], T]) -> T:
+        """Run ``op(lease_id)``; if etcd says the lease is gone, renew it and run once more."""
+        lease_id = self.id
+        try:
+            return op(lease_id)
+        except EtcdAccessError as exc:
+            if exc.code != "NOT_FOUND":
+                raise
+            return op(self.renew(lease_id))
+
+    def _run(self) -> None:
+        interval = max(0.5, self._ttl / 3)
+        while not self._stop.wait(interval):
+            lease_id = self.id
+            try:
+                if self._client.keep_alive_once(lease_id, timeout=interval) <= 0:
+                    self.renew(lease_id)
+            except RendezvousError as exc:
+                if self._stop.is_set():
+                    return
+                logger.warning("elasticzero: etcd lease keep-alive failed (will retry): %s", exc)
+
+    def release(self, timeout: float = 5.0) -> None:
+        """Stop refreshing and revoke the lease (best effort): the keys attached to it are deleted."""
+        self._stop.set()
+        self._thread.join(timeout)
+        try:
+            self._client.revoke(self.id, timeout=timeout)
+        except RendezvousError as exc:
+            logger.warning("elasticzero: could not revoke the etcd lease (it expires in %ss): %s", self._ttl, exc)

@@ -1,0 +1,148 @@
+"""A :class:`torch.distributed.Store` on etcd v3, for the agents' bookkeeping around a rendezvous.
+
+Keys live under ``<prefix>/<run_id>/store/`` and are attached to the writing agent's lease. ``wait`` watches the
+missing keys (one watch per key, replayed from the revision of the read that found it missing), it does not poll.
+Timeouts raise :class:`torch.distributed.DistStoreError`, like torch's TCPStore.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+
+from torch.distributed import DistStoreError, Store
+
+from elasticzero.rendezvous.etcd_client import EtcdClient
+from elasticzero.rendezvous.etcd_lease import KeptLease
+from elasticzero.rendezvous.etcd_ops import Ops, prefix_end, range_kvs
+
+
+def _bytes(value: str | bytes | bytearray | Sequence[int]) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)
+
+
+class EtcdStore(Store):
+    """torch Store semantics (``set/get/add/compare_set/wait/check/delete_key/num_keys/multi_get/multi_set``)."""
+
+    def __init__(self, client: EtcdClient, lease: KeptLease, key_prefix: str, timeout: timedelta) -> None:
+        super().__init__()
+        self.set_timeout(timeout)
+        self._client = client
+        self._lease = lease
+        self._ops = Ops(client.rpc)
+        self._prefix = key_prefix.rstrip("/").encode() + b"/"
+
+    def _key(self, key: str) -> bytes:
+        return self._prefix + key.encode()
+
+    def _deadline(self, timeout: timedelta | None) -> float:
+        seconds = (self.timeout if timeout is None else timeout).total_seconds()
+        return time.monotonic() + (seconds if seconds > 0 else 365 * 24 * 3600.0)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        """Write ``key``."""
+        k, v = self._key(key), _bytes(value)
+        self._lease.attached(lambda lease: self._client.txn([], [self._ops.put(k, v, lease)], []))
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        """Write several keys in one transaction."""
+        pairs = [(self._key(k), _bytes(v)) for k, v in zip(keys, values, strict=True)]
+        self._lease.attached(lambda lease: self._client.txn([], [self._ops.put(k, v, lease) for k, v in pairs], []))
+
+    def _read(self, keys: list[bytes]) -> tuple[list[bytes | None], int]:
+        resp = self._client.txn([], [self._ops.get(k) for k in keys], [])
+        values = []
+        for i in range(len(keys)):
+            kvs = range_kvs(resp, i)
+            values.append(bytes(kvs[0].value) if kvs else None)
+        return values, int(resp.header.revision)
+
+    def _wait_missing(self, keys: list[bytes], deadline: float) -> list[bytes]:
+        """Block until every key exists; their values (a key deleted meanwhile is waited for again)."""
+        while True:
+            values, revision = self._read(keys)
+            missing = [k for k, v in zip(keys, values, strict=True) if v is None]
+            if not missing:
+                return [v for v in values if v is not None]
+            for k in missing:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._client.watch_for_put(k, revision + 1, remaining):
+                    names = ", ".join(m[len(self._prefix) :].decode(errors="replace") for m in missing)
+                    raise DistStoreError(f"etcd store wait timed out after {self.timeout} for key(s): {names}")
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key``, waiting (up to the store timeout) until it exists."""
+        return self._wait_missing([self._key(key)], self._deadline(None))[0]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """Several values read in one transaction, waiting for the missing ones."""
+        return self._wait_missing([self._key(k) for k in keys], self._deadline(None))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        """Block until every key exists, or raise :class:`DistStoreError` after ``timeout`` (default: store's)."""
+        self._wait_missing([self._key(k) for k in keys], self._deadline(timeout))
+
+    def check(self, keys: list[str]) -> bool:
+        """Whether every key exists (no waiting)."""
+        values, _ = self._read([self._key(k) for k in keys])
+        return all(v is not None for v in values)
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the integer at ``key`` (missing = 0); the new value."""
+        k = self._key(key)
+        kvs = list(self._client.range(k).kvs)
+        current, revision = (bytes(kvs[0].value), int(kvs[0].mod_revision)) if kvs else (None, None)
+        while True:
+            new = (int(current) if current is not None else 0) + amount
+            guard = self._ops.absent(k) if revision is None else self._ops.mod_is(k, revision)
+            resp = self._lease.attached(
+                lambda lease, g=guard, n=new: self._client.txn(
+                    [g], [self._ops.put(k, str(n).encode(), lease)], [self._ops.get(k)]
+                )
+            )
+            if resp.succeeded:
+                return new
+            kvs = range_kvs(resp, 0)
+            current, revision = (bytes(kvs[0].value), int(kvs[0].mod_revision)) if kvs else (None, None)
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        """TCPStore semantics: set ``desired`` if the value equals ``expected`` (or the key is missing and
+        ``expected`` is empty); return the value now stored (or ``expected`` if the key is missing)."""
+        k, expected, desired = self._key(key), _bytes(expected_value), _bytes(desired_value)
+        guards = [self._ops.value_is(k, expected)]
+        if not expected:
+            guards = [self._ops.absent(k)]
+        resp = self._lease.attached(
+            lambda lease: self._client.txn(guards, [self._ops.put(k, desired, lease)], [self._ops.get(k)])
+        )
+        if resp.succeeded:
+            return desired
+        kvs = range_kvs(resp, 0)
+        if not kvs:
+            return expected
+        if not expected and bytes(kvs[0].value) == b"":
+            return self._swap_empty(k, desired)
+        return bytes(kvs[0].value)
+
+    def _swap_empty(self, k: bytes, desired: bytes) -> bytes:
+        resp = self._lease.attached(
+            lambda lease: self._client.txn(
+                [self._ops.value_is(k, b"")], [self._ops.put(k, desired, lease)], [self._ops.get(k)]
+            )
+        )
+        if resp.succeeded:
+            return desired
+        kvs = range_kvs(resp, 0)
+        return bytes(kvs[0].value) if kvs else b""
+
+    def delete_key(self, key: str) -> bool:
+        """Delete ``key``; whether it existed."""
+        k = self._key(key)
+        return self._client.delete_range(k, k + b"\0") > 0
+
+    def num_keys(self) -> int:
+        """How many keys this store holds."""
+        return int(self._client.range(self._prefix, prefix_end(self._prefix), count_only=True).count)

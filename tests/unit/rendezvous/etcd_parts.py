@@ -1,0 +1,28 @@
+"""Small builders for the etcd semantics tests: a client, a lease, a store, a backend on a real cluster."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from cluster.etcd_server import EtcdCluster
+from elasticzero.rendezvous.endpoint import parse_endpoint
+from elasticzero.rendezvous.etcd_backend import EtcdRendezvousBackend
+from elasticzero.rendezvous.etcd_client import EtcdClient, EtcdSettings
+from elasticzero.rendezvous.etcd_lease import KeptLease
+from elasticzero.rendezvous.etcd_store import EtcdStore
+
+
+def client_for(cluster: EtcdCluster, retry_timeout: float = 10.0, **kw: object) -> EtcdClient:
+    """A client on every member of ``cluster``."""
+    spec = parse_endpoint(cluster.endpoint())
+    return EtcdClient(EtcdSettings(hosts=spec.hosts, tls=spec.tls, retry_timeout=retry_timeout, **kw))  # type: ignore[arg-type]
+
+
+def store_for(client: EtcdClient, lease: KeptLease, run: str = "run", timeout: float = 5.0) -> EtcdStore:
+    """A store under ``/elasticzero/<run>/store``."""
+    return EtcdStore(client, lease, f"/elasticzero/{run}/store", timedelta(seconds=timeout))
+
+
+def backend_for(client: EtcdClient, lease: KeptLease, run: str = "run") -> EtcdRendezvousBackend:
+    """A state backend on ``/elasticzero/<run>/state``."""
+    return EtcdRendezvousBackend(client, lease, f"/elasticzero/{run}/state")

@@ -1,0 +1,130 @@
+"""The etcd v3 torch Store against a real etcd: the semantics torch's agent and PrefixStore rely on."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from etcd_parts import client_for, store_for
+
+from cluster.etcd_server import EtcdCluster
+from elasticzero.rendezvous.etcd_client import EtcdClient
+from elasticzero.rendezvous.etcd_lease import KeptLease
+from elasticzero.rendezvous.etcd_store import EtcdStore
+
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+def store(etcd_any: EtcdCluster) -> object:
+    client = client_for(etcd_any)
+    lease = KeptLease(client, 10)
+    yield store_for(client, lease)
+    lease.release()
+    client.close()
+
+
+def _second(store: EtcdStore) -> EtcdStore:
+    return store_for(store._client, store._lease)
+
+
+def test_set_get_check_delete_num_keys(store: EtcdStore) -> None:
+    assert not store.check(["a"])
+    store.set("a", "1")
+    store.set("b", b"\x00\xff")
+    assert store.get("a") == b"1" and store.get("b") == b"\x00\xff"
+    assert store.check(["a", "b"]) and not store.check(["a", "zz"])
+    assert store.num_keys() == 2
+    assert store.delete_key("a") and not store.delete_key("a")
+    assert store.num_keys() == 1
+
+
+def test_add_is_atomic_across_threads(store: EtcdStore) -> None:
+    assert store.add("n", 5) == 5
+
+    def bump() -> None:
+        for _ in range(10):
+            store.add("n", 1)
+
+    threads = [threading.Thread(target=bump) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert store.add("n", 0) == 45
+    assert store.get("n") == b"45"
+
+
+def test_compare_set_follows_tcpstore(store: EtcdStore) -> None:
+    assert store.compare_set("k", "x", "y") == b"x"  # missing key, non-empty expected: unchanged
+    assert not store.check(["k"])
+    assert store.compare_set("k", "", "v1") == b"v1"  # missing key, empty expected: created
+    assert store.compare_set("k", "wrong", "v2") == b"v1"
+    assert store.compare_set("k", "v1", "v2") == b"v2"
+    store.set("e", "")
+    assert store.compare_set("e", "", "filled") == b"filled"
+
+
+def test_multi_set_and_multi_get(store: EtcdStore) -> None:
+    store.multi_set(["x", "y"], ["1", b"2"])
+    assert store.multi_get(["y", "x"]) == [b"2", b"1"]
+
+
+def test_wait_wakes_on_a_put_from_another_client(store: EtcdStore) -> None:
+    other = _second(store)
+    timer = threading.Timer(0.5, lambda: other.set("late", "here"))
+    timer.start()
+    t0 = time.monotonic()
+    store.wait(["late"], timedelta(seconds=10))
+    assert 0.3 < time.monotonic() - t0 < 5
+    assert store.get("late") == b"here"  # a blocking get returns at once now
+
+
+def test_get_blocks_until_set(store: EtcdStore) -> None:
+    threading.Timer(0.3, lambda: store.set("g", "v")).start()
+    assert store.get("g") == b"v"
+
+
+def test_wait_times_out_with_dist_store_error(store: EtcdStore) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="never"):
+        store.wait(["never"], timedelta(seconds=1))
+    assert 0.9 < time.monotonic() - t0 < 4
+
+
+def test_get_honours_the_store_timeout(etcd: EtcdCluster) -> None:
+    client: EtcdClient = client_for(etcd)
+    lease = KeptLease(client, 10)
+    try:
+        short = store_for(client, lease, timeout=1)
+        t0 = time.monotonic()
+        with pytest.raises(dist.DistStoreError):
+            short.get("missing")
+        assert time.monotonic() - t0 < 4
+    finally:
+        lease.release()
+        client.close()
+
+
+def test_wait_sees_a_put_that_was_deleted_before_the_watch_started(store: EtcdStore) -> None:
+    """The watch replays from the read's revision: a put+delete racing the read is still seen."""
+    k = store._key("flash")
+    values, revision = store._read([k])
+    assert values == [None]
+    store.set("flash", "1")
+    store.delete_key("flash")
+    assert store._client.watch_for_put(k, revision + 1, timeout=5)
+
+
+def test_through_torch_prefix_store_as_the_agent_uses_it(store: EtcdStore) -> None:
+    prefixed = dist.PrefixStore("torch.rendezvous.run.0", store)
+    prefixed.set("MASTER_ADDR", "127.0.0.1")
+    assert prefixed.get("MASTER_ADDR") == b"127.0.0.1"
+    prefixed.multi_set(["torchelastic/assigned_ranks/0"], ["[0, 1, 0, 1]"])
+    assert prefixed.multi_get(["torchelastic/assigned_ranks/0"]) == [b"[0, 1, 0, 1]"]
+    assert prefixed.add("barrier/num", 1) == 1
+    prefixed.wait(["MASTER_ADDR"])
+    assert store.get("torch.rendezvous.run.0/MASTER_ADDR") == b"127.0.0.1"

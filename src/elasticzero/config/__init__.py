@@ -1,1 +1,37 @@
-"""elasticzero.config."""
+"""elasticzero.config: the engine's omegaconf schema, strict loading (YAML/JSON/hjson), DeepSpeed ``ds_config``
+mapping, and a builder of the engine pieces. Names resolve lazily (PEP 562): importing the package loads no torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "EngineConfig": "elasticzero.config.schema",
+    "ZeroConfig": "elasticzero.config.schema",
+    "PrecisionConfig": "elasticzero.config.schema",
+    "LossScaleConfig": "elasticzero.config.schema",
+    "OptimizerConfig": "elasticzero.config.schema",
+    "TimersConfig": "elasticzero.config.schema",
+    "Precision": "elasticzero.config.schema",
+    "load_config": "elasticzero.config.load",
+    "load_deepspeed_config": "elasticzero.config.load",
+    "config_from_dict": "elasticzero.config.load",
+    "read_file": "elasticzero.config.load",
+    "validate": "elasticzero.config.load",
+    "DeepSpeedReport": "elasticzero.config.deepspeed",
+    "map_deepspeed": "elasticzero.config.deepspeed",
+    "build_pieces": "elasticzero.config.build",
+    "build_loss_scaler": "elasticzero.config.build",
+    "EnginePieces": "elasticzero.config.build",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'elasticzero.config' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

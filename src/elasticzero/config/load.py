@@ -1,0 +1,279 @@
+"""Strict loading of engine configs: YAML / JSON / hjson files in the native schema, or a DeepSpeed ``ds_config``.
+
+::
+
+    cfg = load_config("train.yaml", overrides=["zero.stage=3"])     # native schema (EngineConfig)
+    cfg = load_config("ds_config.json")                             # DeepSpeed format, detected by its keys
+    cfg, report = load_deepspeed_config("ds_config.json", strict=False)
+
+Every problem is a :class:`~elasticzero.errors.UsageError` on one line naming the file and the key: an unknown key
+(with the closest valid key suggested), a wrong type, a value out of range, contradictory batch sizes, a duplicate key
+in JSON/hjson, or (DeepSpeed, ``strict=True``) every DeepSpeed key that is not supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import logging
+import typing
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from elasticzero.config.batch import check_batch_sizes, resolve_world_size
+from elasticzero.config.deepspeed import DeepSpeedReport, looks_like_deepspeed, map_deepspeed
+from elasticzero.config.schema import EngineConfig, Precision
+from elasticzero.errors import UsageError
+
+__all__ = [
+    "config_from_dict",
+    "load_config",
+    "load_deepspeed_config",
+    "optimizer_class",
+    "read_file",
+    "validate",
+]
+
+log = logging.getLogger(__name__)
+
+Source = str | Path | Mapping[str, Any]
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """Parse a ``.yaml``/``.yml`` file (omegaconf's YAML loader) or any other file as hjson (a JSON superset).
+
+    Duplicate keys are errors (as in DeepSpeed); the top level must be a mapping.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read config: {exc.strerror or exc}") from None
+    if path.suffix.lower() in (".yaml", ".yml"):
+        try:
+            data = OmegaConf.to_container(OmegaConf.create(text), resolve=True) if text.strip() else {}
+        except Exception as exc:  # yaml.YAMLError, omegaconf errors: one line either way
+            raise UsageError(f"{path}: invalid YAML: {_one_line(exc)}") from None
+    else:
+        import hjson
+
+        try:
+            data = hjson.loads(text, object_pairs_hook=_no_duplicates)
+        except UsageError as exc:
+            raise UsageError(f"{path}: {exc}") from None
+        except ValueError as exc:  # hjson.HjsonDecodeError carries line/column in its message
+            raise UsageError(f"{path}: invalid JSON/hjson: {_one_line(exc)}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
+    return dict(data)
+
+
+def load_config(
+    source: Source,
+    *,
+    overrides: Sequence[str] = (),
+    world_size: int | None = None,
+    strict: bool = True,
+    format: str = "auto",
+) -> EngineConfig:
+    """Load and validate a config file (or dict) into an :class:`EngineConfig`.
+
+    ``format``: ``"auto"`` (DeepSpeed when a top-level key only DeepSpeed uses is present), ``"elasticzero"`` or
+    ``"deepspeed"``. ``overrides``: omegaconf dotlist (``["zero.stage=3"]``) in native key names, applied last.
+    ``world_size``: for batch-size checks (default: the process group, then ``$WORLD_SIZE``).
+    ``strict``: DeepSpeed only; see :func:`load_deepspeed_config`.
+    """
+    data, name = _read(source)
+    if format not in ("auto", "elasticzero", "deepspeed"):
+        raise UsageError(f"unknown config format {format!r}; use auto, elasticzero or deepspeed")
+    if format == "deepspeed" or (format == "auto" and looks_like_deepspeed(data)):
+        cfg, _ = load_deepspeed_config(data, strict=strict, world_size=world_size, overrides=overrides, name=name)
+        return cfg
+    return config_from_dict(data, source=name, overrides=overrides, world_size=world_size)
+
+
+def load_deepspeed_config(
+    source: Source,
+    *,
+    strict: bool = True,
+    world_size: int | None = None,
+    overrides: Sequence[str] = (),
+    name: str | None = None,
+) -> tuple[EngineConfig, DeepSpeedReport]:
+    """Map a DeepSpeed config (file or dict) and validate the result; returns ``(config, report)``.
+
+    Unsupported keys (see :mod:`elasticzero.config.deepspeed`): ``strict=True`` raises one :class:`UsageError`
+    naming all of them; ``strict=False`` warns (``UserWarning``) and drops them. Ignored keys are logged at INFO.
+    """
+    data, default_name = _read(source)
+    name = name or default_name
+    world = resolve_world_size(world_size)
+    native, report = map_deepspeed(data, source=name, world_size=world)
+    if report.unsupported:
+        msg = f"{name}: unsupported DeepSpeed keys: {report.unsupported_line()}"
+        if strict:
+            raise UsageError(msg + " (remove them, or load with strict=False to drop them with a warning)")
+        warnings.warn(msg + " (dropped)", UserWarning, stacklevel=2)
+    for key, reason in report.ignored:
+        log.info("%s: ignoring DeepSpeed key %s: %s", name, key, reason)
+    return config_from_dict(native, source=name, overrides=overrides, world_size=world), report
+
+
+def config_from_dict(
+    data: Mapping[str, Any],
+    *,
+    source: str = "<dict>",
+    overrides: Sequence[str] = (),
+    world_size: int | None = None,
+) -> EngineConfig:
+    """Validate a native-schema mapping (plus dotlist ``overrides``) into an :class:`EngineConfig`."""
+    _check_keys(data, EngineConfig, "", source)
+    merged = OmegaConf.structured(EngineConfig)
+    try:
+        merged = OmegaConf.merge(merged, dict(data))
+    except OmegaConfBaseException as exc:
+        raise UsageError(_type_error(exc, source)) from None
+    if overrides:
+        try:
+            extra = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))
+        except OmegaConfBaseException as exc:
+            raise UsageError(f"overrides {list(overrides)}: {_one_line(exc)}") from None
+        assert isinstance(extra, dict)
+        _check_keys(extra, EngineConfig, "", "overrides")
+        try:
+            merged = OmegaConf.merge(merged, extra)
+        except OmegaConfBaseException as exc:
+            raise UsageError(_type_error(exc, "overrides")) from None
+    cfg = OmegaConf.to_object(merged)
+    assert isinstance(cfg, EngineConfig)
+    validate(cfg, source=source, world_size=world_size)
+    return cfg
+
+
+def validate(cfg: EngineConfig, *, source: str = "<config>", world_size: int | None = None) -> None:
+    """Range and cross-field checks that types alone cannot express; raises :class:`UsageError`."""
+
+    def need(ok: bool, key: str, rule: str, value: Any) -> None:
+        if not ok:
+            raise UsageError(f"{source}: {key} {rule}, got {value!r}")
+
+    z = cfg.zero
+    need(z.stage in (0, 1, 2, 3), "zero.stage", "must be 0, 1, 2 or 3", z.stage)
+    for key in ("bucket_bytes", "prefetch_bytes"):
+        value = getattr(z, key)
+        need(value is None or value > 0, f"zero.{key}", "must be > 0 (or null for the default)", value)
+    ls = cfg.precision.loss_scale
+    need(ls.init_scale > 0, "precision.loss_scale.init_scale", "must be > 0", ls.init_scale)
+    need(ls.growth_factor > 1, "precision.loss_scale.growth_factor", "must be > 1", ls.growth_factor)
+    need(0 < ls.backoff_factor < 1, "precision.loss_scale.backoff_factor", "must be in (0, 1)", ls.backoff_factor)
+    need(ls.growth_interval >= 1, "precision.loss_scale.growth_interval", "must be >= 1", ls.growth_interval)
+    need(ls.hysteresis >= 1, "precision.loss_scale.hysteresis", "must be >= 1", ls.hysteresis)
+    need(
+        0 < ls.min_scale <= ls.init_scale,
+        "precision.loss_scale.min_scale",
+        f"must be in (0, init_scale={ls.init_scale:g}]",
+        ls.min_scale,
+    )
+    need(cfg.clip_grad_norm >= 0, "clip_grad_norm", "must be >= 0 (0 = no clipping)", cfg.clip_grad_norm)
+    need(cfg.accumulation_steps >= 1, "accumulation_steps", "must be >= 1", cfg.accumulation_steps)
+    need(cfg.micro_batch_size >= 1, "micro_batch_size", "must be >= 1", cfg.micro_batch_size)
+    tbs = cfg.train_batch_size
+    need(tbs is None or tbs >= 1, "train_batch_size", "must be >= 1", tbs)
+    cls = optimizer_class(cfg.optimizer.type, source)
+    _check_optimizer_params(cls, cfg.optimizer.params, source)
+    check_batch_sizes(
+        cfg.train_batch_size, cfg.micro_batch_size, cfg.accumulation_steps, resolve_world_size(world_size), source
+    )
+    if cfg.precision.dtype is not Precision.fp16 and ls.enabled:
+        log.info("%s: loss scaling is on with %s (only fp16 needs it)", source, cfg.precision.dtype.value)
+
+
+def optimizer_class(name: str, source: str = "<config>") -> type:
+    """The ``torch.optim`` optimizer class called ``name`` (case-insensitive), or a :class:`UsageError`."""
+    import torch.optim
+
+    classes = {
+        n: c
+        for n in dir(torch.optim)
+        if isinstance(c := getattr(torch.optim, n), type) and issubclass(c, torch.optim.Optimizer)
+        if c is not torch.optim.Optimizer
+    }
+    by_lower = {n.lower(): c for n, c in classes.items()}
+    cls = by_lower.get(name.lower())
+    if cls is None:
+        raise UsageError(f"{source}: optimizer.type {name!r} is not a torch.optim optimizer{_suggest(name, classes)}")
+    return cls
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _read(source: Source) -> tuple[dict[str, Any], str]:
+    if isinstance(source, Mapping):
+        return dict(source), "<dict>"
+    return read_file(source), str(source)
+
+
+def _check_keys(data: Mapping[str, Any], cls: type, prefix: str, source: str) -> None:
+    """Unknown keys against the dataclass tree, with the closest valid key suggested."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            raise UsageError(
+                f"{source}: unknown key '{path}'{_suggest(str(key), names, prefix)} (valid here: {', '.join(names)})"
+            )
+        sub = hints[key]
+        if dataclasses.is_dataclass(sub):
+            if not isinstance(value, Mapping):
+                raise UsageError(f"{source}: '{path}' must be a mapping of keys, got {value!r}")
+            _check_keys(value, sub, f"{path}.", source)  # type: ignore[arg-type]
+
+
+def _check_optimizer_params(cls: type, params: Mapping[str, Any], source: str) -> None:
+    sig = inspect.signature(cls.__init__)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+        return
+    allowed = [n for n in sig.parameters if n not in ("self", "params")]
+    for key in params:
+        if key not in allowed:
+            raise UsageError(
+                f"{source}: unknown key 'optimizer.params.{key}' for torch.optim.{cls.__name__}"
+                f"{_suggest(str(key), allowed, 'optimizer.params.')}"
+            )
+
+
+def _suggest(key: str, candidates: Sequence[str] | Mapping[str, Any], prefix: str = "") -> str:
+    close = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
+    if not close:
+        lowered = {c.lower(): c for c in candidates}
+        close = difflib.get_close_matches(key.lower(), list(lowered), n=1, cutoff=0.6)
+        close = [lowered[c] for c in close]
+    return f"; did you mean '{prefix}{close[0]}'?" if close else ""
+
+
+def _type_error(exc: OmegaConfBaseException, source: str) -> str:
+    key = getattr(exc, "full_key", None)
+    msg = getattr(exc, "msg", None) or str(exc)
+    first = msg.strip().splitlines()[0] if msg.strip() else type(exc).__name__
+    if key:
+        return f"{source}: wrong type for '{key}': {first}"
+    return f"{source}: {first}"
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise UsageError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())

@@ -1,0 +1,104 @@
+"""The engine's configuration schema: omegaconf structured dataclasses, one per concern.
+
+A YAML/JSON/hjson file mirrors the dataclasses (see ``docs/engine-config.md``)::
+
+    zero: {stage: 2, bucket_bytes: 104857600}
+    precision: {dtype: bf16}
+    optimizer: {type: AdamW, params: {lr: 3.0e-4, weight_decay: 0.1}}
+    clip_grad_norm: 1.0
+    accumulation_steps: 4
+    micro_batch_size: 8
+
+Everything has a default; ``None`` means "the piece's own default" (bucket sizes) or "automatic" (loss scaling is on
+exactly when ``precision.dtype`` is fp16). Types are checked by omegaconf; ranges and cross-field rules by
+:func:`elasticzero.config.load.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+__all__ = [
+    "EngineConfig",
+    "LossScaleConfig",
+    "OptimizerConfig",
+    "Precision",
+    "PrecisionConfig",
+    "TimersConfig",
+    "ZeroConfig",
+]
+
+
+class Precision(Enum):
+    """Compute dtype of the model copies (masters and optimizer state stay fp32)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+@dataclass
+class ZeroConfig:
+    """Which ZeRO stage shards what, and how communication is bucketed (``None``: the stage's default)."""
+
+    stage: int = 0  # 0 = no sharding (plain optimizer; use DDP), 1 = optimizer state, 2 = + gradients, 3 = + params
+    # one flat-bucket layout serves the gradient reduce(-scatter) and the parameter all-gather: bytes of the
+    # reduction dtype per bucket
+    bucket_bytes: int | None = None
+    prefetch_bytes: int | None = None  # stage 3: bytes of parameters gathered ahead
+
+
+@dataclass
+class LossScaleConfig:
+    """:class:`elasticzero.LossScaler` settings (DeepSpeed's ``fp16`` block)."""
+
+    enabled: bool | None = None  # None: on iff precision.dtype is fp16
+    dynamic: bool = True
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_scale: float = 1.0
+
+
+@dataclass
+class PrecisionConfig:
+    """Compute dtype, reduction dtype and loss scaling."""
+
+    dtype: Precision = Precision.fp32
+    reduce_in_low_precision: bool = False  # reduce gradients in ``dtype`` instead of fp32 (half the traffic)
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+
+
+@dataclass
+class OptimizerConfig:
+    """A ``torch.optim`` class by name (``AdamW``, ``Adam``, ``SGD``, ...) and its constructor keyword arguments."""
+
+    type: str = "AdamW"
+    params: dict[str, Any] = field(default_factory=lambda: {"lr": 1e-3})
+
+
+@dataclass
+class TimersConfig:
+    """:class:`elasticzero.PhaseTimers` settings."""
+
+    enabled: bool = False
+    synchronize: bool = False  # torch.cuda.synchronize() around phases (only when CUDA is available)
+
+
+@dataclass
+class EngineConfig:
+    """Every engine setting; the root of a native config file."""
+
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    timers: TimersConfig = field(default_factory=TimersConfig)
+    clip_grad_norm: float = 0.0  # max global gradient norm; 0 = no clipping
+    accumulation_steps: int = 1  # micro-batches per optimizer step
+    micro_batch_size: int = 1  # samples per rank per micro-batch
+    train_batch_size: int | None = None  # global batch; if set, must equal micro * accumulation * world

@@ -27,7 +27,7 @@ from elasticzero.launch import backend as backend_mod
 from elasticzero.launch.args import DEFAULT_MASTER_PORT, PROG, parse_args
 from elasticzero.launch.envexport import export_env
 from elasticzero.launch.filters import apply_filters, select_first
-from elasticzero.launch.hostfile import ResourcePool
+from elasticzero.launch.hostfile import ResourcePool, host_problem, normalize_host
 from elasticzero.launch.plan import AgentOptions, LaunchPlan, NodeSpec, mask_value, redact
 from elasticzero.launch.resources import LOCALHOST, discover
 
@@ -64,6 +64,15 @@ def _rdzv_conf(text: str | None) -> tuple[tuple[str, str], ...]:
             raise UsageError(f"--rdzv-conf {text!r}: bad item {item!r}; expected KEY=VALUE[,KEY=VALUE…]")
         pairs.append((key.strip(), value.strip()))
     return tuple(pairs)
+
+
+def _master_addr(addr: str | None) -> str | None:
+    if addr is None:
+        return None
+    host = normalize_host(addr)
+    if host is None:
+        raise UsageError(f"--master-addr: {host_problem(addr)}")
+    return host
 
 
 def _launcher_name(args: argparse.Namespace, n_nodes: int) -> str:
@@ -114,7 +123,7 @@ def build_plan(
     nodes = tuple(NodeSpec(host, rank, slots) for rank, (host, slots) in enumerate(pool.items()))
     name = _launcher_name(args, len(nodes))
     first = nodes[0].host
-    master_addr = args.master_addr or ("127.0.0.1" if first == LOCALHOST else first)
+    master_addr = _master_addr(args.master_addr) or ("127.0.0.1" if first == LOCALHOST else first)
     agent = AgentOptions(
         nnodes=_nnodes(args.nnodes, len(nodes)),
         rdzv_backend=args.rdzv_backend or AgentOptions.rdzv_backend,

@@ -86,7 +86,7 @@ def local_pool(env: Mapping[str, str], gpu_count: int, nproc_per_node: int | Non
     if not visible:
         return {LOCALHOST: tuple(range(gpu_count))}
     items = [x.strip() for x in visible.split(",")]
-    if not all(x.isdigit() for x in items):
+    if not all(x.isdigit() and x.isascii() for x in items):
         raise UsageError(
             f"CUDA_VISIBLE_DEVICES={visible!r} lists non-numeric devices; elasticzero binds slots by index, "
             "so list indices (e.g. 0,1) or use a hostfile"

@@ -210,6 +210,13 @@ def test_elastic_nnodes_and_no_ssh(launch_env: Executions, tmp_path: Path) -> No
     assert (plan.backend, plan.options["node_rank"]) == ("no-ssh", 2)
 
 
+def test_ipv6_master_addr_is_bracketed_in_the_endpoint(launch_env: Executions, tmp_path: Path) -> None:
+    plan = build_plan(*parse_args(["--master-addr", "[FE80::1]", "t.py"]), {}, str(tmp_path))
+    assert plan.master_addr == "fe80::1"
+    argv = plan.agent_argv(["--node-rank", "0"])
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "[fe80::1]:29500"
+
+
 def test_job_ids_are_unique(launch_env: Executions, tmp_path: Path) -> None:
     ids = {build_plan(*parse_args(["t.py"]), {}, str(tmp_path)).job_id for _ in range(20)}
     assert len(ids) == 20
@@ -303,6 +310,8 @@ BAD_FLAG_CASES = [
     (["--nnodes", "3:1"], "--nnodes '3:1': need 1 <= MIN <= MAX"),
     (["--nnodes", "a"], "--nnodes 'a': expected N or MIN:MAX"),
     (["--module", "--no-python"], "--module and --no-python cannot be combined"),
+    (["--master-addr", "a;b"], "--master-addr: invalid host name 'a;b'"),
+    (["--master-addr=-oX"], "--master-addr: host name '-oX' starts with '-'"),
     (["--master-port", "70000"], "argument --master-port/--master_port: '70000' is not a TCP port"),
     (["--dry-run=xml"], "argument --dry-run/--dry_run: invalid choice: 'xml'"),
     (["--rdzv-conf", "oops"], "--rdzv-conf 'oops': bad item 'oops'"),

@@ -66,9 +66,10 @@ def test_local_gpus_and_cuda_visible_devices() -> None:
     assert local_pool({"CUDA_VISIBLE_DEVICES": "6,1,4"}, 2, None) == {"localhost": (6, 1)}
 
 
-def test_local_gpu_uuids_are_rejected() -> None:
-    with pytest.raises(UsageError, match=r"^CUDA_VISIBLE_DEVICES='GPU-1a2b' lists non-numeric devices"):
-        local_pool({"CUDA_VISIBLE_DEVICES": "GPU-1a2b"}, 1, None)
+@pytest.mark.parametrize("visible", ["GPU-1a2b", "MIG-3", "0,²"])
+def test_local_gpu_uuids_are_rejected(visible: str) -> None:
+    with pytest.raises(UsageError, match=rf"^CUDA_VISIBLE_DEVICES='{visible}' lists non-numeric devices"):
+        local_pool({"CUDA_VISIBLE_DEVICES": visible}, 2, None)
 
 
 def test_local_cpu_nproc_must_be_positive() -> None:

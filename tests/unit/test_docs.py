@@ -1,0 +1,45 @@
+"""The user docs name every flag the command-line tools accept (dash spelling), so docs and code cannot drift."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from ez_testing import REPO
+
+
+def _long_dash_flags(parser: argparse.ArgumentParser) -> set[str]:
+    flags: set[str] = set()
+    for action in parser._actions:  # argparse has no public accessor
+        dashed = [o for o in action.option_strings if o.startswith("--") and "_" not in o]
+        if dashed and "--help" not in dashed:
+            flags.add(dashed[0])
+    return flags
+
+
+def _launch_flags() -> set[str]:
+    from elasticzero.launch.args import build_parser
+
+    return _long_dash_flags(build_parser())
+
+
+def _agent_flags() -> set[str]:
+    from elasticzero.agent.options import add_agent_flags
+
+    parser = argparse.ArgumentParser()
+    add_agent_flags(parser)
+    return _long_dash_flags(parser)
+
+
+@pytest.mark.parametrize(
+    ("doc", "flags"),
+    [("docs/launching.md", _launch_flags), ("docs/agent.md", _agent_flags)],
+    ids=["elasticzero-launch", "elasticzero-run"],
+)
+def test_every_flag_is_documented(doc: str, flags) -> None:
+    text = (REPO / doc).read_text()
+    wanted = flags()
+    assert wanted, "no flags found: the parser import is broken"
+    missing = sorted(f for f in wanted if f not in text)
+    assert not missing, f"{doc} does not mention: {', '.join(missing)}"

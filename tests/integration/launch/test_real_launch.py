@@ -1,0 +1,110 @@
+"""Real launches on the namespace test bed: 2 hosts x 2 ranks, gloo all_reduce, hostile strings end to end.
+
+Each backend starts one ``elasticzero-run`` agent per host (or, per-rank mode, every rank through
+``elasticzero.launch.rankenv``). Hosts are given in reverse name order, so node ranks must follow the plan
+(hostfile) order, not the transport's. Workers report what they saw to files; the test compares byte-for-byte.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Any
+
+import pytest
+from launchkit import (
+    WORKER,
+    hostile_args,
+    hostile_dir,
+    hostile_env,
+    launch,
+    leftovers,
+    make_spec,
+    markers,
+    reports,
+)
+
+import ez_testing
+from ez_testing import require, require_program
+
+PROGRAMS = {
+    "pdsh": ("pdsh", "ssh"),
+    "openmpi": ("mpirun.openmpi",),
+    "mpich": ("mpiexec.hydra",),
+    "mvapich": ("mpiexec.hydra",),
+    "slurm": ("srun", "sinfo"),
+}
+MARKS = {
+    "pdsh": [pytest.mark.pdsh, pytest.mark.sshd],
+    "openmpi": [pytest.mark.openmpi, pytest.mark.sshd],
+    "mpich": [pytest.mark.mpich, pytest.mark.sshd],
+    "mvapich": [pytest.mark.mpich, pytest.mark.sshd],
+    "slurm": [pytest.mark.slurm],
+}
+# MVAPICH2's mpiexec is hydra: run that flavour for real through MPICH's hydra binary
+OPTIONS = {"mvapich": {"mvapich_launcher": "hydra", "mpiexec": "mpiexec.hydra"}}
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(420)]
+
+
+def bed(backend: str) -> tuple[ez_testing.Testbed, list[str]]:
+    """The test bed and two hosts that ``backend`` can reach."""
+    tb = ez_testing.testbed()
+    require_program(*PROGRAMS[backend])
+    hosts = list(tb.slurm_nodes if backend == "slurm" else tb.hosts)
+    require(len(hosts) >= 2, f"{backend}: the test bed has fewer than 2 hosts for this backend")
+    return tb, hosts[:2]
+
+
+def params(*names: str) -> list[Any]:
+    return [pytest.param(n, marks=MARKS[n], id=n) for n in names]
+
+
+def check_reports(
+    spec: dict[str, Any], nodes: list[list[Any]], args: list[str], env: dict[str, str], cwd: Path
+) -> None:
+    reps = reports(spec)
+    assert [r["dist_rank"] for r in reps] == [0, 1, 2, 3], reps
+    for r in reps:
+        rank = r["dist_rank"]
+        node = rank // 2
+        assert r["dist_world"] == 4 and r["sum"] == 6.0
+        assert r["env"] == {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank % 2),
+            "WORLD_SIZE": "4",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": str(node),
+        }
+        assert r["host"] == nodes[node][0], "node ranks must follow the plan's host order"
+        assert r["cvd"] == ",".join(str(s) for s in nodes[node][1]), "the node's slots must be bound"
+        assert r["job"] == spec["job_id"]
+        assert r["argv"] == args
+        assert r["exported"] == env
+        assert r["cwd"] == str(cwd)
+
+
+def hostile_launch(backend: str, tmp_path: Path, options: dict[str, Any]) -> None:
+    tb, hosts = bed(backend)
+    nodes = [[hosts[1], [0, 1]], [hosts[0], [2, 3]]]  # reverse name order on purpose
+    mark = tmp_path / "mark"
+    mark.mkdir()
+    token = f"EZPWN{secrets.token_hex(4)}"
+    cwd = hostile_dir(tmp_path, token)
+    args, env = hostile_args(mark), hostile_env(mark)
+    spec = make_spec(tb, backend, tmp_path, nodes=nodes, entry=[WORKER, *args], env=env, options=options, cwd=cwd)
+    p = launch(spec, tmp_path)
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    check_reports(spec, nodes, args, env, cwd)
+    assert markers(mark, token, tmp_path, cwd) == [], "an injected command ran"
+    assert leftovers(spec["job_id"], tb) == {}
+
+
+@pytest.mark.parametrize("backend", params("pdsh", "openmpi", "mpich", "mvapich", "slurm"))
+def test_agent_per_node_hostile_strings(backend: str, tmp_path: Path) -> None:
+    hostile_launch(backend, tmp_path, OPTIONS.get(backend, {}))
+
+
+@pytest.mark.parametrize("backend", params("openmpi", "mpich", "slurm"))
+def test_per_rank_mode_hostile_strings(backend: str, tmp_path: Path) -> None:
+    hostile_launch(backend, tmp_path, {"per_rank": True})

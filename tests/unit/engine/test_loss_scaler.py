@@ -307,3 +307,47 @@ def test_overflow_on_one_rank_skips_on_every_rank(two_rank_results: list[dict[st
 @pytest.mark.timeout(120)
 def test_overflow_on_one_rank_skips_with_protocol_optimizer(two_rank_results: list[dict[str, Any]]) -> None:
     assert [r["protocol"] for r in two_rank_results] == [(0, 1, 4.0), (0, 1, 4.0)]
+
+
+# ------------------------------------------------------------------ with ZeroStage2 (fp16): a local inf in one shard
+def _zero_worker(rank: int, port: int, out_dir: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
+    )
+    try:
+        from elasticzero.engine.zero import ZeroStage2
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        opt = ZeroStage2(model, torch.optim.AdamW, lr=1e-2, precision="fp16", bucket_bytes=64)
+        scaler = LossScaler(2.0**8, growth_interval=2, hysteresis=1)
+        scales, changed = [], []
+        for step in range(STEPS):
+            before = opt.full_state_dict()
+            x = torch.full((2, 4), float(rank + step + 1))
+            scaler.scale(model(x).float().square().mean()).backward()
+            if rank == 1 and step == OVERFLOW_STEP:
+                opt.grad_shards()[0].view(-1)[0] = math.inf  # this rank's shard only: no collective spreads it
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            after = opt.full_state_dict()
+            changed.append(any(not torch.equal(before[k], after[k]) for k in before))
+            scales.append(scaler.get_scale())
+        full = torch.cat([v.float().reshape(-1) for v in opt.full_state_dict().values()])
+        torch.save((scales, changed, scaler.skipped_steps, full), os.path.join(out_dir, f"zero{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_fp16_zero_stage2_forced_overflow_skips_on_every_rank(tmp_path: Path) -> None:
+    pytest.importorskip("elasticzero.engine.zero.stage2", reason="ZeroStage2 not available")
+    run_ranks(_zero_worker, (free_port(), str(tmp_path)))
+    (s0, c0, k0, p0), (s1, c1, k1, p1) = (torch.load(tmp_path / f"zero{r}.pt") for r in range(WORLD))
+    assert s0 == s1 == [2.0**8, 2.0**9, 2.0**8, 2.0**8]
+    assert c0 == c1 == [True, True, False, True]  # step 2 skipped everywhere, the others applied
+    assert k0 == k1 == 1
+    assert torch.isfinite(p0).all()
+    torch.testing.assert_close(p0, p1, rtol=0, atol=0)

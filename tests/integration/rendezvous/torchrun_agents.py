@@ -105,6 +105,16 @@ def agents_reaped() -> Iterator[list[Agent]]:
         kill_agents(agents)
 
 
+def wait_for_files(paths: Sequence[Path], timeout: float, agents: Sequence[Agent] = ()) -> None:
+    """Wait until every path exists (e.g. the workers' ``started<rank>`` markers); fail with the agents' logs."""
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline or any(a.proc.poll() not in (None, 0) for a in agents):
+            logs = "\n".join(f"--- {a.log.name}\n{a.output()[-3000:]}" for a in agents)
+            raise AssertionError(f"not all of {[p.name for p in paths]} appeared within {timeout}s\n{logs}")
+        time.sleep(0.1)
+
+
 def read_records(out_dir: Path, world_size: int) -> list[dict[str, object]]:
     """The per-rank JSON records written by ``worker_env.py``, by global rank."""
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]

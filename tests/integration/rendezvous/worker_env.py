@@ -32,6 +32,8 @@ def main() -> int:
     dist.init_process_group("gloo")
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)
+    with open(os.path.join(out_dir, f"started{dist.get_rank()}"), "w") as f:
+        f.write("1")
     time.sleep(sleep_s)
     dist.barrier()
     record = {k: os.environ.get(k) for k in KEYS}

@@ -1,0 +1,262 @@
+"""GradBucketer: gradient buckets reduced during backward, in the same order on every rank.
+
+Usable on its own for DDP-style data parallelism::
+
+    bucketer = GradBucketer(model.named_parameters(), op="all_reduce", bucket_bytes=25 * 2**20)
+    loss.backward()          # buckets are all-reduced (averaged) as they fill; after backward p.grad is the mean
+    opt.step()               # any plain torch optimizer
+
+and used by ZeRO stages 2/3 with ``op="reduce_scatter"`` (each rank receives only its shard of every bucket).
+
+How it works: a post-accumulate-grad hook on every parameter adds ``grad / world_size`` into its bucket's flat
+buffer (in ``reduce_dtype``, fp32 by default) and drops ``param.grad``. Buckets are keyed by dtype, bounded by
+``bucket_bytes``, and a tensor of ``bucket_bytes`` or more is a bucket of its own (see
+:func:`elasticzero.engine.zero.flat.build_buckets`). A bucket is *launched* (async collective) once all its parameters
+have their gradient **and every bucket before it in the fixed flush order has been launched**. The flush order is
+reverse bucket order (buckets are numbered by parameter registration, backward roughly visits them last to first);
+it never depends on the order hooks fire in, which may differ between ranks and is the classic cause of ZeRO hangs.
+At the end of backward (an autograd engine callback) every remaining bucket is launched in order, parameters that got
+no gradient contributing zeros, and all outstanding collectives are waited for. At most ``max_inflight`` collectives
+are outstanding; the oldest is completed before the next is launched, which bounds the transient buffer memory.
+
+Repeated ``backward()`` calls accumulate. Inside :meth:`no_sync` nothing is communicated: gradients accumulate in the
+full-size bucket buffers (Ψ elements of ``reduce_dtype`` held until the boundary) and are reduced by the first
+backward outside the context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elasticzero.engine.zero import comm
+from elasticzero.engine.zero.flat import FlatBucket, build_buckets
+from elasticzero.errors import UsageError
+
+Op = Literal["all_reduce", "reduce_scatter"]
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+def phase(timers: Any, name: str) -> contextlib.AbstractContextManager[Any]:
+    """``timers.phase(name)`` or a no-op context when ``timers`` is None."""
+    return contextlib.nullcontext() if timers is None else timers.phase(name)
+
+
+class GradBucketer:
+    """Bucketed, ordered gradient reduction driven by autograd hooks.
+
+    Args:
+        params: parameters or ``(name, parameter)`` pairs in registration order; frozen ones are skipped.
+        op: ``"all_reduce"`` (DDP-style: after backward ``p.grad`` holds the mean over ranks, in ``p.dtype``) or
+            ``"reduce_scatter"`` (``on_reduced(bucket, shard)`` receives this rank's summed-mean shard).
+        bucket_bytes: upper bound of one bucket, counted in ``reduce_dtype``.
+        process_group: the data-parallel group (default: the default group).
+        reduce_dtype: dtype gradients are accumulated and reduced in (default fp32).
+        buckets: explicit bucket layouts (ZeRO stages pass theirs); overrides ``params``/``bucket_bytes``.
+        on_reduced: called once per bucket per reduction with the reduced tensor (whole bucket or this rank's shard).
+        on_ready: called when all of a bucket's parameters have their gradient (ZeRO-3 frees the parameters there).
+        on_finalize: called at the end of every backward after all reductions completed.
+        keep_buffers: keep the bucket buffers allocated between steps (ZeRO-1); otherwise they are freed once reduced.
+        max_inflight: at most this many collectives outstanding.
+        comm_stats: extra :class:`~elasticzero.engine.zero.comm.CommStats` to count into.
+        timers: optional ``PhaseTimers``; reductions are timed under ``"reduce"``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter] | Iterable[tuple[str, nn.Parameter]] = (),
+        *,
+        op: Op = "all_reduce",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        process_group: Any = None,
+        reduce_dtype: torch.dtype = torch.float32,
+        buckets: Sequence[FlatBucket] | None = None,
+        on_reduced: Callable[[FlatBucket, torch.Tensor], None] | None = None,
+        on_ready: Callable[[FlatBucket], None] | None = None,
+        on_finalize: Callable[[], None] | None = None,
+        keep_buffers: bool = False,
+        max_inflight: int = 2,
+        comm_stats: comm.CommStats | None = None,
+        timers: Any = None,
+    ) -> None:
+        if op not in ("all_reduce", "reduce_scatter"):
+            raise UsageError(f"GradBucketer op must be 'all_reduce' or 'reduce_scatter', not {op!r}")
+        self.op: Op = op
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self.reduce_dtype = reduce_dtype
+        if buckets is None:
+            named = [(f"param{i}", p) if isinstance(p, torch.Tensor) else p for i, p in enumerate(params)]
+            named = [(n, p) for n, p in named if p.requires_grad]
+            buckets = build_buckets(
+                named,
+                bucket_bytes=bucket_bytes,
+                world_size=self.world_size,
+                rank=self.rank,
+                elem_size=lambda p: torch.empty((), dtype=reduce_dtype).element_size(),
+            )
+        self.buckets: list[FlatBucket] = list(buckets)
+        self.flush_order: list[int] = [b.index for b in reversed(self.buckets)]
+        self.on_reduced = on_reduced if on_reduced is not None else self._write_mean_grads
+        self.on_ready = on_ready
+        self.on_finalize = on_finalize
+        self.keep_buffers = keep_buffers
+        self.max_inflight = max(1, max_inflight)
+        self.comm_stats = comm_stats
+        self.timers = timers
+        self._slot: dict[nn.Parameter, tuple[FlatBucket, int]] = {}
+        for b in self.buckets:
+            for p, off in zip(b.params, b.offsets, strict=True):
+                self._slot[p] = (b, off)
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._arrived: dict[int, set[int]] = {b.index: set() for b in self.buckets}
+        self._ready: set[int] = set()
+        self._next = 0  # position in flush_order of the next bucket to launch
+        self._inflight: deque[tuple[FlatBucket, torch.Tensor, Any]] = deque()
+        self._callback_queued = False
+        self._sync = True
+        self._launched: list[int] = []
+        self.last_launch_order: list[int] = []
+        """Bucket indices in the order the last reduction launched them (always ``flush_order``)."""
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self._slot]
+        if keep_buffers:
+            self.allocate_buffers()
+
+    # -- public ------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (full-size buffers) without communicating; reduce at the next backward."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def allocate_buffers(self) -> None:
+        """Allocate (zeroed) every bucket buffer now."""
+        for b in self.buckets:
+            self.buffer(b)
+
+    def buffer(self, bucket: FlatBucket) -> torch.Tensor:
+        """The bucket's flat gradient buffer (allocated zeroed on first use)."""
+        buf = self._buffers.get(bucket.index)
+        if buf is None:
+            buf = torch.zeros(bucket.padded_numel, dtype=self.reduce_dtype)
+            self._buffers[bucket.index] = buf
+        return buf
+
+    def held_buffers(self) -> list[torch.Tensor]:
+        """The bucket buffers currently allocated (for memory accounting)."""
+        return list(self._buffers.values())
+
+    def zero_buffers(self) -> None:
+        """Zero (``keep_buffers``) or drop every buffer, discarding gradients accumulated under :meth:`no_sync`."""
+        if self.keep_buffers:
+            for buf in self._buffers.values():
+                buf.zero_()
+        else:
+            self._buffers.clear()
+        for s in self._arrived.values():
+            s.clear()
+
+    def finalize(self) -> None:
+        """Launch every bucket not yet launched (in flush order) and complete all reductions.
+
+        Runs automatically at the end of every backward that touched a bucketed parameter; call it yourself only
+        when gradients were produced without autograd hooks.
+        """
+        self._callback_queued = False
+        if self._sync:
+            with phase(self.timers, "reduce"):
+                for b in self.buckets:
+                    if b.index not in self._ready:
+                        self._add_leftover_grads(b)
+                        self._mark_ready(b)
+                self._ready.update(b.index for b in self.buckets)
+                self._launch_ready()
+                while self._inflight:
+                    self._complete_oldest()
+            self._ready.clear()
+            self._next = 0
+            self.last_launch_order, self._launched = self._launched, []
+        for s in self._arrived.values():
+            s.clear()
+        if self.on_finalize is not None:
+            self.on_finalize()
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- internals ---------------------------------------------------------------------------------------------
+    def _hook(self, p: torch.Tensor) -> None:
+        bucket, off = self._slot[p]  # type: ignore[index]
+        grad = p.grad
+        if grad is None:
+            return
+        with torch.no_grad():
+            self.buffer(bucket)[off : off + p.numel()].add_(grad.reshape(-1), alpha=1.0 / self.world_size)
+        p.grad = None
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
+        arrived = self._arrived[bucket.index]
+        arrived.add(id(p))
+        if self._sync and len(arrived) == len(bucket.params):
+            self._mark_ready(bucket)
+            self._ready.add(bucket.index)
+            self._launch_ready()
+
+    def _add_leftover_grads(self, bucket: FlatBucket) -> None:
+        """Parameters that got no gradient in this backward contribute what ``p.grad`` holds (zeros if None)."""
+        arrived = self._arrived[bucket.index]
+        for p, off in zip(bucket.params, bucket.offsets, strict=True):
+            if id(p) not in arrived and p.grad is not None:
+                with torch.no_grad():
+                    self.buffer(bucket)[off : off + p.numel()].add_(p.grad.reshape(-1), alpha=1.0 / self.world_size)
+                p.grad = None
+
+    def _mark_ready(self, bucket: FlatBucket) -> None:
+        if self.on_ready is not None:
+            self.on_ready(bucket)
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.flush_order) and self.flush_order[self._next] in self._ready:
+            bucket = self.buckets[self.flush_order[self._next]]
+            self._next += 1
+            while len(self._inflight) >= self.max_inflight:
+                self._complete_oldest()
+            self._launch(bucket)
+
+    def _launch(self, bucket: FlatBucket) -> None:
+        self._launched.append(bucket.index)
+        buf = self.buffer(bucket)
+        if self.op == "all_reduce":
+            work = comm.all_reduce(buf, self.process_group, stats=self.comm_stats, async_op=True)
+            out = buf
+        else:
+            out = torch.empty(bucket.shard_numel, dtype=buf.dtype)
+            work = comm.reduce_scatter(out, buf, self.process_group, stats=self.comm_stats, async_op=True)
+        self._inflight.append((bucket, out, work))
+
+    def _complete_oldest(self) -> None:
+        bucket, out, work = self._inflight.popleft()
+        work.wait()
+        self.on_reduced(bucket, out)
+        if not self.keep_buffers:
+            self._buffers.pop(bucket.index, None)
+
+    def _write_mean_grads(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
+        if self.op != "all_reduce":
+            raise UsageError("GradBucketer(op='reduce_scatter') needs an on_reduced callback to receive the shards")
+        for p, off in zip(bucket.params, bucket.offsets, strict=True):
+            p.grad = reduced[off : off + p.numel()].view(p.shape).to(p.dtype, copy=True)

@@ -1,0 +1,327 @@
+"""What ZeroStage1/2/3 share: parameter discovery, buckets, masters, the wrapped optimizer, clipping, unscaling,
+state dicts and memory accounting. The stages differ in where gradients and parameters live (see each stage)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from elasticzero.engine.bucketer import DEFAULT_BUCKET_BYTES, GradBucketer, phase
+from elasticzero.engine.precision import PrecisionPolicy, as_policy
+from elasticzero.engine.zero import clip, comm
+from elasticzero.engine.zero.flat import FlatBucket, ParamSlot
+from elasticzero.engine.zero.memory import storage_report
+from elasticzero.errors import UsageError
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Base of the ZeRO stages: a ``torch.optim.Optimizer`` whose real work is done by ``optimizer_class`` built on
+    this rank's fp32 master shards.
+
+    Args:
+        module: the model; its trainable parameters are re-laid out into flat buckets (identity of every
+            ``nn.Parameter`` is kept, only ``.data`` changes). Frozen parameters are left alone (cast to the compute
+            dtype under a low-precision policy).
+        optimizer_class: any ``torch.optim.Optimizer`` class, e.g. ``torch.optim.AdamW``.
+        process_group: data-parallel group (default: the default group); exposed as ``opt.process_group``.
+        precision: ``"fp32" | "bf16" | "fp16"`` or a :class:`~elasticzero.engine.precision.PrecisionPolicy`.
+        param_groups: optional list of dicts ``{"params": [model parameters], **options}`` (like torch's); every
+            trainable parameter must appear in exactly one. Default: one group with all of them.
+        bucket_bytes: bucket bound in bytes of ``reduce_dtype`` (ZeRO-3 ignores it: one bucket per unit).
+        max_inflight: outstanding gradient collectives during backward (bounds transient buffers).
+        timers: optional ``PhaseTimers`` (phases ``"reduce"``, ``"step"``, ``"allgather"``); None costs nothing.
+        sync_module_states: broadcast parameters and buffers from group rank 0 at construction.
+        cast_forward_inputs: under a low-precision policy, cast floating-point forward inputs of ``module`` to the
+            compute dtype.
+        **optimizer_kwargs: passed to ``optimizer_class`` (``lr=...``, ``weight_decay=...``).
+
+    Attributes:
+        partition: ``{name: ParamSlot}`` — bucket, offset inside the bucket and in the global flat index space, numel
+            and shape of every trainable parameter (tied parameters appear once, under their first name).
+        buckets: the :class:`~elasticzero.engine.zero.flat.FlatBucket` layouts; ``bucket.local_pieces()`` maps this
+            rank's shard back to parameter slices.
+        comm_stats: :class:`~elasticzero.engine.zero.comm.CommStats` of this optimizer's collectives.
+        optim: the wrapped optimizer (its ``param_groups`` and ``state`` *are* this object's).
+    """
+
+    stage: int = 0
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        process_group: Any = None,
+        precision: str | PrecisionPolicy = "fp32",
+        param_groups: Sequence[dict[str, Any]] | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        max_inflight: int = 2,
+        timers: Any = None,
+        sync_module_states: bool = True,
+        cast_forward_inputs: bool = True,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        if not dist.is_initialized():
+            raise UsageError(f"{type(self).__name__} needs torch.distributed initialised (init_process_group)")
+        self.module = module
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self.policy = as_policy(precision)
+        self.timers = timers
+        self.bucket_bytes = bucket_bytes
+        self.max_inflight = max_inflight
+        self.comm_stats = comm.CommStats()
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise UsageError(f"{type(self).__name__}: the module has no trainable parameters")
+        self._group_of, group_options = _assign_groups(named, param_groups)
+        if sync_module_states:
+            self._broadcast_module()
+        self.buckets: list[FlatBucket] = self._build_buckets(named)
+        self.partition: dict[str, ParamSlot] = {s.name: s for b in self.buckets for s in b.slots()}
+        self.numel = sum(s.numel for s in self.partition.values())
+        self.masters: list[nn.Parameter] = [self._materialize(b) for b in self.buckets]
+        self._cast_frozen()
+
+        inner_groups = []
+        for gi, opts in enumerate(group_options):
+            masters = [self.masters[b.index] for b in self.buckets if b.key[0] == gi]  # type: ignore[index]
+            if masters:
+                inner_groups.append({**opts, "params": masters})
+        self.optim = optimizer_class(inner_groups, **optimizer_kwargs)
+        torch.optim.Optimizer.__init__(self, list(self.masters), dict(self.optim.defaults))
+        self.param_groups = self.optim.param_groups
+        self.state = self.optim.state  # type: ignore[assignment]
+        self.defaults = self.optim.defaults
+        self._ready = True
+        self.bucketer = self._make_bucketer()
+        self._input_hook = None
+        if cast_forward_inputs and self.policy.param_dtype != torch.float32:
+            self._input_hook = module.register_forward_pre_hook(
+                _input_caster(self.policy.param_dtype), with_kwargs=True
+            )
+
+    # -- stage hooks (overridden) --------------------------------------------------------------------------------
+    def _build_buckets(self, named: list[tuple[str, nn.Parameter]]) -> list[FlatBucket]:
+        from elasticzero.engine.zero.flat import build_buckets
+
+        reduce_size = torch.empty((), dtype=self.policy.reduce_dtype).element_size()
+        return build_buckets(
+            named,
+            bucket_bytes=self.bucket_bytes,
+            world_size=self.world_size,
+            rank=self.rank,
+            key=lambda p: (self._group_of[p], p.dtype),
+            elem_size=lambda p: reduce_size,
+        )
+
+    def _materialize(self, bucket: FlatBucket) -> nn.Parameter:
+        raise NotImplementedError
+
+    def _make_bucketer(self) -> GradBucketer:
+        raise NotImplementedError
+
+    def _gather_params(self) -> None:
+        """Bring the updated masters back into the module's parameters (stages 1/2: all-gather)."""
+
+    # -- torch.optim.Optimizer API ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One optimizer step on this rank's master shards, then (stages 1/2) all-gather the updated parameters."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with phase(self.timers, "step"):
+            self.optim.step()
+        with phase(self.timers, "allgather"):
+            self._gather_params()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop (``set_to_none``) or zero the gradient shards, and any gradient still held for accumulation."""
+        for p in self._managed_params():
+            p.grad = None
+        self.bucketer.zero_buffers()
+        for m in self.masters:
+            if m.grad is not None:
+                if set_to_none:
+                    m.grad = None
+                else:
+                    m.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state (the wrapped optimizer's ``state_dict`` over its shards) plus a ``"zero"``
+        entry describing the partition (stage, world size, rank, ``name -> (global_offset, numel)``)."""
+        sd = self.optim.state_dict()
+        sd["zero"] = {
+            "stage": self.stage,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "partition": {n: (s.global_offset, s.numel) for n, s in self.partition.items()},
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned on the same rank of the same world size and layout."""
+        sd = dict(state_dict)
+        meta = sd.pop("zero", None)
+        if meta is not None and (meta["world_size"], meta["rank"]) != (self.world_size, self.rank):
+            raise UsageError(
+                f"optimizer state was saved by rank {meta['rank']} of {meta['world_size']}, this is rank "
+                f"{self.rank} of {self.world_size}; reshard through a checkpoint (DCP) instead"
+            )
+        if meta is not None and meta["partition"] != {n: (s.global_offset, s.numel) for n, s in self.partition.items()}:
+            raise UsageError("optimizer state was saved with a different bucket layout (bucket_bytes or model differ)")
+        self.optim.load_state_dict(sd)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported after construction: pass ``param_groups=`` to the constructor."""
+        if not getattr(self, "_ready", False):  # called by torch.optim.Optimizer.__init__
+            super().add_param_group(param_group)
+            return
+        raise UsageError("ZeRO optimizers take all parameter groups at construction (param_groups=...)")
+
+    # -- ZeRO extras ----------------------------------------------------------------------------------------------
+    def grad_shards(self) -> list[torch.Tensor]:
+        """This rank's fp32 gradient shards (one per bucket that has a gradient)."""
+        return [m.grad for m in self.masters if m.grad is not None]
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global gradient norm (all shards of all ranks) to ``max_norm``; returns the total norm.
+
+        One scalar all-reduce. Same formula as ``torch.nn.utils.clip_grad_norm_``.
+        """
+        grads = self.grad_shards()
+        total = clip.global_grad_norm(grads, float(norm_type), self.process_group, self.comm_stats)
+        clip.clip_(grads, max_norm, total)
+        return total
+
+    @torch.no_grad()
+    def unscale_(self, inv_scale: float) -> torch.Tensor:
+        """Loss-scaler protocol: multiply this rank's gradient shards by ``inv_scale``; return a 0-dim fp32 tensor,
+        1.0 if a local inf/NaN was found, else 0.0 (the scaler agrees on it over ``process_group``)."""
+        return clip.unscale_and_check_(self.grad_shards(), inv_scale)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Accumulate gradients without communicating until the first backward outside the context.
+
+        Memory trade-off: the full gradient (Ψ elements of ``reduce_dtype``) is held until that backward, i.e. stage 2
+        gives up its gradient sharding for the accumulation window (stage 1 holds a full gradient anyway, so it costs
+        nothing there). Saves ``accumulation_steps - 1`` reduce-scatters per step. Not available on stage 3.
+        """
+        return self.bucketer.no_sync()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model state dict (fp32 trainable parameters from the masters) on every rank.
+
+        Collective: every rank must call it. Keys are those of ``module.state_dict()`` (tied parameters under each
+        name); frozen parameters and buffers are copied from the module.
+        """
+        full: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for b, m in zip(self.buckets, self.masters, strict=True):
+                out = torch.empty(b.padded_numel, dtype=torch.float32)
+                comm.all_gather(out, m.detach(), self.process_group, stats=self.comm_stats, tag="state_dict")
+                for p, off in zip(b.params, b.offsets, strict=True):
+                    full[id(p)] = out[off : off + p.numel()].view(p.shape).clone()
+        sd = {}
+        for k, v in self.module.state_dict(keep_vars=True).items():
+            sd[k] = full[id(v)] if id(v) in full else v.detach().clone()
+        return sd
+
+    def memory_report(self) -> dict[str, float]:
+        """Bytes of model state this rank holds right now, from the real tensors, each storage counted once.
+
+        Categories: ``params`` (storages behind the module's trainable parameters; for fp32 stages 1/2 the master
+        shard is a view into them and is not counted again), ``master`` (fp32 master shards), ``grads`` (gradient
+        shards, persistent/outstanding bucket buffers, stray ``param.grad``), ``optim_state`` (tensors in the
+        wrapped optimizer's state), ``frozen`` (frozen parameters, not part of the total); plus ``total`` (the first
+        four), ``numel`` (Ψ, trainable elements) and ``bytes_per_param`` (``total / numel``).
+        """
+        trainable = self._managed_params()
+        frozen = [p for p in self.module.parameters() if not p.requires_grad]
+        state = [t for s in self.optim.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        rep: dict[str, float] = dict(
+            storage_report(
+                [
+                    ("params", trainable),
+                    ("master", self.masters),
+                    (
+                        "grads",
+                        [m.grad for m in self.masters] + self.bucketer.held_buffers() + [p.grad for p in trainable],
+                    ),
+                    ("optim_state", state),
+                    ("frozen", frozen),
+                ]
+            )
+        )
+        rep["total"] = sum(rep[k] for k in ("params", "master", "grads", "optim_state"))
+        rep["numel"] = self.numel
+        rep["bytes_per_param"] = rep["total"] / self.numel
+        return rep
+
+    # -- helpers ---------------------------------------------------------------------------------------------------
+    def _managed_params(self) -> list[nn.Parameter]:
+        return [p for b in self.buckets for p in b.params]
+
+    def _broadcast_module(self) -> None:
+        seen: set[int] = set()
+        with torch.no_grad():
+            for t in [*self.module.parameters(), *self.module.buffers()]:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    comm.broadcast(t.data, 0, self.process_group, stats=self.comm_stats)
+
+    def _cast_frozen(self) -> None:
+        dtype = self.policy.param_dtype
+        if dtype == torch.float32:
+            return
+        for p in self.module.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(dtype)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({type(self.optim).__name__}, world_size={self.world_size}, "
+            f"buckets={len(self.buckets)}, numel={self.numel}, precision={self.policy})"
+        )
+
+
+def _assign_groups(
+    named: list[tuple[str, nn.Parameter]], param_groups: Sequence[dict[str, Any]] | None
+) -> tuple[dict[nn.Parameter, int], list[dict[str, Any]]]:
+    """Map every trainable parameter to its group index; return the groups' options (without ``params``)."""
+    if param_groups is None:
+        return {p: 0 for _, p in named}, [{}]
+    group_of: dict[nn.Parameter, int] = {}
+    options = []
+    for gi, g in enumerate(param_groups):
+        options.append({k: v for k, v in g.items() if k != "params"})
+        for p in g["params"]:
+            if p in group_of:
+                raise UsageError(f"a parameter appears in param_groups {group_of[p]} and {gi}")
+            group_of[p] = gi
+    missing = [n for n, p in named if p not in group_of]
+    if missing:
+        raise UsageError(f"trainable parameters missing from param_groups: {', '.join(missing[:5])}")
+    return group_of, options
+
+
+def _input_caster(dtype: torch.dtype) -> Callable[..., Any]:
+    def cast(t: Any) -> Any:
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    def hook(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    return hook

@@ -1,0 +1,51 @@
+"""Global gradient norm over sharded gradients (one scalar all-reduce) and in-place clipping."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elasticzero.engine.zero import comm
+
+
+def local_norm_term(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """This rank's contribution: ``max |g|`` for the inf-norm, else ``sum |g|^p`` (fp32, 0-dim)."""
+    acc = torch.zeros((), dtype=torch.float32)
+    for g in grads:
+        g32 = g.detach().float()
+        if math.isinf(norm_type):
+            if g32.numel():
+                acc = torch.maximum(acc, g32.abs().max())
+        else:
+            acc = acc + torch.linalg.vector_norm(g32, norm_type) ** norm_type
+    return acc
+
+
+def global_grad_norm(
+    grads: Sequence[torch.Tensor], norm_type: float, group: Any, stats: comm.CommStats | None = None
+) -> torch.Tensor:
+    """The norm of all ranks' shards together: one scalar all-reduce (MAX for inf, else SUM)."""
+    term = local_norm_term(grads, norm_type)
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    comm.all_reduce(term, group, op=op, stats=stats, tag="norm")
+    return term if math.isinf(norm_type) else term ** (1.0 / norm_type)
+
+
+def clip_(grads: Sequence[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale ``grads`` in place by ``min(1, max_norm / (total_norm + 1e-6))`` (torch's formula)."""
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+
+
+def unscale_and_check_(grads: Sequence[torch.Tensor], inv_scale: float) -> torch.Tensor:
+    """Multiply ``grads`` by ``inv_scale`` in place; 0-dim fp32 tensor, 1.0 if any local inf/NaN else 0.0."""
+    found = torch.zeros((), dtype=torch.float32)
+    for g in grads:
+        g.mul_(inv_scale)
+        found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+    return found

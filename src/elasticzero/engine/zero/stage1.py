@@ -1,0 +1,53 @@
+"""ZeRO stage 1: optimizer state sharded; every rank keeps the full gradient.
+
+Held per rank (Ψ trainable elements, N ranks, fp32 Adam): parameters 4Ψ (the module's parameters are views into flat
+fp32 buffers; the master shard is a view into them), full gradient buffers 4Ψ (persistent, ``reduce_dtype``), Adam
+``exp_avg``/``exp_avg_sq`` 8Ψ/N — 12 bytes/param at N=2. bf16/fp16: 2Ψ compute params + 4Ψ/N master + 4Ψ grads +
+8Ψ/N. Communication per step: reduce-scatter Ψ (at the end of backward, bucket by bucket) + all-gather Ψ (after
+``step()``) = 2Ψ.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from elasticzero.engine.bucketer import GradBucketer
+from elasticzero.engine.zero.flat import FlatBucket
+from elasticzero.engine.zero.stage12 import _ReplicatedParamsZero
+
+
+class ZeroStage1(_ReplicatedParamsZero):
+    """ZeRO-1 optimizer wrapper (see :class:`~elasticzero.engine.zero.base.ZeroOptimizer` for the arguments).
+
+    Gradients accumulate into persistent full-size bucket buffers; each backward (outside :meth:`no_sync`)
+    reduce-scatters them so this rank's chunk holds the mean gradient of its shard (the master's ``.grad`` is a view
+    of that chunk when reducing in fp32), and zeroes the chunks other ranks own. ``no_sync`` costs no extra memory.
+    """
+
+    stage = 1
+
+    def _make_bucketer(self) -> GradBucketer:
+        return GradBucketer(
+            op="reduce_scatter",
+            process_group=self.process_group,
+            reduce_dtype=self.policy.reduce_dtype,
+            buckets=self.buckets,
+            on_reduced=self._on_reduced,
+            keep_buffers=True,
+            max_inflight=self.max_inflight,
+            comm_stats=self.comm_stats,
+            timers=self.timers,
+        )
+
+    def _on_reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
+        buf = self.bucketer.buffer(bucket)
+        lo, hi = bucket.shard_range()
+        master = self.masters[bucket.index]
+        buf.zero_()
+        if buf.dtype == torch.float32:
+            buf[lo:hi].copy_(shard)  # chunk = previous accumulated mean + this backward's mean
+            master.grad = buf[lo:hi]
+        elif master.grad is None:
+            master.grad = shard.float()
+        else:
+            master.grad.add_(shard)

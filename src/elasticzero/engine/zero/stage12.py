@@ -1,0 +1,43 @@
+"""What stages 1 and 2 share: the module's trainable parameters become views into flat compute buffers (one per
+bucket, ``param_dtype``); the fp32 master shard is this rank's chunk of that buffer (fp32) or a separate fp32 copy of
+it (bf16/fp16); after ``step()`` each bucket is all-gathered in place, so ``module.state_dict()`` holds the full
+updated parameters."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from elasticzero.engine.zero import comm
+from elasticzero.engine.zero.base import ZeroOptimizer
+from elasticzero.engine.zero.flat import FlatBucket, flatten_into, view_params_into
+
+
+class _ReplicatedParamsZero(ZeroOptimizer):
+    """Base of ZeroStage1/ZeroStage2: full parameters on every rank, sharded optimizer state."""
+
+    def _materialize(self, bucket: FlatBucket) -> nn.Parameter:
+        lo, hi = bucket.shard_range()
+        fp32 = torch.empty(bucket.padded_numel, dtype=torch.float32)
+        flatten_into(bucket, fp32)
+        if self.policy.param_dtype == torch.float32:
+            compute, master = fp32, nn.Parameter(fp32[lo:hi])
+        else:
+            master = nn.Parameter(fp32[lo:hi].clone())
+            compute = fp32.to(self.policy.param_dtype)
+        view_params_into(bucket, compute)
+        bucket.extra["compute"] = compute
+        return master
+
+    def _gather_params(self) -> None:
+        works = []
+        with torch.no_grad():
+            for b, m in zip(self.buckets, self.masters, strict=True):
+                compute: torch.Tensor = b.extra["compute"]  # type: ignore[assignment]
+                lo, hi = b.shard_range()
+                chunk = compute[lo:hi]
+                if chunk.data_ptr() != m.data_ptr() or chunk.dtype != m.dtype:
+                    chunk.copy_(m)
+                works.append(comm.all_gather(compute, chunk, self.process_group, stats=self.comm_stats, async_op=True))
+            for w in works:
+                w.wait()

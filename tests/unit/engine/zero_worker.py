@@ -1,0 +1,240 @@
+"""Worker side of the ZeRO multi-process tests: run scenarios on real gloo ranks, report metrics to the parent.
+
+Each rank computes the single-process reference itself (plain ``torch.optim.AdamW`` on the whole global batch) and
+compares it with the ZeRO run; rank 0 writes ``{scenario: metrics}`` as JSON for the test to assert on.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import functools
+import json
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import elasticzero
+
+VOCAB, DIM, HID, SEQ, GLOBAL_BATCH = 11, 7, 13, 5, 6
+LR, WD, STEPS, ACCUM, MAX_NORM = 1e-2, 0.1, 10, 2, 0.5
+BUCKET_BYTES = 256  # tiny: forces several buckets, some params alone, params split across ranks
+
+
+class Tiny(nn.Module):
+    """Uneven sizes, a tied weight (emb/head), a frozen layer and a 1-element parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.fc1 = nn.Linear(DIM, HID)
+        self.frozen = nn.Linear(HID, HID)
+        self.frozen.requires_grad_(False)
+        self.gain = nn.Parameter(torch.ones(1))
+        self.fc2 = nn.Linear(HID, DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.fc1(self.emb(idx)))
+        x = torch.tanh(self.frozen(x) * self.gain)
+        return self.head(self.fc2(x))
+
+
+def make_model() -> Tiny:
+    torch.manual_seed(0)
+    return Tiny()
+
+
+def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    x = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    y = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    return x, y
+
+
+def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+
+
+def sched(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+
+@functools.lru_cache(maxsize=4)
+def reference(accum: int = ACCUM, clip: float | None = MAX_NORM) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = make_model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    sch = sched(opt)
+    norms = []
+    for step in range(STEPS):
+        for m in range(accum):
+            x, y = batch(step, m)
+            (loss_fn(model(x), y) / accum).backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        sch.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+def zero_run(
+    stage: int, precision: str = "fp32", accum: int = ACCUM, clip: float | None = MAX_NORM, no_sync: bool = False
+) -> tuple[Any, dict[str, torch.Tensor], list[float]]:
+    cls = getattr(elasticzero, f"ZeroStage{stage}")
+    model = make_model()
+    opt = cls(model, torch.optim.AdamW, lr=LR, weight_decay=WD, precision=precision, bucket_bytes=BUCKET_BYTES)
+    sch = sched(opt)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = GLOBAL_BATCH // world
+    norms = []
+    for step in range(STEPS):
+        for m in range(accum):
+            x, y = batch(step, m)
+            x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+            ctx = opt.no_sync() if (no_sync and m < accum - 1) else _null()
+            with ctx:
+                (loss_fn(model(x), y) / accum).backward()
+        if clip is not None:
+            norms.append(float(opt.clip_grad_norm_(clip)))
+        opt.step()
+        sch.step()
+        opt.zero_grad()
+    return opt, opt.full_state_dict(), norms
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None
+
+
+def max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """max over tensors of ||a - b||_inf / ||b||_inf."""
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k].float() - b[k].float()).abs().max() / b[k].float().abs().max()) for k in b)
+
+
+def scenario_equality(stage: int, out: dict[str, Any]) -> None:
+    ref, ref_norms = reference()
+    opt, full, norms = zero_run(stage)
+    out[f"s{stage}_fp32_rel"] = max_rel(full, ref)
+    out[f"s{stage}_norm_rel"] = max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True))
+    out[f"s{stage}_clipped_steps"] = sum(n > MAX_NORM for n in ref_norms)
+    out[f"s{stage}_lr_final"] = opt.param_groups[0]["lr"]
+    if stage < 3:
+        module_sd = {k: v.detach().clone() for k, v in opt.module.state_dict().items()}
+        out[f"s{stage}_module_sd_rel"] = max_rel(module_sd, ref)
+    if stage < 3:
+        _, full_ns, _ = zero_run(stage, no_sync=True)
+        out[f"s{stage}_nosync_rel"] = max_rel(full_ns, ref)
+    for prec in ("bf16", "fp16"):
+        _, full_lp, _ = zero_run(stage, precision=prec)
+        out[f"s{stage}_{prec}_rel"] = max_rel(full_lp, ref)
+
+
+def scenario_comm_memory(stage: int, out: dict[str, Any]) -> None:
+    """One clean step (no accumulation, no clipping): count elements; then the memory report."""
+    cls = getattr(elasticzero, f"ZeroStage{stage}")
+    model = make_model()
+    opt = cls(model, torch.optim.AdamW, lr=LR, precision="fp32", bucket_bytes=BUCKET_BYTES)
+    x, y = batch(0, 0)
+    for _ in range(2):  # second step measured (stage 3 records its order on the first)
+        opt.comm_stats.reset()
+        loss_fn(model(x[:2]), y[:2]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    padded = sum(b.padded_numel for b in opt.buckets)
+    out[f"s{stage}_psi"] = opt.numel
+    out[f"s{stage}_padded"] = padded
+    out[f"s{stage}_nbuckets"] = len(opt.buckets)
+    out[f"s{stage}_comm_elems"] = opt.comm_stats.total_elements()
+    other = [n for (_, tag), n in opt.comm_stats.elements.items() if tag not in ("grad", "param")]
+    out[f"s{stage}_comm_other"] = sum(other)
+    out[f"s{stage}_memory"] = opt.memory_report()
+    # optimizer state dict round trip
+    sd = opt.state_dict()
+    opt.load_state_dict(copy.deepcopy(sd))
+    out[f"s{stage}_sd_roundtrip"] = all(
+        torch.equal(a, b)
+        for s1, s2 in zip(sd["state"].values(), opt.state_dict()["state"].values(), strict=True)
+        for a, b in zip(s1.values(), s2.values(), strict=True)
+    )
+    # loss-scaler protocol: unscale_ scales in place and flags a local inf on rank 0 only
+    loss_fn(model(x[:2]), y[:2]).backward()
+    before = [g.clone() for g in opt.grad_shards()]
+    found = opt.unscale_(0.5)
+    out[f"s{stage}_unscale_ok"] = float(found) == 0.0 and all(
+        torch.allclose(g, b * 0.5) for g, b in zip(opt.grad_shards(), before, strict=True)
+    )
+    if dist.get_rank() == 0:
+        opt.grad_shards()[0][0] = float("inf")
+    found = opt.unscale_(1.0)
+    flag = found.clone()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    out[f"s{stage}_overflow_local"] = float(found)
+    out[f"s{stage}_overflow_agreed"] = float(flag)
+    opt.zero_grad()
+
+
+def scenario_bucketer(out: dict[str, Any]) -> None:
+    """GradBucketer on its own, DDP-style all-reduce: p.grad is the global-batch gradient after backward."""
+    from elasticzero import GradBucketer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = GLOBAL_BATCH // world
+    ref = make_model()
+    for m in range(2):
+        x, y = batch(0, m)
+        loss_fn(ref(x), y).backward()
+    model = make_model()
+    bucketer = GradBucketer(model.named_parameters(), op="all_reduce", bucket_bytes=BUCKET_BYTES)
+    for m in range(2):  # accumulation across two synced backwards
+        x, y = batch(0, m)
+        loss_fn(model(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per]).backward()
+    out["bucketer_nbuckets"] = len(bucketer.buckets)
+    out["bucketer_rel"] = max(
+        float((p.grad - q.grad).abs().max() / q.grad.abs().max())
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+        if q.grad is not None
+    )
+    out["bucketer_order"] = bucketer.flush_order
+
+
+SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {}
+
+
+def worker(rank: int, world: int, port: int, result_path: str, stages: list[int]) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    out: dict[str, Any] = {}
+    try:
+        for stage in stages:
+            scenario_equality(stage, out)
+            scenario_comm_memory(stage, out)
+        scenario_bucketer(out)
+        dist.barrier()
+    except Exception:
+        out["error"] = traceback.format_exc()
+        raise
+    finally:
+        if rank == 0 or "error" in out:
+            with open(result_path if rank == 0 else f"{result_path}.rank{rank}", "w") as f:
+                json.dump(out, f, default=str)
+        dist.destroy_process_group()

@@ -1,0 +1,164 @@
+"""Build the engine pieces from a config, for DeepSpeed migrants. It returns the pieces; the loop stays yours::
+
+    pieces = build_pieces(model, "ds_config.json")
+    opt, scaler, timers, acc = pieces.optimizer, pieces.scaler, pieces.timers, pieces.accumulation
+    for x, y in loader:
+        with acc.no_sync(opt), timers.phase("forward"):
+            loss = acc.scale_loss(loss_fn(model(x), y))
+        with timers.phase("backward"):
+            (scaler.scale(loss) if scaler else loss).backward()
+        if acc.advance():
+            if scaler: scaler.unscale_(opt)
+            pieces.clip_grad_norm_()
+            scaler.step(opt) if scaler else opt.step()
+            if scaler: scaler.update()
+            opt.zero_grad()
+
+Stage 0 returns a plain ``torch.optim`` optimizer over ``model.parameters()`` (wrap the model in DDP yourself); with
+bf16/fp16 it sets ``autocast_dtype`` for ``torch.autocast`` (the model stays fp32, torch AMP style). Stages 1-3 return
+``ZeroStageN(model, torch.optim.<type>, precision=..., bucket_bytes=..., **params)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elasticzero.config.batch import check_batch_sizes, resolve_world_size
+from elasticzero.config.load import load_config, optimizer_class
+from elasticzero.config.schema import EngineConfig, Precision
+from elasticzero.engine.accumulation import GradAccumulation
+from elasticzero.engine.loss_scaler import LossScaler
+from elasticzero.engine.precision import PrecisionPolicy
+from elasticzero.engine.timers import PhaseTimers
+
+__all__ = ["EnginePieces", "build_loss_scaler", "build_pieces"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EnginePieces:
+    """What :func:`build_pieces` returns; every field is an ordinary object you drive from your own loop."""
+
+    optimizer: torch.optim.Optimizer  # ZeroStageN (stages 1-3) or a plain torch.optim optimizer (stage 0)
+    scaler: LossScaler | None  # None unless loss scaling is on (fp16 by default)
+    timers: PhaseTimers  # disabled unless timers.enabled
+    accumulation: GradAccumulation
+    clip_grad_norm: float | None  # None = no clipping
+    precision: PrecisionPolicy
+    autocast_dtype: torch.dtype | None  # stage 0 with bf16/fp16: run the forward under torch.autocast(dtype=...)
+    micro_batch_size: int
+    config: EngineConfig
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.accumulation.steps
+
+    def clip_grad_norm_(self) -> torch.Tensor | None:
+        """Clip to ``clip_grad_norm`` (after ``scaler.unscale_``): the ZeRO optimizer's global-norm clip, or
+        ``torch.nn.utils.clip_grad_norm_`` for a plain optimizer. Returns the total norm, None when clipping is off."""
+        if self.clip_grad_norm is None:
+            return None
+        own = getattr(self.optimizer, "clip_grad_norm_", None)
+        if callable(own):
+            return own(self.clip_grad_norm)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+
+
+def build_loss_scaler(cfg: EngineConfig, process_group: Any = None) -> LossScaler | None:
+    """A :class:`LossScaler` from ``cfg.precision.loss_scale`` or None when scaling is off (default: on for fp16)."""
+    ls = cfg.precision.loss_scale
+    enabled = ls.enabled if ls.enabled is not None else cfg.precision.dtype is Precision.fp16
+    if not enabled:
+        return None
+    return LossScaler(
+        ls.init_scale,
+        dynamic=ls.dynamic,
+        growth_factor=ls.growth_factor,
+        backoff_factor=ls.backoff_factor,
+        growth_interval=ls.growth_interval,
+        hysteresis=ls.hysteresis,
+        consecutive_hysteresis=ls.consecutive_hysteresis,
+        min_scale=ls.min_scale,
+        process_group=process_group,
+    )
+
+
+def build_pieces(
+    model: torch.nn.Module,
+    cfg: EngineConfig | str | Path | Mapping[str, Any],
+    *,
+    process_group: Any = None,
+    overrides: Sequence[str] = (),
+    strict: bool = True,
+) -> EnginePieces:
+    """Build optimizer, loss scaler, timers and accumulation helper for ``model`` from ``cfg``.
+
+    ``cfg``: an :class:`EngineConfig`, or a file/dict for :func:`~elasticzero.config.load.load_config` (native or
+    DeepSpeed; ``overrides`` and ``strict`` are passed on). Stages 1-3 need ``torch.distributed`` initialised; the
+    batch sizes are checked against the real world size.
+    """
+    if not isinstance(cfg, EngineConfig):
+        cfg = load_config(cfg, overrides=overrides, strict=strict)
+    world = _world_size(process_group)
+    check_batch_sizes(cfg.train_batch_size, cfg.micro_batch_size, cfg.accumulation_steps, world, "config")
+    policy = PrecisionPolicy.from_name(cfg.precision.dtype.value, cfg.precision.reduce_in_low_precision)
+    timers = PhaseTimers(enabled=cfg.timers.enabled, synchronize=cfg.timers.synchronize)
+    opt_cls = optimizer_class(cfg.optimizer.type)
+    params = dict(cfg.optimizer.params)
+    if "betas" in params:
+        params["betas"] = tuple(params["betas"])
+
+    autocast_dtype = None
+    if cfg.zero.stage == 0:
+        optimizer = opt_cls(model.parameters(), **params)
+        if cfg.precision.dtype is not Precision.fp32:
+            autocast_dtype = policy.param_dtype
+        if cfg.zero.bucket_bytes is not None or cfg.zero.prefetch_bytes is not None:
+            log.warning("zero.bucket_bytes/prefetch_bytes have no effect at stage 0 (set DDP's bucket_cap_mb instead)")
+    else:
+        stage_cls = getattr(importlib.import_module("elasticzero.engine.zero"), f"ZeroStage{cfg.zero.stage}")
+        kwargs: dict[str, Any] = {"process_group": process_group, "precision": policy}
+        accepted = inspect.signature(stage_cls).parameters
+        for key in ("bucket_bytes", "prefetch_bytes"):
+            value = getattr(cfg.zero, key)
+            if value is None:
+                continue
+            if key in accepted:
+                kwargs[key] = value
+            else:
+                log.warning("zero.%s is not used by ZeroStage%d", key, cfg.zero.stage)
+        if cfg.timers.enabled and "timers" in accepted:
+            kwargs["timers"] = timers
+        optimizer = stage_cls(model, opt_cls, **kwargs, **params)
+
+    group = getattr(optimizer, "process_group", None) or process_group
+    return EnginePieces(
+        optimizer=optimizer,
+        scaler=build_loss_scaler(cfg, group),
+        timers=timers,
+        accumulation=GradAccumulation(cfg.accumulation_steps),
+        clip_grad_norm=cfg.clip_grad_norm if cfg.clip_grad_norm > 0 else None,
+        precision=policy,
+        autocast_dtype=autocast_dtype,
+        micro_batch_size=cfg.micro_batch_size,
+        config=cfg,
+    )
+
+
+def _world_size(process_group: Any) -> int | None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(process_group)
+    return resolve_world_size(None)

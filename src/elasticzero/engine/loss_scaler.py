@@ -106,11 +106,17 @@ class LossScaler:
         return self.enabled
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * scale`` (the loss itself when disabled); call ``.backward()`` on the result."""
+        """``loss * scale`` (the loss itself when disabled); call ``.backward()`` on the result.
+
+        A half-precision loss is scaled in fp32 (as DeepSpeed does), so ``2.0 * 65536`` does not overflow fp16's
+        65504 before backward even starts.
+        """
         if not self.enabled:
             return loss
         if not isinstance(loss, torch.Tensor):
             raise UsageError(f"LossScaler.scale expects a tensor, got {type(loss).__name__}")
+        if loss.dtype in (torch.float16, torch.bfloat16):
+            loss = loss.float()
         return loss * self._scale
 
     def unscale_(self, optimizer: Any) -> bool:

@@ -137,6 +137,14 @@ def test_fp16_gradients_are_unscaled_in_place() -> None:
     assert model.weight.grad[0, 0].item() == 1.0
 
 
+def test_half_precision_loss_is_scaled_in_fp32() -> None:
+    loss = torch.tensor(2.0, dtype=torch.float16, requires_grad=True)
+    scaled = LossScaler(2.0**16).scale(loss)
+    assert scaled.dtype == torch.float32 and scaled.item() == 2.0**17  # fp16 would be inf
+    scaled.backward()
+    assert loss.grad is not None and loss.grad.dtype == torch.float16 and torch.isinf(loss.grad)  # 65536 > 65504
+
+
 def test_disabled_is_a_pass_through() -> None:
     model, opt = _model_and_opt()
     s = LossScaler(enabled=False)

@@ -254,9 +254,9 @@ def map_deepspeed(
         out["timers"] = {"enabled": ds["wall_clock_breakdown"]}
         rep.mapped.append(("wall_clock_breakdown", "timers.enabled"))
 
-    train = _whole(ds.get("train_batch_size"), "train_batch_size", source)
-    micro = _whole(ds.get("train_micro_batch_size_per_gpu"), "train_micro_batch_size_per_gpu", source)
-    accum = _whole(ds.get("gradient_accumulation_steps"), "gradient_accumulation_steps", source)
+    train = _maybe_whole(ds.get("train_batch_size"), "train_batch_size", source)
+    micro = _maybe_whole(ds.get("train_micro_batch_size_per_gpu"), "train_micro_batch_size_per_gpu", source)
+    accum = _maybe_whole(ds.get("gradient_accumulation_steps"), "gradient_accumulation_steps", source)
     train, micro, accum = resolve_batch_sizes(train, micro, accum, world_size, source)
     out.update(micro_batch_size=micro, accumulation_steps=accum)
     if "train_batch_size" in ds:  # a derived global batch would pin the world size: keep only a stated one
@@ -459,10 +459,12 @@ def _block(ds: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:
     return block
 
 
-def _whole(value: Any, path: str, source: str) -> int | None:
-    """An integer from JSON's 5e8-style numbers; error for fractions, strings and booleans."""
-    if value is None:
-        return None
+def _whole(value: Any, path: str, source: str) -> int:
+    """An integer from JSON's 5e8-style numbers; error for fractions, strings, booleans and null."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value % 1:
         raise UsageError(f"{source}: {path} must be a whole number, got {value!r}")
     return int(value)
+
+
+def _maybe_whole(value: Any, path: str, source: str) -> int | None:
+    return None if value is None else _whole(value, path, source)

@@ -145,7 +145,7 @@ def config_from_dict(
         except OmegaConfBaseException as exc:
             raise UsageError(f"overrides {list(overrides)}: {_one_line(exc)}") from None
         assert isinstance(extra, dict)
-        _check_keys(extra, EngineConfig, "", "overrides")
+        _check_keys({str(k): v for k, v in extra.items()}, EngineConfig, "", "overrides")
         try:
             merged = OmegaConf.merge(merged, extra)
         except OmegaConfBaseException as exc:
@@ -236,7 +236,7 @@ def _check_keys(data: Mapping[str, Any], cls: type, prefix: str, source: str) ->
 
 
 def _check_optimizer_params(cls: type, params: Mapping[str, Any], source: str) -> None:
-    sig = inspect.signature(cls.__init__)
+    sig = inspect.signature(cls)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
         return
     allowed = [n for n in sig.parameters if n not in ("self", "params")]

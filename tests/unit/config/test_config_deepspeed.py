@@ -126,6 +126,7 @@ def test_unsupported_keys_non_strict_warn_and_drop() -> None:
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled are both true"),
         ({"optimizer": {"type": "Lamb"}}, "optimizer.type 'Lamb' has no torch.optim equivalent"),
         ({"zero_optimization": {"reduce_bucket_size": 2.5}}, r"reduce_bucket_size must be a whole number, got 2\.5"),
+        ({"zero_optimization": {"allgather_bucket_size": None}}, "bucket_size must be a whole number, got None"),
         ({"zero_optimization": {"stage": 5}}, r"zero\.stage must be 0, 1, 2 or 3, got 5"),
         ({"zero_optimization": 2}, "zero_optimization must be a mapping"),
         ({"fp16": True}, r"fp16 must be a mapping like \{\"enabled\": true\}"),

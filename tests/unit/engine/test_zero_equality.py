@@ -18,7 +18,7 @@ import zero_worker
 
 from ez_testing import free_port
 
-STAGES = [1, 2]
+STAGES = [1, 2, 3]
 FP32_TOL, BF16_TOL, FP16_TOL = 1e-6, 5e-2, 1e-2
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
@@ -104,3 +104,10 @@ def test_bucketer_all_reduce_matches_global_batch(report: dict[str, Any]) -> Non
 def zero_worker_psi() -> int:
     m = zero_worker.make_model()
     return sum(p.numel() for p in m.parameters() if p.requires_grad)
+
+
+def test_stage3_shards_params_and_options(report: dict[str, Any]) -> None:
+    assert report["s3_params_freed"] is True  # the module holds nothing between uses
+    assert report["s3_no_sync_raises"] is True
+    assert report["s3_units_rel"] <= FP32_TOL  # units=nn.Linear, no prefetch, no reshard after forward
+    assert report["s3_no_reshard_comm_elems"] == 2 * report["s3_padded"]

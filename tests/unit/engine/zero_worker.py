@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import elasticzero
+import elasticzero.errors
 
 VOCAB, DIM, HID, SEQ, GLOBAL_BATCH = 11, 7, 13, 5, 6
 LR, WD, STEPS, ACCUM, MAX_NORM = 1e-2, 0.1, 10, 2, 0.5
@@ -86,11 +87,16 @@ def reference(accum: int = ACCUM, clip: float | None = MAX_NORM) -> tuple[dict[s
 
 
 def zero_run(
-    stage: int, precision: str = "fp32", accum: int = ACCUM, clip: float | None = MAX_NORM, no_sync: bool = False
+    stage: int,
+    precision: str = "fp32",
+    accum: int = ACCUM,
+    clip: float | None = MAX_NORM,
+    no_sync: bool = False,
+    **kw: Any,
 ) -> tuple[Any, dict[str, torch.Tensor], list[float]]:
     cls = getattr(elasticzero, f"ZeroStage{stage}")
     model = make_model()
-    opt = cls(model, torch.optim.AdamW, lr=LR, weight_decay=WD, precision=precision, bucket_bytes=BUCKET_BYTES)
+    opt = cls(model, torch.optim.AdamW, lr=LR, weight_decay=WD, precision=precision, bucket_bytes=BUCKET_BYTES, **kw)
     sch = sched(opt)
     rank, world = dist.get_rank(), dist.get_world_size()
     per = GLOBAL_BATCH // world
@@ -137,6 +143,9 @@ def scenario_equality(stage: int, out: dict[str, Any]) -> None:
     if stage < 3:
         _, full_ns, _ = zero_run(stage, no_sync=True)
         out[f"s{stage}_nosync_rel"] = max_rel(full_ns, ref)
+    if stage == 3:
+        _, full_u, _ = zero_run(stage, units=nn.Linear, prefetch=False, reshard_after_forward=False)
+        out["s3_units_rel"] = max_rel(full_u, ref)
     for prec in ("bf16", "fp16"):
         _, full_lp, _ = zero_run(stage, precision=prec)
         out[f"s{stage}_{prec}_rel"] = max_rel(full_lp, ref)
@@ -161,6 +170,23 @@ def scenario_comm_memory(stage: int, out: dict[str, Any]) -> None:
     other = [n for (_, tag), n in opt.comm_stats.elements.items() if tag not in ("grad", "param")]
     out[f"s{stage}_comm_other"] = sum(other)
     out[f"s{stage}_memory"] = opt.memory_report()
+    if stage == 3:
+        out["s3_params_freed"] = all(p.untyped_storage().nbytes() == 0 for p in opt._managed_params())
+        try:
+            opt.no_sync()
+            out["s3_no_sync_raises"] = False
+        except elasticzero.errors.UsageError:
+            out["s3_no_sync_raises"] = True
+        m2 = make_model()
+        o2 = elasticzero.ZeroStage3(
+            m2, torch.optim.AdamW, lr=LR, bucket_bytes=BUCKET_BYTES, reshard_after_forward=False
+        )
+        for _ in range(2):
+            o2.comm_stats.reset()
+            loss_fn(m2(x[:2]), y[:2]).backward()
+            o2.step()
+            o2.zero_grad()
+        out["s3_no_reshard_comm_elems"] = o2.comm_stats.total_elements()
     # optimizer state dict round trip
     sd = opt.state_dict()
     opt.load_state_dict(copy.deepcopy(sd))

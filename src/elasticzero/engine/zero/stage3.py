@@ -1,0 +1,276 @@
+"""ZeRO stage 3: optimizer state, gradients and parameters sharded.
+
+The module is split into *units* (``units=``; default: every module that directly owns a trainable parameter, plus the
+root). Each unit's parameters form one flat bucket; between uses the module's parameters are views into a flat
+buffer whose storage is freed (``untyped_storage().resize_(0)``), so the module holds nothing but this rank's fp32
+master shard (kept by the optimizer). Before a unit's forward its bucket is all-gathered into that storage (the
+views, and whatever autograd saved from them, see the data again), after it the storage is freed; before the unit's
+backward (a hook on its outputs' gradients) it is gathered again, and once every parameter of the unit has its
+gradient the storage is freed and the gradient bucket reduce-scattered (ordered by :class:`GradBucketer`). The next
+unit (forward order, recorded on the first iteration) is prefetched with an async all-gather.
+
+A parameter shared by several modules (tied weights) belongs to the nearest unit enclosing all of them (often the
+root), so it stays gathered through that unit's forward and is gathered once per pass, never twice.
+
+Held per rank (Ψ trainable elements, N ranks, fp32 Adam): fp32 master shard 4Ψ/N, fp32 gradient shard 4Ψ/N, Adam
+8Ψ/N — 8 bytes/param at N=2 — plus the units being used and the gradient buckets in flight. Frozen parameters are not
+sharded (every rank keeps them whole). Communication per step: all-gather Ψ (forward) + all-gather Ψ (backward) +
+reduce-scatter Ψ = 3Ψ (2Ψ with ``reshard_after_forward=False``, at the memory cost of keeping every unit gathered
+from its forward to its backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from elasticzero.engine.bucketer import GradBucketer, phase
+from elasticzero.engine.zero import comm
+from elasticzero.engine.zero.base import ZeroOptimizer
+from elasticzero.engine.zero.flat import FlatBucket, flatten_into, layout_buckets, view_params_into
+from elasticzero.errors import UsageError
+
+UnitSpec = Iterable[nn.Module] | tuple[type[nn.Module], ...] | type[nn.Module] | Callable[[nn.Module], bool] | None
+
+
+class ZeroStage3(ZeroOptimizer):
+    """ZeRO-3 optimizer wrapper (arguments of :class:`~elasticzero.engine.zero.base.ZeroOptimizer`, plus):
+
+    Args:
+        units: which submodules are gathered/freed as one unit: module instances, a module class (or tuple of
+            classes), or a predicate; the root is always a unit. Default: every module owning a trainable parameter
+            directly (fine-grained, many small collectives; pass e.g. ``units=TransformerBlock`` for fewer).
+        reshard_after_forward: free each unit after its forward (3Ψ traffic) or keep it until its backward (2Ψ).
+        prefetch: all-gather the next unit asynchronously while the current one computes.
+
+    After ``step()`` the module holds only freed views: use :meth:`full_state_dict` for its full state. ``no_sync``
+    is not available (gradients are sharded as they are produced).
+    """
+
+    stage = 3
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        units: UnitSpec = None,
+        reshard_after_forward: bool = True,
+        prefetch: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        self._unit_spec = units
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        self._needed: dict[str, list[int]] = {}
+        self._users: dict[int, int] = {}
+        self._fwd_order: list[str] = []
+        self._fwd_index: dict[str, int] = {}
+        self._order_frozen = False
+        self._bwd_callback_queued = False
+        super().__init__(module, optimizer_class, **kwargs)
+        self._hook_handles = []
+        modules = dict(module.named_modules())
+        for name in self._needed:
+            m = modules[name]
+            self._hook_handles.append(m.register_forward_pre_hook(functools.partial(self._pre_forward, name)))
+            self._hook_handles.append(m.register_forward_hook(functools.partial(self._post_forward, name)))
+
+    # -- layout ------------------------------------------------------------------------------------------------
+    def _is_unit(self, name: str, m: nn.Module) -> bool:
+        spec = self._unit_spec
+        if name == "":
+            return True
+        if spec is None:
+            return any(p is not None and p.requires_grad for p in m._parameters.values())
+        if isinstance(spec, type) or (isinstance(spec, tuple) and all(isinstance(c, type) for c in spec)):
+            return isinstance(m, spec)
+        if callable(spec) and not isinstance(spec, nn.Module):
+            return bool(spec(m))
+        return any(m is u for u in spec)  # type: ignore[union-attr]
+
+    def _build_buckets(self, named: list[tuple[str, nn.Parameter]]) -> list[FlatBucket]:
+        modules = list(self.module.named_modules())
+        units = [n for n, m in modules if self._is_unit(n, m)]
+        unit_set = set(units)
+        registered_by: dict[int, list[str]] = {}
+        for mn, m in modules:
+            for p in m._parameters.values():
+                if p is not None and p.requires_grad:
+                    registered_by.setdefault(id(p), []).append(mn)
+
+        def unit_of(module_name: str) -> str:
+            while module_name not in unit_set:
+                module_name = module_name.rsplit(".", 1)[0] if "." in module_name else ""
+            return module_name
+
+        owned: dict[str, list[tuple[str, nn.Parameter]]] = {u: [] for u in units}
+        for name, p in named:
+            owned[unit_of(_common_prefix(registered_by[id(p)]))].append((name, p))
+        groups: list[list[tuple[str, nn.Parameter]]] = []
+        group_units: list[str] = []
+        for u in units:
+            by_key: dict[Any, list[tuple[str, nn.Parameter]]] = {}
+            for name, p in owned[u]:
+                by_key.setdefault((self._group_of[p], p.dtype), []).append((name, p))
+            for g in by_key.values():
+                groups.append(g)
+                group_units.append(u)
+        buckets = layout_buckets(
+            groups, world_size=self.world_size, rank=self.rank, key=lambda p: (self._group_of[p], p.dtype)
+        )
+        self._needed[""] = []  # the root is always hooked (it frees prefetched-but-unused buckets)
+        for b, u in zip(buckets, group_units, strict=True):
+            self._needed.setdefault(u, []).append(b.index)
+            self._users[b.index] = 0
+        return buckets
+
+    def _materialize(self, bucket: FlatBucket) -> nn.Parameter:
+        lo, hi = bucket.shard_range()
+        fp32 = torch.empty(bucket.padded_numel, dtype=torch.float32)
+        flatten_into(bucket, fp32)
+        master = nn.Parameter(fp32[lo:hi].clone())
+        full = torch.empty(bucket.padded_numel, dtype=self.policy.param_dtype)
+        view_params_into(bucket, full)
+        full.untyped_storage().resize_(0)
+        bucket.extra.update(full=full, gathered=False, work=None)
+        return master
+
+    def _make_bucketer(self) -> GradBucketer:
+        return GradBucketer(
+            op="reduce_scatter",
+            process_group=self.process_group,
+            reduce_dtype=self.policy.reduce_dtype,
+            buckets=self.buckets,
+            on_reduced=self._on_reduced,
+            on_ready=self._on_ready,
+            keep_buffers=False,
+            max_inflight=self.max_inflight,
+            comm_stats=self.comm_stats,
+            timers=self.timers,
+        )
+
+    # -- gather / free (collectives in comm) ----------------------------------------------------------------------
+    def _gather(self, b: FlatBucket) -> None:
+        """Start the all-gather of bucket ``b`` into its (re-allocated) storage unless already gathered."""
+        if b.extra["gathered"]:
+            return
+        full: torch.Tensor = b.extra["full"]  # type: ignore[assignment]
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        lo, hi = b.shard_range()
+        chunk = full[lo:hi]
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
+            chunk.copy_(self.masters[b.index])
+            work = comm.all_gather(full, chunk, self.process_group, stats=self.comm_stats, async_op=True)
+        b.extra.update(gathered=True, work=work)
+
+    def _wait(self, b: FlatBucket) -> None:
+        work = b.extra["work"]
+        if work is not None:
+            with phase(self.timers, "allgather"):
+                work.wait()  # type: ignore[attr-defined]
+            b.extra["work"] = None
+
+    def _free(self, b: FlatBucket) -> None:
+        if not b.extra["gathered"]:
+            return
+        self._wait(b)
+        full: torch.Tensor = b.extra["full"]  # type: ignore[assignment]
+        full.untyped_storage().resize_(0)
+        b.extra["gathered"] = False
+
+    def _use(self, unit: str) -> None:
+        for i in self._needed[unit]:
+            self._gather(self.buckets[i])
+        for i in self._needed[unit]:
+            self._wait(self.buckets[i])
+
+    def _prefetch(self, unit: str, step: int) -> None:
+        if not (self.prefetch and self._order_frozen):
+            return
+        j = self._fwd_index.get(unit, -1) + step
+        if unit in self._fwd_index and 0 <= j < len(self._fwd_order):
+            for i in self._needed[self._fwd_order[j]]:
+                self._gather(self.buckets[i])
+
+    # -- module hooks ------------------------------------------------------------------------------------------------
+    def _pre_forward(self, unit: str, module: nn.Module, args: Any) -> None:
+        if not self._order_frozen and unit not in self._fwd_index:
+            self._fwd_index[unit] = len(self._fwd_order)
+            self._fwd_order.append(unit)
+        self._use(unit)
+        for i in self._needed[unit]:
+            self._users[i] += 1
+        self._prefetch(unit, +1)
+
+    def _post_forward(self, unit: str, module: nn.Module, args: Any, output: Any) -> None:
+        for i in self._needed[unit]:
+            self._users[i] -= 1
+            if self._users[i] == 0 and self.reshard_after_forward:
+                self._free(self.buckets[i])
+        if unit == "" and self.reshard_after_forward:
+            for b in self.buckets:  # prefetched but unused
+                if self._users[b.index] == 0:
+                    self._free(b)
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            fired = [False]
+
+            def hook(grad: torch.Tensor) -> None:
+                if not fired[0]:
+                    fired[0] = True
+                    self._pre_backward(unit)
+
+            for t in tensors:
+                t.register_hook(hook)
+
+    def _pre_backward(self, unit: str) -> None:
+        if not self._bwd_callback_queued:
+            self._bwd_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
+        self._use(unit)
+        self._prefetch(unit, -1)
+
+    def _on_ready(self, b: FlatBucket) -> None:
+        if self._users[b.index] == 0:
+            self._free(b)
+
+    def _on_reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
+        master = self.masters[bucket.index]
+        if master.grad is None:
+            master.grad = shard if shard.dtype == torch.float32 else shard.float()
+        else:
+            master.grad.add_(shard)
+
+    def _post_backward(self) -> None:
+        self._bwd_callback_queued = False
+        self._order_frozen = True
+        for b in self.buckets:
+            if self._users[b.index] == 0:
+                self._free(b)
+
+    # -- API differences ---------------------------------------------------------------------------------------------
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Not available on stage 3 (gradients are reduce-scattered as they are produced)."""
+        raise UsageError("ZeroStage3 has no no_sync(): accumulate by calling backward repeatedly")
+
+    def unit_of_bucket(self) -> dict[int, str]:
+        """Bucket index -> name of the unit (module) that gathers it."""
+        return {i: u for u, idx in self._needed.items() for i in idx}
+
+
+def _common_prefix(names: list[str]) -> str:
+    """The deepest module name enclosing all ``names`` (``""`` is the root)."""
+    parts = [n.split(".") if n else [] for n in names]
+    common: list[str] = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)

@@ -16,7 +16,8 @@
 
 Stage 0 returns a plain ``torch.optim`` optimizer over ``model.parameters()`` (wrap the model in DDP yourself); with
 bf16/fp16 it sets ``autocast_dtype`` for ``torch.autocast`` (the model stays fp32, torch AMP style). Stages 1-3 return
-``ZeroStageN(model, torch.optim.<type>, precision=..., bucket_bytes=..., **params)``.
+``ZeroStageN(model, torch.optim.<type>, precision=..., bucket_bytes=..., prefetch=..., **params)`` (each ``zero.*``
+option only when set and taken by that stage).
 """
 
 from __future__ import annotations
@@ -124,13 +125,14 @@ def build_pieces(
         optimizer = opt_cls(model.parameters(), **params)
         if cfg.precision.dtype is not Precision.fp32:
             autocast_dtype = policy.param_dtype
-        if cfg.zero.bucket_bytes is not None or cfg.zero.prefetch_bytes is not None:
-            log.warning("zero.bucket_bytes/prefetch_bytes have no effect at stage 0 (set DDP's bucket_cap_mb instead)")
+        for key in _ZERO_OPTIONS:
+            if getattr(cfg.zero, key) is not None:
+                log.warning("zero.%s has no effect at stage 0 (DDP has its own bucket_cap_mb)", key)
     else:
         stage_cls = getattr(importlib.import_module("elasticzero.engine.zero"), f"ZeroStage{cfg.zero.stage}")
         kwargs: dict[str, Any] = {"process_group": process_group, "precision": policy}
-        accepted = inspect.signature(stage_cls).parameters
-        for key in ("bucket_bytes", "prefetch_bytes"):
+        accepted = _keyword_names(stage_cls)
+        for key in _ZERO_OPTIONS:
             value = getattr(cfg.zero, key)
             if value is None:
                 continue
@@ -154,6 +156,23 @@ def build_pieces(
         micro_batch_size=cfg.micro_batch_size,
         config=cfg,
     )
+
+
+_ZERO_OPTIONS = ("bucket_bytes", "prefetch", "reshard_after_forward")
+
+
+def _keyword_names(stage_cls: type) -> set[str]:
+    """Named constructor arguments of ``stage_cls`` and of its bases up to ``torch.optim.Optimizer`` (a stage may
+    forward ``**kwargs`` to the shared base), so options are passed only to stages that take them."""
+    names: set[str] = set()
+    for klass in stage_cls.__mro__:
+        if not (isinstance(klass, type) and issubclass(klass, torch.optim.Optimizer)) or klass is torch.optim.Optimizer:
+            continue
+        if "__init__" in vars(klass):
+            for p in inspect.signature(klass.__init__).parameters.values():
+                if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+                    names.add(p.name)
+    return names
 
 
 def _world_size(process_group: Any) -> int | None:

@@ -362,8 +362,8 @@ def _map_zero(zero: Any, out: dict[str, Any], rep: DeepSpeedReport, source: str,
                 mapped["bucket_bytes"] = _whole(value, path, source) * reduce_item
                 rep.mapped.append((path, f"zero.bucket_bytes (elements x {reduce_item} bytes)"))
         elif key == "stage3_prefetch_bucket_size":
-            mapped["prefetch_bytes"] = _whole(value, path, source) * low
-            rep.mapped.append((path, f"zero.prefetch_bytes (elements x {low} bytes)"))
+            mapped["prefetch"] = _whole(value, path, source) > 0
+            rep.mapped.append((path, "zero.prefetch (> 0: prefetch the next unit; the size itself is not used)"))
         elif key in _ZERO_IGNORED:
             rep.ignored.append((path, _ZERO_IGNORED[key]))
         elif key in _ZERO_CONDITIONAL:

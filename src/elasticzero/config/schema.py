@@ -9,7 +9,7 @@ A YAML/JSON/hjson file mirrors the dataclasses (see ``docs/engine-config.md``)::
     accumulation_steps: 4
     micro_batch_size: 8
 
-Everything has a default; ``None`` means "the piece's own default" (bucket sizes) or "automatic" (loss scaling is on
+Everything has a default; ``None`` means "the piece's own default" (ZeRO options) or "automatic" (loss scaling is on
 exactly when ``precision.dtype`` is fp16). Types are checked by omegaconf; ranges and cross-field rules by
 :func:`elasticzero.config.load.validate`.
 """
@@ -47,7 +47,8 @@ class ZeroConfig:
     # one flat-bucket layout serves the gradient reduce(-scatter) and the parameter all-gather: bytes of the
     # reduction dtype per bucket
     bucket_bytes: int | None = None
-    prefetch_bytes: int | None = None  # stage 3: bytes of parameters gathered ahead
+    prefetch: bool | None = None  # stage 3: all-gather the next unit while the current one computes
+    reshard_after_forward: bool | None = None  # stage 3: free each unit after its forward (3Ψ) or keep it (2Ψ)
 
 
 @dataclass

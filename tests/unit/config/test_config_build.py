@@ -99,7 +99,8 @@ def _worker(rank: int, port: int, out_dir: str, stages: list[int]) -> None:
         results: dict[int, Any] = {}
         for stage in stages:
             model = _model()
-            pieces = build_pieces(model, DS_STAGE, overrides=[f"zero.stage={stage}"])
+            extra = ["zero.prefetch=false", "timers.enabled=true"] if stage == 3 else []
+            pieces = build_pieces(model, DS_STAGE, overrides=[f"zero.stage={stage}", *extra])
             opt, scaler, acc = pieces.optimizer, pieces.scaler, pieces.accumulation
             assert scaler is not None
             for micro in range(4):  # two optimizer steps of two micro-batches
@@ -117,6 +118,9 @@ def _worker(rank: int, port: int, out_dir: str, stages: list[int]) -> None:
                 "inner": type(opt.optim).__name__,
                 "bucket_bytes": getattr(opt, "bucket_bytes", None),
                 "same_group": scaler.process_group is opt.process_group,
+                "prefetch": getattr(opt, "prefetch", None),
+                "timers": opt.timers is pieces.timers,
+                "timed": sorted(pieces.timers.summary()["phases"]),
                 "skipped": scaler.skipped_steps,
                 "full": full,
             }
@@ -158,6 +162,9 @@ def test_ds_config_builds_zero_stages_that_train(tmp_path: Path) -> None:
         assert a["class"] == f"ZeroStage{stage}" and a["inner"] == "AdamW"
         if stage < 3:
             assert a["bucket_bytes"] == 16 * 4  # 16 elements of the fp32 reduction
+            assert a["timers"] is False  # timers off: the stage gets None
+        else:  # stage-3 options and timers reach the stage
+            assert a["prefetch"] is False and a["timers"] is True and a["timed"]
         assert a["same_group"] and a["skipped"] == b["skipped"] == 0
         assert torch.isfinite(a["full"]).all()
         torch.testing.assert_close(a["full"], b["full"], rtol=0, atol=0)

@@ -49,7 +49,7 @@ def test_realistic_ds_config_maps_every_key(tmp_path: Path) -> None:
     f = tmp_path / "ds_config.json"
     f.write_text(REALISTIC)
     cfg = load_config(f, world_size=4)  # detected as DeepSpeed by its keys
-    assert (cfg.zero.stage, cfg.zero.bucket_bytes, cfg.zero.prefetch_bytes) == (3, 5 * 10**8 * 4, 5 * 10**7 * 2)
+    assert (cfg.zero.stage, cfg.zero.bucket_bytes, cfg.zero.prefetch) == (3, 5 * 10**8 * 4, True)
     assert cfg.precision.dtype is Precision.fp16 and not cfg.precision.reduce_in_low_precision
     ls = cfg.precision.loss_scale
     assert (ls.dynamic, ls.init_scale, ls.growth_interval, ls.hysteresis, ls.min_scale) == (True, 4096.0, 500, 2, 1.0)
@@ -148,6 +148,12 @@ def test_optimizer_and_loss_scale_variants() -> None:
     assert (static.precision.loss_scale.dynamic, static.precision.loss_scale.init_scale) == (False, 128.0)
     low, _ = load_deepspeed_config({"bf16": {"enabled": True}, "communication_data_type": "bf16"})
     assert low.precision.dtype is Precision.bf16 and low.precision.reduce_in_low_precision
+
+
+def test_prefetch_size_maps_to_on_off() -> None:
+    off, _ = map_deepspeed({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0}})
+    on, _ = map_deepspeed({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5e7}})
+    assert (off["zero"]["prefetch"], on["zero"]["prefetch"]) == (False, True)
 
 
 def test_bucket_bytes_follow_the_reduction_dtype() -> None:

@@ -29,7 +29,7 @@ def test_yaml_file_maps_onto_the_schema(tmp_path: Path) -> None:
     f.write_text(YAML)
     cfg = load_config(f, world_size=2)
     assert isinstance(cfg, EngineConfig)
-    assert (cfg.zero.stage, cfg.zero.bucket_bytes, cfg.zero.prefetch_bytes) == (2, 1048576, None)
+    assert (cfg.zero.stage, cfg.zero.bucket_bytes, cfg.zero.prefetch) == (2, 1048576, None)
     assert cfg.precision.dtype is Precision.fp16
     assert (cfg.precision.loss_scale.init_scale, cfg.precision.loss_scale.hysteresis) == (1024.0, 1)
     assert cfg.precision.loss_scale.growth_interval == 1000  # default kept
@@ -51,12 +51,13 @@ def test_hjson_comments_and_trailing_commas(tmp_path: Path) -> None:
         """{
   # hash comment
   // line comment
-  zero: { stage: 3, prefetch_bytes: 4096, },   /* block comment */
+  zero: { stage: 3, prefetch: false, reshard_after_forward: false, },   /* block comment */
   accumulation_steps: 2
 }"""
     )
     cfg = load_config(f)
-    assert (cfg.zero.stage, cfg.zero.prefetch_bytes, cfg.accumulation_steps) == (3, 4096, 2)
+    z = cfg.zero
+    assert (z.stage, z.prefetch, z.reshard_after_forward, cfg.accumulation_steps) == (3, False, False, 2)
 
 
 def test_json_file_and_overrides(tmp_path: Path) -> None:

@@ -118,14 +118,28 @@ def write_spec(spec: dict[str, Any], tmp: Path) -> Path:
 
 
 def launch(spec: dict[str, Any], tmp: Path, timeout: float = LAUNCH_TIMEOUT) -> subprocess.CompletedProcess[str]:
-    """Run the plan to completion in a launcher process (hard timeout)."""
-    return subprocess.run(
-        [PYTHON, RUN_PLAN, str(write_spec(spec, tmp))],
+    """Run the plan to completion in a launcher process (hard timeout; the job is killed if it expires)."""
+    try:
+        return subprocess.run(
+            [PYTHON, RUN_PLAN, str(write_spec(spec, tmp))],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            cwd=str(REPO),
+        )
+    except subprocess.TimeoutExpired:
+        kill_job(spec["job_id"])
+        raise
+
+
+def kill_job(job_id: str) -> None:
+    """Clean up after a failed test: ``elasticzero-run --kill-job`` (the namespace hosts share one PID space)."""
+    subprocess.run(
+        [PYTHON, "-m", "elasticzero.agent.cli", "--kill-job", job_id, "--grace", "2"],
         capture_output=True,
-        text=True,
-        timeout=timeout,
+        timeout=60,
         check=False,
-        cwd=str(REPO),
     )
 
 

@@ -1,5 +1,8 @@
 """Test worker: a gloo all_reduce, then a JSON report of what this rank saw, written to $EZ_TEST_OUT/rank-<R>.json.
 
+``EZ_TEST_SLEEP=S``: write ``pid-<RANK>-<pid>`` (content: host name) and sleep S seconds first.
+``EZ_TEST_EXIT_RANK=R:CODE`` (R a rank or ``*``; CODE a number or ``KILL``): after the report, exit that way.
+
 Reports go to files, not stdout: transports interleave the lines of several ranks.
 """
 
@@ -42,7 +45,7 @@ def main() -> int:
     with open(os.path.join(os.environ["EZ_TEST_OUT"], f"rank-{report['dist_rank']}.json"), "w") as f:
         json.dump(report, f)
     rank, _, code = os.environ.get("EZ_TEST_EXIT_RANK", "-1:0").partition(":")
-    if int(rank) == report["dist_rank"]:
+    if rank == "*" or int(rank) == report["dist_rank"]:
         if code == "KILL":
             os.kill(os.getpid(), signal.SIGKILL)
         return int(code)

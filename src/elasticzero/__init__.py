@@ -19,6 +19,10 @@ _LAZY = {
     "LossScaler": "elasticzero.engine.loss_scaler",
     "GradBucketer": "elasticzero.engine.bucketer",
     "PhaseTimers": "elasticzero.engine.timers",
+    "GradAccumulation": "elasticzero.engine.accumulation",
+    "PrecisionPolicy": "elasticzero.engine.precision",
+    "build_pieces": "elasticzero.config.build",
+    "load_config": "elasticzero.config.load",
 }
 
 __all__ = ["__version__", *_LAZY]

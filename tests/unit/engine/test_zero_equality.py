@@ -111,3 +111,12 @@ def test_stage3_shards_params_and_options(report: dict[str, Any]) -> None:
     assert report["s3_no_sync_raises"] is True
     assert report["s3_units_rel"] <= FP32_TOL  # units=nn.Linear, no prefetch, no reshard after forward
     assert report["s3_no_reshard_comm_elems"] == 2 * report["s3_padded"]
+    assert report["s3_units_pred_rel"] <= FP32_TOL  # predicate units, deeper prefetch
+    # default units on a ModuleList model: one per block, tied embedding/head owned by the root
+    assert report["s3_blocks_units"] == ["", "blocks.0", "blocks.1"]
+    assert report["s3_blocks_rel"] <= FP32_TOL
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_timer_phases(report: dict[str, Any], stage: int) -> None:
+    assert report[f"s{stage}_phases"] == ["allgather", "reduce", "step"]

@@ -6,13 +6,14 @@ compares it with the ZeRO run; rank 0 writes ``{scenario: metrics}`` as JSON for
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import functools
 import json
 import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -48,9 +49,26 @@ class Tiny(nn.Module):
         return self.head(self.fc2(x))
 
 
-def make_model() -> Tiny:
+class Blocks(nn.Module):
+    """A GPT-shaped model: tied embedding/head around an ``nn.ModuleList`` of blocks (stage 3's default units)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+def make_model(kind: str = "tiny") -> nn.Module:
     torch.manual_seed(0)
-    return Tiny()
+    return Blocks() if kind == "blocks" else Tiny()
 
 
 def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,8 +87,10 @@ def sched(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
 
 
 @functools.lru_cache(maxsize=4)
-def reference(accum: int = ACCUM, clip: float | None = MAX_NORM) -> tuple[dict[str, torch.Tensor], list[float]]:
-    model = make_model()
+def reference(
+    accum: int = ACCUM, clip: float | None = MAX_NORM, kind: str = "tiny"
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = make_model(kind)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
     sch = sched(opt)
     norms = []
@@ -92,10 +112,11 @@ def zero_run(
     accum: int = ACCUM,
     clip: float | None = MAX_NORM,
     no_sync: bool = False,
+    kind: str = "tiny",
     **kw: Any,
 ) -> tuple[Any, dict[str, torch.Tensor], list[float]]:
     cls = getattr(elasticzero, f"ZeroStage{stage}")
-    model = make_model()
+    model = make_model(kind)
     opt = cls(model, torch.optim.AdamW, lr=LR, weight_decay=WD, precision=precision, bucket_bytes=BUCKET_BYTES, **kw)
     sch = sched(opt)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -114,6 +135,18 @@ def zero_run(
         sch.step()
         opt.zero_grad()
     return opt, opt.full_state_dict(), norms
+
+
+class PhaseRecorder:
+    """Stands in for ``PhaseTimers``: records the phase names it is asked to time."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.seen.add(name)
+        yield
 
 
 class _null:
@@ -146,6 +179,13 @@ def scenario_equality(stage: int, out: dict[str, Any]) -> None:
     if stage == 3:
         _, full_u, _ = zero_run(stage, units=nn.Linear, prefetch=False, reshard_after_forward=False)
         out["s3_units_rel"] = max_rel(full_u, ref)
+        _, full_p, _ = zero_run(
+            stage, units=lambda m: isinstance(m, nn.Linear) and m.bias is not None, prefetch_bytes=1
+        )
+        out["s3_units_pred_rel"] = max_rel(full_p, ref)
+        opt_b, full_b, _ = zero_run(stage, kind="blocks")
+        out["s3_blocks_rel"] = max_rel(full_b, reference(kind="blocks")[0])
+        out["s3_blocks_units"] = sorted(set(opt_b.unit_of_bucket().values()))
     for prec in ("bf16", "fp16"):
         _, full_lp, _ = zero_run(stage, precision=prec)
         out[f"s{stage}_{prec}_rel"] = max_rel(full_lp, ref)
@@ -155,13 +195,15 @@ def scenario_comm_memory(stage: int, out: dict[str, Any]) -> None:
     """One clean step (no accumulation, no clipping): count elements; then the memory report."""
     cls = getattr(elasticzero, f"ZeroStage{stage}")
     model = make_model()
-    opt = cls(model, torch.optim.AdamW, lr=LR, precision="fp32", bucket_bytes=BUCKET_BYTES)
+    timers = PhaseRecorder()
+    opt = cls(model, torch.optim.AdamW, lr=LR, precision="fp32", bucket_bytes=BUCKET_BYTES, timers=timers)
     x, y = batch(0, 0)
     for _ in range(2):  # second step measured (stage 3 records its order on the first)
         opt.comm_stats.reset()
         loss_fn(model(x[:2]), y[:2]).backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
+    out[f"s{stage}_phases"] = sorted(timers.seen)
     padded = sum(b.padded_numel for b in opt.buckets)
     out[f"s{stage}_psi"] = opt.numel
     out[f"s{stage}_padded"] = padded

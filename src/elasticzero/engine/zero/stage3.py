@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from elasticzero.engine.bucketer import GradBucketer, phase
+from elasticzero.engine.bucketer import DEFAULT_BUCKET_BYTES, GradBucketer, phase
+from elasticzero.engine.precision import PrecisionPolicy
 from elasticzero.engine.zero import comm
 from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.flat import FlatBucket, flatten_into, layout_buckets, view_params_into
@@ -44,10 +45,13 @@ class ZeroStage3(ZeroOptimizer):
 
     Args:
         units: which submodules are gathered/freed as one unit: module instances, a module class (or tuple of
-            classes), or a predicate; the root is always a unit. Default: every module owning a trainable parameter
-            directly (fine-grained, many small collectives; pass e.g. ``units=TransformerBlock`` for fewer).
+            classes), or a predicate; the root is always a unit and owns every parameter not inside another unit.
+            Default: every element of every ``nn.ModuleList`` in the model (transformer blocks, as one would
+            ``fully_shard`` them); a model without a ``ModuleList`` gets one unit per module owning a trainable
+            parameter directly.
         reshard_after_forward: free each unit after its forward (3Ψ traffic) or keep it until its backward (2Ψ).
         prefetch: all-gather the next unit asynchronously while the current one computes.
+        prefetch_bytes: keep prefetching further units while their total stays under this many bytes (0: one).
 
     After ``step()`` the module holds only freed views: use :meth:`full_state_dict` for its full state. ``no_sync``
     is not available (gradients are sharded as they are produced).
@@ -60,21 +64,43 @@ class ZeroStage3(ZeroOptimizer):
         module: nn.Module,
         optimizer_class: type[torch.optim.Optimizer],
         *,
+        process_group: Any = None,
+        precision: str | PrecisionPolicy = "fp32",
+        param_groups: Sequence[dict[str, Any]] | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        max_inflight: int = 2,
+        timers: Any = None,
+        sync_module_states: bool = True,
+        cast_forward_inputs: bool = True,
         units: UnitSpec = None,
         reshard_after_forward: bool = True,
         prefetch: bool = True,
-        **kwargs: Any,
+        prefetch_bytes: int = 0,
+        **optimizer_kwargs: Any,
     ) -> None:
         self._unit_spec = units
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
+        self.prefetch_bytes = prefetch_bytes
         self._needed: dict[str, list[int]] = {}
         self._users: dict[int, int] = {}
         self._fwd_order: list[str] = []
         self._fwd_index: dict[str, int] = {}
         self._order_frozen = False
         self._bwd_callback_queued = False
-        super().__init__(module, optimizer_class, **kwargs)
+        super().__init__(
+            module,
+            optimizer_class,
+            process_group=process_group,
+            precision=precision,
+            param_groups=param_groups,
+            bucket_bytes=bucket_bytes,
+            max_inflight=max_inflight,
+            timers=timers,
+            sync_module_states=sync_module_states,
+            cast_forward_inputs=cast_forward_inputs,
+            **optimizer_kwargs,
+        )
         self._hook_handles = []
         modules = dict(module.named_modules())
         for name in self._needed:
@@ -88,6 +114,8 @@ class ZeroStage3(ZeroOptimizer):
         if name == "":
             return True
         if spec is None:
+            if self._list_children:  # blocks of the model's nn.ModuleLists
+                return id(m) in self._list_children
             return any(p is not None and p.requires_grad for p in m._parameters.values())
         if isinstance(spec, type) or (isinstance(spec, tuple) and all(isinstance(c, type) for c in spec)):
             return isinstance(m, spec)
@@ -97,6 +125,7 @@ class ZeroStage3(ZeroOptimizer):
 
     def _build_buckets(self, named: list[tuple[str, nn.Parameter]]) -> list[FlatBucket]:
         modules = list(self.module.named_modules())
+        self._list_children = {id(c) for _, m in modules if isinstance(m, nn.ModuleList) for c in m}
         units = [n for n, m in modules if self._is_unit(n, m)]
         unit_set = set(units)
         registered_by: dict[int, list[str]] = {}
@@ -192,12 +221,20 @@ class ZeroStage3(ZeroOptimizer):
             self._wait(self.buckets[i])
 
     def _prefetch(self, unit: str, step: int) -> None:
-        if not (self.prefetch and self._order_frozen):
+        """Start gathering the next unit(s) in forward order (``step=+1``) or backward order (``step=-1``)."""
+        if not (self.prefetch and self._order_frozen and unit in self._fwd_index):
             return
-        j = self._fwd_index.get(unit, -1) + step
-        if unit in self._fwd_index and 0 <= j < len(self._fwd_order):
+        j, budget = self._fwd_index[unit] + step, self.prefetch_bytes
+        while 0 <= j < len(self._fwd_order):
+            nbytes = 0
             for i in self._needed[self._fwd_order[j]]:
-                self._gather(self.buckets[i])
+                b = self.buckets[i]
+                nbytes += b.padded_numel * self.policy.param_dtype.itemsize
+                self._gather(b)
+            budget -= nbytes
+            j += step
+            if budget <= 0:
+                break
 
     # -- module hooks ------------------------------------------------------------------------------------------------
     def _pre_forward(self, unit: str, module: nn.Module, args: Any) -> None:

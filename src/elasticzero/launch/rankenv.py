@@ -69,7 +69,7 @@ def _int(env: Mapping[str, str], name: str) -> int:
     try:
         return int(env[name])
     except (KeyError, ValueError):
-        raise UsageError(f"{PROG}: ${name} is missing or not an integer") from None
+        raise UsageError(f"${name} is missing or not an integer") from None
 
 
 def resolve(
@@ -79,7 +79,7 @@ def resolve(
     fam = next((f for f in FAMILIES if f[1] in env), None)
     if fam is None:
         names = ", ".join(f[1] for f in FAMILIES)
-        raise UsageError(f"{PROG}: no scheduler rank variable found (looked for {names})")
+        raise UsageError(f"no scheduler rank variable found (looked for {names})")
     _, v_rank, v_size, v_local, v_lsize = fam
     t_rank, t_size, t_local = _int(env, v_rank), _int(env, v_size), _int(env, v_local)
     if not table:
@@ -90,7 +90,7 @@ def resolve(
         starts.append(acc)
         acc += len(slots)
     if acc != t_size:
-        raise UsageError(f"{PROG}: the node table has {acc} slots but the scheduler started {t_size} ranks")
+        raise UsageError(f"the node table has {acc} slots but the scheduler started {t_size} ranks")
     if node_host_env:
         host = env.get(node_host_env, "")
         names = [h for h, _ in table]
@@ -100,19 +100,19 @@ def resolve(
         elif host.split(".")[0] in short:
             node = short.index(host.split(".")[0])
         else:
-            raise UsageError(f"{PROG}: ${node_host_env}={host!r} is not a host of the node table {names}")
+            raise UsageError(f"${node_host_env}={host!r} is not a host of the node table {names}")
         local = t_local
     else:
         node = max(i for i, s in enumerate(starts) if s <= t_rank)
         local = t_rank - starts[node]
         if local != t_local:
             raise UsageError(
-                f"{PROG}: rank {t_rank} has local rank {t_local}, expected {local}: "
+                f"rank {t_rank} has local rank {t_local}, expected {local}: "
                 "the scheduler did not place ranks in hostfile-order blocks"
             )
     slots = tuple(int(s) for s in table[node][1])
     if local >= len(slots):
-        raise UsageError(f"{PROG}: local rank {local} but node {table[node][0]!r} has {len(slots)} slots")
+        raise UsageError(f"local rank {local} but node {table[node][0]!r} has {len(slots)} slots")
     return RankInfo(starts[node] + local, acc, local, len(slots), node, len(table), slots)
 
 
@@ -183,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if entry and entry[0] == "--":
             entry = entry[1:]
         if not entry:
-            raise UsageError(f"{PROG}: nothing to run (give the script after --)")
+            raise UsageError("nothing to run (give the script after --)")
         table = json.loads(args.node_table) if args.node_table else None
         info = resolve(os.environ, table, args.node_host_env)
         env = {**os.environ, **torch_env(info, args.master_addr, args.master_port)}

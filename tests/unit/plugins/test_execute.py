@@ -1,0 +1,98 @@
+"""execute(): real local processes; exit codes, 128+signal, --save-pid, env order, SIGTERM/SIGINT cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from plugin_plans import make_plan
+
+from elasticzero.launch.backend import Command, LauncherBackend
+from elasticzero.launch.execute import execute, exit_code
+from elasticzero.launch.plan import LaunchPlan
+
+
+class Scripted(LauncherBackend):
+    """A backend whose commands are given python snippets (real processes, no transport)."""
+
+    name = "scripted"
+
+    def __init__(self, *snippets: str, env: dict[str, str] | None = None) -> None:
+        self.snippets, self.env = snippets, env or {}
+
+    def commands(self, plan: LaunchPlan) -> list[Command]:
+        return [Command(argv=(sys.executable, "-c", s), env=self.env) for s in self.snippets]
+
+
+def test_exit_code_mapping() -> None:
+    assert [exit_code(c) for c in (0, 3, -9, -15)] == [0, 3, 137, 143]
+
+
+def test_success_failure_and_signal_death(tmp_path: Path) -> None:
+    plan = make_plan("scripted", cwd=str(tmp_path))
+    assert execute(plan, Scripted("pass", "pass")) == 0
+    assert execute(plan, Scripted("import sys; sys.exit(3)", "import time; time.sleep(0.5)")) == 3
+    assert execute(plan, Scripted("import os; os.kill(os.getpid(), 9)")) == 137
+
+
+def test_cwd_env_order_and_save_pid(tmp_path: Path) -> None:
+    pid_file = tmp_path / "launcher.pid"
+    out = tmp_path / "out.json"
+    snippet = (
+        "import json,os; json.dump([os.getcwd(), list(os.environ)[-2:], os.environ['B'],"
+        f" open({str(pid_file)!r}).read()], open({str(out)!r}, 'w'))"
+    )
+    plan = make_plan("scripted", cwd=str(tmp_path), options={"save_pid": str(pid_file)})
+    assert execute(plan, Scripted(snippet, env={"PATH": os.environ["PATH"], "B": "x\ny"})) == 0
+    cwd, last, b, pid = json.loads(out.read_text())
+    assert cwd == str(tmp_path) and last == ["PATH", "B"] and b == "x\ny"
+    assert pid.strip() == str(os.getpid())
+    assert not pid_file.exists()
+
+
+LAUNCHER = """
+import os, sys, json
+sys.path.insert(0, {tests!r})
+from plugin_plans import make_plan
+from elasticzero.launch.backend import Command, LauncherBackend
+from elasticzero.launch.execute import execute
+
+class Sleepy(LauncherBackend):
+    name = "sleepy"
+    def commands(self, plan):
+        code = "import os,time; open(os.path.join({tmp!r}, 'child-%d' % os.getpid()), 'w').close(); time.sleep(300)"
+        return [Command(argv=(sys.executable, "-c", code))] * 2
+    def stop_job(self, plan):
+        open(os.path.join({tmp!r}, "stop_job-called"), "w").close()
+
+sys.exit(execute(make_plan("sleepy", cwd={tmp!r}), Sleepy()))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_everything(tmp_path: Path, sig: signal.Signals) -> None:
+    script = tmp_path / "launcher.py"
+    script.write_text(textwrap.dedent(LAUNCHER.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))))
+    proc = subprocess.Popen([sys.executable, str(script)])
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("child-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        children = [int(p.name.split("-")[1]) for p in tmp_path.glob("child-*")]
+        assert len(children) == 2
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == 128 + sig
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (tmp_path / "stop_job-called").exists()
+    for pid in children:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

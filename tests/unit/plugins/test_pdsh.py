@@ -1,0 +1,78 @@
+"""pdsh: the one remote shell string, checked by running it through real pdsh (``-R exec``) and bash."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from plugin_plans import HOSTILE, make_plan
+
+from elasticzero.errors import UsageError
+from elasticzero.launch.backend import get_launcher
+from elasticzero_plugins.pdsh import remote_command
+from ez_testing import require
+
+PROG = "import json,os,sys; print(json.dumps([os.getcwd(), {k: v for k, v in os.environ.items() if k.startswith('EZT_')}, sys.argv[1:]]))"  # noqa: E501
+
+
+def test_pdsh_argv_shape_and_ssh_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PDSH_SSH_ARGS_APPEND", raising=False)
+    (cmd,) = get_launcher("pdsh").commands(make_plan("pdsh", options={"ssh_port": 2222}))
+    assert list(cmd.argv[:-1]) == ["pdsh", "-R", "ssh", "-S", "-f", "32", "-w", "node1,node2"]
+    remote = cmd.argv[-1]
+    assert remote.count("%h") == 1 and "--node-host %h " in remote
+    assert remote.startswith("export NCCL_DEBUG=INFO; export ELASTICZERO_JOB_ID=ez-test-1; cd /work/dir && exec ")
+    assert cmd.env == {"PDSH_SSH_ARGS_APPEND": "-o BatchMode=yes -p 2222"}
+
+
+def test_percent_in_user_data_is_escaped_for_pdsh() -> None:
+    text = remote_command({"V": "50%h"}, "/d%n", ["p", "%u", "X"], host_placeholder="X")
+    assert text == "export V=50%%h; cd /d%%n && exec p %%u %h"
+
+
+def test_launcher_args_go_before_the_remote_command() -> None:
+    (cmd,) = get_launcher("pdsh").commands(make_plan("pdsh", launcher_args=("-u", "30")))
+    assert list(cmd.argv[-3:-1]) == ["-u", "30"]
+
+
+def test_remote_string_through_real_pdsh_and_bash(tmp_path: Path) -> None:
+    require(shutil.which("pdsh") is not None, "pdsh not installed (run: bash tests/cluster/up.sh)")
+    mark = tmp_path / "mark"
+    mark.mkdir()
+    hostile = [*HOSTILE, f"$(touch {mark}/a)", f"`touch {mark}/b`", f";touch {mark}/c"]
+    env = {"EZT_A": "x,y 'q' \"d\" $(touch {m}/e)\nz %h %%".replace("{m}", str(mark)), "EZT_EMPTY": ""}
+    cwd = tmp_path / "cwd $(touch ezpwn-cwd) `touch ezpwn-cwd` 'q' #x * %h\nl2"
+    cwd.mkdir()
+    remote = remote_command(
+        env, str(cwd), [sys.executable, "-c", PROG, "HOSTSLOT", *hostile], host_placeholder="HOSTSLOT"
+    )
+    p = subprocess.run(
+        ["pdsh", "-R", "exec", "-N", "-w", "ha,hb", "bash", "-c", remote],
+        capture_output=True, text=True, timeout=60, check=False, env={**os.environ, "EZT_LEAK": "no"},
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    seen = sorted(json.loads(line) for line in p.stdout.splitlines())
+    assert [s[2][0] for s in seen] == ["ha", "hb"]  # %h became each host's name
+    for got_cwd, got_env, argv in seen:
+        assert got_cwd == str(cwd)
+        assert argv[1:] == hostile
+        assert {k: v for k, v in got_env.items() if k != "EZT_LEAK"} == env
+    assert list(mark.iterdir()) == []
+    assert not any((d / "ezpwn-cwd").exists() for d in (tmp_path, Path.cwd(), Path.home()))
+
+
+def test_preflight_names_the_host_that_failed() -> None:
+    require(shutil.which("ssh") is not None, "ssh client not installed")
+    plan = make_plan("pdsh", [("no-such-host.invalid", [0])], options={"ssh_check": True})
+    with pytest.raises(UsageError, match=r"passwordless ssh to 'no-such-host\.invalid' failed .*--no-ssh-check"):
+        get_launcher("pdsh").preflight(plan)
+
+
+def test_no_ssh_check_skips_preflight() -> None:
+    plan = make_plan("pdsh", [("no-such-host.invalid", [0])], options={"ssh_check": False})
+    get_launcher("pdsh").preflight(plan)  # nothing raised, nothing contacted

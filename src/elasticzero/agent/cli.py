@@ -89,6 +89,9 @@ def _launch(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     rdzv_configs(config.rdzv_configs, user_keys, settings, config.rdzv_backend)
     os.environ.update(agent_env(settings.job_id, settings.node.slots if settings.node else None, settings.cpus))
+    # torch >= 2.4 lets workers reuse the rank-0 agent's rendezvous TCPStore, without a per-round key prefix: after
+    # a restart the new workers read the dead workers' gloo/NCCL keys and hang. A fresh store per round avoids it.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     entrypoint, entry_args = (cmd, cmd_args) if callable(cmd) else shim_argv(sys.executable, cmd, cmd_args)
     try:
         result, agent = launch(config, entrypoint, entry_args, health_file=settings.health_file)

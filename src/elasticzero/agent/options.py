@@ -30,9 +30,11 @@ from elasticzero.errors import UsageError
 DYNAMIC_BACKENDS = frozenset({"c10d", "elasticzero", "etcd-v2"})
 
 #: rendezvous settings elasticzero-run uses unless --rdzv-conf sets them (or --torch-rdzv-defaults is given):
-#: a dead node is noticed after keep_alive_interval * keep_alive_max_attempt = 3 s instead of 15 s, and a
-#: round with at least min nodes closes 2 s after the last join instead of 30 s.
-RDZV_DEFAULTS = {"keep_alive_interval": "1", "keep_alive_max_attempt": "3", "last_call_timeout": "2"}
+#: a dead node is noticed after keep_alive_interval * keep_alive_max_attempt = 4 s instead of 15 s, and a round
+#: with at least min nodes closes 2 s after the last join instead of 30 s. Keep max_attempt >= 3: a live node's
+#: heartbeat is up to 2 intervals old (the keep-alive timer skips a beat when it fires just early), so with 2 a
+#: live but busy node can be dropped from the round without noticing.
+RDZV_DEFAULTS = {"keep_alive_interval": "1", "keep_alive_max_attempt": "4", "last_call_timeout": "2"}
 
 IDENTITY_FLAGS = ("--node-rank", "--node-rank-env", "--node-host", "--node-host-env")
 
@@ -76,6 +78,8 @@ def add_agent_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--grace", type=float, default=5.0, help="with --kill-job: seconds between SIGTERM and SIGKILL")
     # unset detection: torch defaults these (node_rank=0, nproc_per_node="1", nnodes="1:1")
     parser.set_defaults(node_rank=None, nproc_per_node=None, nnodes=None)
+    # per-rank log files named by global rank and attempt (elasticzero.agent.logs) unless --logs-specs says otherwise
+    parser.set_defaults(logs_specs="elasticzero")
 
 
 def resolve(

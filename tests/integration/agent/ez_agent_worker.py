@@ -2,6 +2,7 @@
 
 Writes ``OUT_DIR/report.<pid>.json`` (rank, world size, env, allowed cpus) after one all_reduce. Options:
 ``loop=1`` keep all-reducing every 0.1 s until ``OUT_DIR/stop`` exists (all ranks stop together);
+``idle=1`` wait for ``OUT_DIR/stop`` without any collective;
 ``fail_rank=R fail_code=C`` rank R exits with C after the first all_reduce (via torch's ``@record`` when
 ``record=1``, raising so an error file is written); ``grandchild=1`` start a ``sleep`` in its own session first.
 """
@@ -56,10 +57,14 @@ def main() -> None:
     tmp = out / f".report.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(report))
     os.replace(tmp, out / f"report.{os.getpid()}.json")
+    print(f"hello from rank {rank}", flush=True)
     if "fail_rank" in opts and int(opts["fail_rank"]) == rank:
         if opts.get("record") == "1":
             raise RuntimeError(f"deliberate failure of rank {rank}")
         sys.exit(int(opts.get("fail_code", "3")))
+    if opts.get("idle") == "1":  # no collectives: only the agents can tell this worker about a failure
+        while not (out / "stop").exists():
+            time.sleep(0.1)
     if opts.get("loop") == "1":
         flag = torch.zeros(1)
         while True:

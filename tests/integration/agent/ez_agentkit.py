@@ -7,6 +7,7 @@ Cleanup is scoped: the pids we started, their descendants, and processes carryin
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ WORKER = Path(__file__).with_name("ez_agent_worker.py")
 ELASTICZERO_RUN = Path(sys.executable).with_name("elasticzero-run")
 
 #: short rendezvous timeouts so faults resolve in seconds
-FAST_RDZV = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,close_timeout=10"
+FAST_RDZV = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=4,close_timeout=10"
 
 
 @dataclass
@@ -101,6 +102,23 @@ class Cluster:
         for path in sorted(self.out.glob("report.*.json")):
             out.append(json.loads(path.read_text()))
         return out
+
+    def reports_since(self, t: float, world_size: int | None = None) -> list[dict[str, Any]]:
+        """Reports written after wall-clock time ``t`` (optionally only those of a given world size)."""
+        return [r for r in self.reports() if r["time"] > t and (world_size is None or r["world_size"] == world_size)]
+
+    def wait_store(self, endpoint: str, timeout: float = 120) -> None:
+        """Wait until the first agent's TCPStore listens on ``endpoint`` (so it, not a later agent, hosts it)."""
+        host, port = endpoint.rsplit(":", 1)
+
+        def listening() -> bool:
+            try:
+                socket.create_connection((host, int(port)), timeout=0.5).close()
+                return True
+            except OSError:
+                return False
+
+        wait_for(listening, timeout, f"rendezvous store on {endpoint}", self.agents)
 
     def cleanup(self) -> None:
         procs = descendants(a.proc.pid for a in self.agents)

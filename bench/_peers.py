@@ -1,0 +1,194 @@
+"""The benchmark's peers: one training setup each, behind one small interface (forward+backward, step, zero_grad).
+
+Every peer trains the same GPT (same seed, same batch) with ``torch.optim.AdamW`` at the same hyper-parameters.
+Imports of optional stacks (elasticzero, DeepSpeed) happen inside the builders, after the collective counter is
+installed, so their calls are counted.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from _measure import ddp_counting_hook
+
+PEERS = (
+    "ddp",
+    "torch_zero1",
+    "fsdp2",
+    "fsdp2_keep",
+    "ez_stage1",
+    "ez_stage2",
+    "ez_stage3",
+    "ds_stage1",
+    "ds_stage2",
+    "ds_stage3",
+)
+"""Run order. ``torch_zero1`` = DDP + ``ZeroRedundancyOptimizer``; ``fsdp2`` = ``fully_shard`` with
+``reshard_after_forward=True``, ``fsdp2_keep`` with ``False``; ``ez_stageN`` = elasticzero ``ZeroStageN``;
+``ds_stageN`` = DeepSpeed ZeRO stage N on CPU."""
+
+# bytes per parameter per rank held by fp32 AdamW training per the ZeRO paper (N ranks): params, grads, 2 states
+FORMULA: dict[str, Callable[[int], float]] = {
+    "ddp": lambda n: 16.0,
+    "torch_zero1": lambda n: 4 + 4 + 8 / n,
+    "fsdp2": lambda n: 16 / n,
+    "fsdp2_keep": lambda n: 16 / n,
+    "ez_stage1": lambda n: 4 + 4 + 8 / n,
+    "ez_stage2": lambda n: 4 + (4 + 8) / n,
+    "ez_stage3": lambda n: 16 / n,
+    "ds_stage1": lambda n: 4 + 4 + 8 / n,
+    "ds_stage2": lambda n: 4 + (4 + 8) / n,
+    "ds_stage3": lambda n: 16 / n,
+}
+# communication per rank per step in units of Ψ, as the ZeRO paper counts it (all-reduce = 2Ψ)
+COMM_GOAL = {
+    "ddp": 2,
+    "torch_zero1": 3,
+    "fsdp2": 3,
+    "fsdp2_keep": 2,
+    "ez_stage1": 2,
+    "ez_stage2": 2,
+    "ez_stage3": 3,
+    "ds_stage1": 2,
+    "ds_stage2": 2,
+    "ds_stage3": 3,
+}
+
+
+@dataclass
+class Peer:
+    """A built training setup: ``net`` is what is called on the batch; ``step``/``zero_grad`` drive the optimizer."""
+
+    net: nn.Module
+    step: Callable[[], None]
+    zero_grad: Callable[[], None]
+    backward: Callable[[torch.Tensor], None] = field(default=lambda loss: loss.backward())
+    engine_comm: Callable[[], dict[str, int]] | None = None
+    """The engine's own collective counter (elements by op), when it has one."""
+    memory_report: Callable[[], dict[str, float]] | None = None
+    """The engine's own held-memory report (bytes by category), when it has one."""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _adamw_kwargs(lr: float) -> dict[str, Any]:
+    return {"lr": lr, "betas": (0.9, 0.95), "weight_decay": 0.0}
+
+
+def build_ddp(model: nn.Module, lr: float, bucket_mb: float) -> Peer:
+    """DDP (gradient buckets as grad views) + AdamW; a counting comm hook equal to torch's default all-reduce."""
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+    ddp.register_comm_hook(None, ddp_counting_hook)
+    opt = torch.optim.AdamW(ddp.parameters(), **_adamw_kwargs(lr))
+    return Peer(ddp, opt.step, lambda: opt.zero_grad(set_to_none=False))
+
+
+def build_torch_zero1(model: nn.Module, lr: float, bucket_mb: float) -> Peer:
+    """DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer`` (torch's ZeRO-1: whole-tensor state sharding)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+    ddp.register_comm_hook(None, ddp_counting_hook)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **_adamw_kwargs(lr))
+    return Peer(ddp, opt.step, lambda: opt.zero_grad(set_to_none=False))
+
+
+def build_fsdp2(model: nn.Module, lr: float, reshard_after_forward: bool) -> Peer:
+    """FSDP2: ``fully_shard`` each transformer block, then the root; plain AdamW over the DTensor shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    opt = torch.optim.AdamW(model.parameters(), **_adamw_kwargs(lr))
+    return Peer(model, opt.step, lambda: opt.zero_grad(set_to_none=True))
+
+
+def build_ez(model: nn.Module, lr: float, stage: int, bucket_mb: float) -> Peer:
+    """elasticzero ``ZeroStage{stage}`` wrapping AdamW; reads the engine's own collective counter."""
+    import elasticzero
+
+    cls = getattr(elasticzero, f"ZeroStage{stage}")
+    kwargs: dict[str, Any] = {"precision": "fp32", **_adamw_kwargs(lr)}
+    accepted = inspect.signature(cls).parameters
+    for name in ("bucket_bytes", "reduce_bucket_bytes", "bucket_size_bytes"):
+        if name in accepted:
+            kwargs[name] = int(bucket_mb * 2**20)
+    opt = cls(model, torch.optim.AdamW, **kwargs)
+    stats = opt.comm_stats  # counts this optimizer's collectives, tagged by purpose
+
+    def engine_comm() -> dict[str, int]:
+        out: dict[str, int] = {}
+        for (op, tag), n in stats.elements.items():
+            if tag in ("grad", "param"):
+                out[op] = out.get(op, 0) + n
+        return out
+
+    info = {"kwargs": {k: v for k, v in kwargs.items() if k != "betas"}}
+    return Peer(
+        model,
+        opt.step,
+        lambda: opt.zero_grad(set_to_none=True),
+        engine_comm=engine_comm,
+        memory_report=opt.memory_report,
+        info=info,
+    )
+
+
+def build_ds(model: nn.Module, lr: float, stage: int, bucket_mb: float, batch_size: int) -> Peer:
+    """DeepSpeed ZeRO ``stage`` on CPU (``DS_ACCELERATOR=cpu``, gloo) with a client ``torch.optim.AdamW``."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    bucket = int(bucket_mb * 2**20 / 4)  # DeepSpeed bucket sizes are in elements
+    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+    if stage == 3:
+        zero.update({"stage3_prefetch_bucket_size": bucket, "stage3_param_persistence_threshold": 0})
+    config = {
+        "train_micro_batch_size_per_gpu": batch_size,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    opt = torch.optim.AdamW(model.parameters(), **_adamw_kwargs(lr))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    info = {"deepspeed": deepspeed.__version__, "zero_optimization": zero}
+    return Peer(engine, engine.step, lambda: None, backward=engine.backward, info=info)
+
+
+def build(name: str, model: nn.Module, lr: float, bucket_mb: float, batch_size: int) -> Peer:
+    """Build peer ``name`` around ``model`` (already on CPU, same initial weights on every rank)."""
+    if name == "ddp":
+        return build_ddp(model, lr, bucket_mb)
+    if name == "torch_zero1":
+        return build_torch_zero1(model, lr, bucket_mb)
+    if name in ("fsdp2", "fsdp2_keep"):
+        return build_fsdp2(model, lr, reshard_after_forward=name == "fsdp2")
+    if name.startswith("ez_stage"):
+        return build_ez(model, lr, int(name[-1]), bucket_mb)
+    if name.startswith("ds_stage"):
+        return build_ds(model, lr, int(name[-1]), bucket_mb, batch_size)
+    raise ValueError(f"unknown peer {name!r}")
+
+
+def preflight(name: str) -> str | None:
+    """A reason to skip ``name`` in this interpreter (checked on every rank before any collective), or ``None``."""
+    try:
+        if name.startswith("ez_stage"):
+            import elasticzero
+
+            getattr(elasticzero, f"ZeroStage{name[-1]}")
+        elif name.startswith("ds_stage"):
+            import deepspeed  # noqa: F401
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -1,0 +1,143 @@
+"""Summarise the benchmark's per-rank JSON results into rows, a markdown table and a ratios section."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from _peers import COMM_GOAL, FORMULA
+
+MiB = 2**20
+OP_ABBREV = {"reduce_scatter": "RS", "all_gather": "AG", "all_reduce": "AR", "broadcast": "BC", "reduce": "R"}
+
+
+def summarise(peer: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from every rank's result: worst rank for memory and traffic, per-step slowest rank for time."""
+    first = ranks[0]
+    if "skipped" in first or "error" in first:
+        return {"peer": peer, "status": first.get("skipped") or first.get("error")}
+    psi, world = first["params"], first["world_size"]
+    held_points = [(r["held_bytes"][p]["total"], r["held_bytes"][p], p) for r in ranks for p in r["held_bytes"]]
+    held_total, held_split, held_at = max(held_points, key=lambda h: h[0])
+    per_step = [max(ts) for ts in zip(*(r["step_times_s"] for r in ranks), strict=True)]
+    units = max(r["comm_paper_units_per_step"] for r in ranks)
+    comm = ranks[0]["comm_elements_per_step"]
+    engine = first.get("engine_comm_elements_per_step")
+    formula = FORMULA[peer](world)
+    reports = [rep for r in ranks for rep in (r.get("engine_memory_report") or {}).values()]
+    engine_mem = max((rep["total"] / psi for rep in reports), default=None)
+    return {
+        "peer": peer,
+        "status": "ok",
+        "params": psi,
+        "world_size": world,
+        "held_B_per_param": held_total / psi,
+        "held_split_B_per_param": {k: v / psi for k, v in held_split.items() if k != "total"},
+        "held_at": held_at,
+        "formula_B_per_param": formula,
+        "held_vs_formula": held_total / psi / formula,
+        "engine_report_B_per_param": engine_mem,
+        "comm_psi": units / psi,
+        "comm_goal_psi": COMM_GOAL[peer],
+        "comm_split_psi": {op: n / psi for op, n in comm.items() if n},
+        "engine_comm_psi": None if engine is None else sum(engine.values()) / psi,
+        "step_ms_median": 1000 * statistics.median(per_step),
+        "step_ms_min": 1000 * min(per_step),
+        "step_ms_max": 1000 * max(per_step),
+        "peak_rss_MiB": max(r["vmhwm_kib"] for r in ranks) / 1024,
+        "start_rss_MiB": max(r["rss_start_kib"] for r in ranks) / 1024,
+        "final_loss": statistics.fmean(r["losses"][-1] for r in ranks),
+    }
+
+
+def _split(d: dict[str, float], abbrev: dict[str, str] | None = None) -> str:
+    return " + ".join(f"{(abbrev or {}).get(k, k)} {v:.2f}" for k, v in d.items() if v >= 0.005) or "-"
+
+
+COLUMNS = (
+    "peer",
+    "held B/param",
+    "formula",
+    "x formula",
+    "held split (params+grads+state+other)",
+    "engine report B/param",
+    "comm Ψ/step",
+    "goal",
+    "comm split",
+    "engine counter Ψ",
+    "step ms median [min-max]",
+    "peak RSS MiB",
+    "final loss",
+)
+
+
+def _opt(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _cells(r: dict[str, Any]) -> list[str]:
+    if r["status"] != "ok":
+        return [r["peer"], f"skipped: {r['status']}"] + [""] * (len(COLUMNS) - 2)
+    split = r["held_split_B_per_param"]
+    return [
+        r["peer"],
+        f"{r['held_B_per_param']:.3f}",
+        f"{r['formula_B_per_param']:g}",
+        f"{r['held_vs_formula']:.3f}",
+        "+".join(f"{split[k]:.2f}" for k in ("params", "grads", "state", "other")),
+        _opt(r["engine_report_B_per_param"], ".3f"),
+        f"{r['comm_psi']:.4f}",
+        str(r["comm_goal_psi"]),
+        _split(r["comm_split_psi"], OP_ABBREV),
+        _opt(r["engine_comm_psi"], ".4f"),
+        f"{r['step_ms_median']:.0f} [{r['step_ms_min']:.0f}-{r['step_ms_max']:.0f}]",
+        f"{r['peak_rss_MiB']:.0f}",
+        f"{r['final_loss']:.4f}",
+    ]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table (one row per peer; skipped peers say why)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _ratio(rows: dict[str, dict[str, Any]], a: str, b: str, key: str) -> float | None:
+    if rows.get(a, {}).get("status") == "ok" and rows.get(b, {}).get("status") == "ok":
+        return rows[a][key] / rows[b][key]
+    return None
+
+
+def ratios(rows_list: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """The goals of issue 4 as measured ratios (markdown lines, and the same as data)."""
+    rows = {r["peer"]: r for r in rows_list}
+    checks: list[tuple[str, float | None, float, str]] = []  # label, measured, goal, comparison
+    for s in (1, 2, 3):
+        peer = f"ez_stage{s}"
+        r = rows.get(peer, {})
+        ok = r.get("status") == "ok"
+        checks.append((f"{peer} held bytes / ZeRO formula", r["held_vs_formula"] if ok else None, 1.02, "<="))
+        checks.append((f"{peer} comm / ({COMM_GOAL[peer]}Ψ)", r["comm_psi"] / COMM_GOAL[peer] if ok else None, 1, "=="))
+    time = "step_ms_median"
+    for s in (1, 2):
+        checks.append((f"ez_stage{s} step time / ddp", _ratio(rows, f"ez_stage{s}", "ddp", time), 1.05, "<="))
+    checks.append(("ez_stage3 step time / fsdp2", _ratio(rows, "ez_stage3", "fsdp2", time), 1.0, "<="))
+    checks.append(("ez_stage3 step time / fsdp2_keep", _ratio(rows, "ez_stage3", "fsdp2_keep", time), 1, "<="))
+    for s in (1, 2, 3):
+        checks.append((f"ez_stage{s} peak RSS / fsdp2", _ratio(rows, f"ez_stage{s}", "fsdp2", "peak_rss_MiB"), 1, "<="))
+    for s in (1, 2, 3):
+        peer, ds = f"ez_stage{s}", f"ds_stage{s}"
+        checks.append((f"{peer} step time / {ds}", _ratio(rows, peer, ds, "step_ms_median"), 1, "<="))
+        checks.append((f"{peer} peak RSS / {ds}", _ratio(rows, peer, ds, "peak_rss_MiB"), 1, "<="))
+    checks.append(("torch_zero1 comm / (3Ψ)", rows.get("torch_zero1", {}).get("comm_psi", 0) / 3 or None, 1, "=="))
+    lines, data = [], {}
+    for label, value, goal, cmp in checks:
+        if value is None:
+            verdict, shown = "not measured (a peer was skipped or failed)", "-"
+        else:
+            met = abs(value - goal) < 1e-9 if cmp == "==" else value <= goal
+            verdict, shown = ("met" if met else "MISSED"), f"{value:.4f}"
+        lines.append(f"- {label}: {shown} (goal {cmp} {goal:g}) — {verdict}")
+        data[label] = {"value": value, "goal": goal, "cmp": cmp}
+    return "\n".join(lines), data

@@ -1,0 +1,145 @@
+"""One rank of one benchmark peer (started by ``bench/engine_bench.py``; RANK/WORLD_SIZE/MASTER_* come from env).
+
+Phases: warm-up steps; timed steps (wall time per step); peak RSS (VmHWM) read; one step with held-tensor scans after
+backward and after the optimizer step; ``--comm-steps`` steps with the collective counter on. Writes one JSON file.
+Runs under the project's venv or the optional DeepSpeed venv, so it imports only torch, stdlib and examples/gpt.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "examples"), str(HERE.parent / "src")]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from _measure import COUNTER, held_tensor_bytes, proc_status_kib  # noqa: E402
+
+COUNTER.install()  # before any engine import, so `from torch.distributed import X` in engines gets the wrapper
+
+import _peers  # noqa: E402
+from gpt import GPT, config_for, lm_loss, num_params, synthetic_batch  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    """Worker flags (set by the driver)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--peer", required=True, choices=_peers.PEERS)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--size", default="bench")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--comm-steps", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
+    """Build the peer, run every phase, return this rank's measurements."""
+    rss_start = proc_status_kib("VmRSS")
+    cfg = config_for(args.size, block_size=max(args.seq_len, config_for(args.size).block_size))
+    torch.manual_seed(args.seed)
+    model = GPT(cfg)
+    psi = num_params(model)
+    x, y = synthetic_batch(cfg, args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed + 1 + rank))
+    peer = _peers.build(args.peer, model, args.lr, args.bucket_mb, args.batch_size)
+    torch.set_num_threads(1)  # engines may reset it at init
+
+    def one_step() -> float:
+        loss = lm_loss(peer.net(x), y)
+        peer.backward(loss)
+        peer.step()
+        peer.zero_grad()
+        return float(loss.detach())
+
+    losses, times = [], []
+    for _ in range(args.warmup):
+        losses.append(one_step())
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        losses.append(one_step())
+        times.append(time.perf_counter() - t0)
+    vmhwm = proc_status_kib("VmHWM")
+
+    # held tensors: after backward (full/sharded grads present) and after the step (before zero_grad)
+    loss = lm_loss(peer.net(x), y)
+    peer.backward(loss)
+    losses.append(float(loss.detach()))
+    del loss
+    held_bwd = held_tensor_bytes([model], exclude=(x, y))
+    engine_mem = {"after_backward": peer.memory_report()} if peer.memory_report else None
+    peer.step()
+    held_step = held_tensor_bytes([model], exclude=(x, y))
+    if engine_mem is not None and peer.memory_report:
+        engine_mem["after_step"] = peer.memory_report()
+    peer.zero_grad()
+
+    engine_before = peer.engine_comm() if peer.engine_comm else None
+    COUNTER.reset()
+    COUNTER.enabled = True
+    for _ in range(args.comm_steps):
+        losses.append(one_step())
+    COUNTER.enabled = False
+    engine_comm = None
+    if peer.engine_comm and engine_before is not None:
+        after = peer.engine_comm()
+        engine_comm = {op: (n - engine_before.get(op, 0)) / args.comm_steps for op, n in after.items()}
+    return {
+        "peer": args.peer,
+        "rank": rank,
+        "world_size": world,
+        "params": psi,
+        "model": {"size": args.size, **cfg.__dict__},
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "step_times_s": times,
+        "losses": losses,
+        "held_bytes": {"after_backward": held_bwd, "after_step": held_step},
+        "comm_elements_per_step": {op: n / args.comm_steps for op, n in COUNTER.elements.items()},
+        "comm_calls_per_step": {op: n / args.comm_steps for op, n in COUNTER.calls.items()},
+        "comm_paper_units_per_step": COUNTER.paper_units() / args.comm_steps,
+        "engine_comm_elements_per_step": engine_comm,
+        "engine_memory_report": engine_mem,
+        "vmhwm_kib": vmhwm,
+        "rss_start_kib": rss_start,
+        "rss_end_kib": proc_status_kib("VmRSS"),
+        "torch": torch.__version__,
+        "info": peer.info,
+    }
+
+
+def main() -> int:
+    """Preflight (both ranks agree to skip without any collective), init gloo, run, write JSON."""
+    args = parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver asks for stacks before killing a hang
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    skip = _peers.preflight(args.peer)
+    if skip:
+        result: dict[str, Any] = {"peer": args.peer, "rank": rank, "skipped": skip}
+    else:
+        dist.init_process_group("gloo")
+        try:
+            result = run(args, rank, world)
+        finally:
+            dist.destroy_process_group()
+    args.out.write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

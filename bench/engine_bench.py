@@ -1,0 +1,171 @@
+"""Side-by-side ZeRO engine benchmark: elasticzero stages vs DDP, torch ZeRO-1, FSDP2 and DeepSpeed, on CPU.
+
+One driver invocation runs every peer in turn, each in a fresh pair of gloo rank processes on 127.0.0.1, then prints
+a markdown table and the goal ratios of issue 4 and saves everything (per-rank raw data included) as JSON under
+``bench/results/``. Every number comes from that run; see ``bench/README.md`` for what each column measures.
+
+    .venv/bin/python bench/engine_bench.py            # full run (~30M-param GPT)
+    .venv/bin/python bench/engine_bench.py --quick    # ~1 minute smoke run (~4M params, fewer steps)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _peers import PEERS  # noqa: E402
+from _report import ratios, summarise, table  # noqa: E402
+
+DEFAULT_DS_VENV = Path(os.environ.get("EZ_DS_VENV", "/work/ds-venv"))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line; ``--quick`` changes the defaults of size and step counts (explicit flags still win)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small model (~4M), 1 warm-up + 3 timed steps")
+    p.add_argument("--peers", default=",".join(PEERS), help=f"comma list from: {', '.join(PEERS)}")
+    p.add_argument("--size", default=None, help="GPT size from examples/gpt.py (default bench; quick: small)")
+    p.add_argument("--batch-size", type=int, default=4, help="micro-batch per rank (default 4)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sample (default 64)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; quick: 1)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 6; quick: 3)")
+    p.add_argument("--comm-steps", type=int, default=None, help="counted steps (default 2; quick: 1)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient/gather bucket size for every peer")
+    p.add_argument("--world-size", type=int, default=2, help="ranks per peer (default 2)")
+    p.add_argument("--ds-python", type=Path, default=DEFAULT_DS_VENV / "bin" / "python", help="DeepSpeed venv python")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per peer before its ranks are killed")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/engine_bench-<utc>.json)")
+    args = p.parse_args(argv)
+    quick = {"size": "small", "warmup": 1, "steps": 3, "comm_steps": 1}
+    full = {"size": "bench", "warmup": 2, "steps": 6, "comm_steps": 2}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    unknown = set(args.peers.split(",")) - set(PEERS)
+    if unknown:
+        p.error(f"unknown peers: {', '.join(sorted(unknown))}")
+    return args
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_peer(peer: str, args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    """Start ``world_size`` rank processes for ``peer``, wait, and return their JSON results (or one error row)."""
+    python = sys.executable
+    if peer.startswith("ds_stage"):
+        if not args.ds_python.exists():
+            return [{"peer": peer, "skipped": f"no DeepSpeed venv at {args.ds_python} (bash bench/_ds_venv.sh)"}]
+        python = str(args.ds_python)
+    port = free_port()
+    flags = [
+        f"--peer={peer}",
+        f"--size={args.size}",
+        f"--batch-size={args.batch_size}",
+        f"--seq-len={args.seq_len}",
+        f"--warmup={args.warmup}",
+        f"--steps={args.steps}",
+        f"--comm-steps={args.comm_steps}",
+        f"--bucket-mb={args.bucket_mb}",
+    ]
+    procs, outs, logs = [], [], []
+    for rank in range(args.world_size):
+        out, log = workdir / f"{peer}.rank{rank}.json", workdir / f"{peer}.rank{rank}.log"
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(args.world_size),
+            "LOCAL_WORLD_SIZE": str(args.world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "DS_ACCELERATOR": "cpu",
+            "PYTHONUNBUFFERED": "1",
+        }
+        with open(log, "w") as log_f:
+            argv = [python, str(HERE / "_worker.py"), *flags, f"--out={out}"]
+            procs.append(subprocess.Popen(argv, env=env, stdout=log_f, stderr=subprocess.STDOUT))
+        outs.append(out)
+        logs.append(log)
+    deadline = time.monotonic() + args.timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGUSR1)  # faulthandler: Python stacks into the rank's log
+            time.sleep(2)
+            for p in procs:
+                p.kill()
+            for p in procs:
+                p.wait()
+            return [{"peer": peer, "error": f"timed out after {args.timeout:.0f}s (logs: {logs[0].parent})"}]
+    results = []
+    for proc, out, log in zip(procs, outs, logs, strict=True):
+        if proc.returncode != 0 or not out.exists():
+            tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            return [{"peer": peer, "error": f"rank exited {proc.returncode}: {tail[0][:200]} (log: {log})"}]
+        results.append(json.loads(out.read_text()))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every requested peer sequentially, print the table and ratios, save JSON."""
+    args = parse_args(argv)
+    started = datetime.now(timezone.utc)
+    out = args.out or HERE / "results" / f"engine_bench-{started:%Y%m%dT%H%M%SZ}.json"
+    workdir = out.with_suffix("")  # per-rank JSON + logs beside the summary
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(
+        f"engine_bench: {started:%Y-%m-%d %H:%M:%S} UTC  size={args.size} batch={args.batch_size} seq={args.seq_len} "
+        f"ranks={args.world_size} warmup={args.warmup} steps={args.steps} comm-steps={args.comm_steps} "
+        f"cpus={os.cpu_count()} load={os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
+    raw, rows, loads = {}, [], {}
+    for peer in args.peers.split(","):
+        t0, load0 = time.monotonic(), os.getloadavg()[0]
+        raw[peer] = run_peer(peer, args, workdir)
+        rows.append(summarise(peer, raw[peer]))
+        loads[peer] = {"load_before": load0, "load_after": os.getloadavg()[0], "wall_s": time.monotonic() - t0}
+        status = rows[-1]["status"]
+        shown = f"{rows[-1]['step_ms_median']:.0f} ms/step" if status == "ok" else status
+        print(f"  {peer:12s} {loads[peer]['wall_s']:6.1f}s  load {load0:.2f}->{loads[peer]['load_after']:.2f}  {shown}")
+    ratio_text, ratio_data = ratios(rows)
+    print("\n" + table(rows) + "\n\nRatios (goals from issue 4):\n" + ratio_text)
+    doc = {
+        "started_utc": started.isoformat(),
+        "argv": sys.argv,
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "cpus": os.cpu_count(),
+        "loads": loads,
+        "rows": rows,
+        "ratios": ratio_data,
+        "table_markdown": table(rows),
+        "raw": raw,
+    }
+    out.write_text(json.dumps(doc, indent=1, default=str))
+    print(f"\nsaved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

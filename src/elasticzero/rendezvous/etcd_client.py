@@ -240,21 +240,23 @@ class EtcdClient:
         req = self.rpc.LeaseRevokeRequest(ID=lease_id)
         self.call(lambda ep, t: ep.lease.LeaseRevoke(req, timeout=t, metadata=ep.metadata), what="lease revoke", **kw)
 
-    def watch_for_put(self, key: bytes, start_revision: int, timeout: float) -> bool:
-        """Block until ``key`` is put at or after ``start_revision`` (True) or ``timeout`` passes (False).
+    def watch_until(self, keys: list[bytes], ready: Callable[[], bool], timeout: float) -> bool:
+        """Block until ``ready()`` is true (True) or ``timeout`` passes (False), re-checking on each put to ``keys``.
 
-        One watch on one key (events replayed from ``start_revision``, so a put that happened between the caller's
-        read and this call is not missed). Connection errors are retried like any other call.
+        One watch covers every key (the range from the smallest to the largest). It starts at the current revision,
+        so etcd serves it as a synced watcher (no catch-up delay), and ``ready()`` is checked once the watch exists:
+        a put before that is seen by the check, a put after it wakes the watch. That is TCPStore's semantics (a key
+        set and deleted before the wait started is not seen). Connection errors are retried like any other call.
         """
         deadline = time.monotonic() + timeout
         create = self.rpc.WatchCreateRequest(
-            key=key, start_revision=start_revision, filters=[self.rpc.WatchCreateRequest.NODELETE]
+            key=min(keys), range_end=max(keys) + b"\0", filters=[self.rpc.WatchCreateRequest.NODELETE]
         )
 
         def op(ep: _Endpoint, _rpc_timeout: float) -> bool:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return False
+                return ready()
             done = threading.Event()
 
             def requests() -> Iterator[Any]:
@@ -264,11 +266,9 @@ class EtcdClient:
             stream = ep.watch.Watch(requests(), timeout=remaining, metadata=ep.metadata)
             try:
                 for resp in stream:
-                    if resp.compact_revision:
-                        return True  # history compacted: let the caller re-read the key
-                    if resp.events:
+                    if (resp.created or resp.events) and ready():
                         return True
-                return False
+                return ready()
             except self._grpc.RpcError:
                 # etcd 3.4 ends a timed-out watch with DEADLINE_EXCEEDED, 3.5 with UNKNOWN "context deadline exceeded"
                 if time.monotonic() >= deadline - 0.1:

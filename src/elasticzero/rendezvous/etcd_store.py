@@ -1,7 +1,7 @@
 """A :class:`torch.distributed.Store` on etcd v3, for the agents' bookkeeping around a rendezvous.
 
-Keys live under ``<prefix>/<run_id>/store/`` and are attached to the writing agent's lease. ``wait`` watches the
-missing keys (one watch per key, replayed from the revision of the read that found it missing), it does not poll.
+Keys live under ``<prefix>/<run_id>/store/`` and are attached to the writing agent's lease. ``wait`` opens one watch
+over the missing keys and re-reads them when one is put (it does not poll), with TCPStore's semantics.
 Timeouts raise :class:`torch.distributed.DistStoreError`, like torch's TCPStore.
 """
 
@@ -61,17 +61,22 @@ class EtcdStore(Store):
         return values, int(resp.header.revision)
 
     def _wait_missing(self, keys: list[bytes], deadline: float) -> list[bytes]:
-        """Block until every key exists; their values (a key deleted meanwhile is waited for again)."""
-        while True:
-            values, revision = self._read(keys)
-            missing = [k for k, v in zip(keys, values, strict=True) if v is None]
-            if not missing:
-                return [v for v in values if v is not None]
-            for k in missing:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._client.watch_for_put(k, revision + 1, remaining):
-                    names = ", ".join(m[len(self._prefix) :].decode(errors="replace") for m in missing)
-                    raise DistStoreError(f"etcd store wait timed out after {self.timeout} for key(s): {names}")
+        """Block until every key exists (one watch over the missing ones); their values."""
+        found: list[bytes] = []
+        missing: list[bytes] = []
+
+        def ready() -> bool:
+            values, _ = self._read(keys)
+            missing[:] = [k for k, v in zip(keys, values, strict=True) if v is None]
+            found[:] = [v for v in values if v is not None]
+            return not missing
+
+        if ready():
+            return found
+        if not self._client.watch_until(list(missing), ready, max(0.0, deadline - time.monotonic())):
+            names = ", ".join(k[len(self._prefix) :].decode(errors="replace") for k in missing)
+            raise DistStoreError(f"etcd store wait timed out after {self.timeout} for key(s): {names}")
+        return found
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting (up to the store timeout) until it exists."""

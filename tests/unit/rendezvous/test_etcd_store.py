@@ -109,14 +109,14 @@ def test_get_honours_the_store_timeout(etcd: EtcdCluster) -> None:
         client.close()
 
 
-def test_wait_sees_a_put_that_was_deleted_before_the_watch_started(store: EtcdStore) -> None:
-    """The watch replays from the read's revision: a put+delete racing the read is still seen."""
-    k = store._key("flash")
-    values, revision = store._read([k])
-    assert values == [None]
-    store.set("flash", "1")
-    store.delete_key("flash")
-    assert store._client.watch_for_put(k, revision + 1, timeout=5)
+def test_multi_get_waits_for_the_last_of_several_keys(store: EtcdStore) -> None:
+    other = _second(store)
+    store.set("m1", "a")
+    threading.Timer(0.3, lambda: other.set("m3", "c")).start()
+    threading.Timer(0.8, lambda: other.set("m2", "b")).start()
+    t0 = time.monotonic()
+    assert store.multi_get(["m1", "m2", "m3"]) == [b"a", b"b", b"c"]
+    assert 0.6 < time.monotonic() - t0 < 5
 
 
 def test_through_torch_prefix_store_as_the_agent_uses_it(store: EtcdStore) -> None:

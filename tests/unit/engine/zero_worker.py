@@ -66,6 +66,17 @@ class Blocks(nn.Module):
         return self.head(x)
 
 
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def groups(model: nn.Module) -> list[dict[str, Any]]:
+    """Weight decay on matrices only, and a different lr for the vectors (torch's usual two groups)."""
+    mats = [p for p in trainable(model) if p.dim() >= 2]
+    vecs = [p for p in trainable(model) if p.dim() < 2]
+    return [{"params": mats}, {"params": vecs, "weight_decay": 0.0, "lr": 2 * LR}]
+
+
 def make_model(kind: str = "tiny") -> nn.Module:
     torch.manual_seed(0)
     return Blocks() if kind == "blocks" else Tiny()
@@ -88,10 +99,10 @@ def sched(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
 
 @functools.lru_cache(maxsize=4)
 def reference(
-    accum: int = ACCUM, clip: float | None = MAX_NORM, kind: str = "tiny"
+    accum: int = ACCUM, clip: float | None = MAX_NORM, kind: str = "tiny", grouped: bool = False
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     model = make_model(kind)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    opt = torch.optim.AdamW(groups(model) if grouped else trainable(model), lr=LR, weight_decay=WD)
     sch = sched(opt)
     norms = []
     for step in range(STEPS):
@@ -113,10 +124,13 @@ def zero_run(
     clip: float | None = MAX_NORM,
     no_sync: bool = False,
     kind: str = "tiny",
+    grouped: bool = False,
     **kw: Any,
 ) -> tuple[Any, dict[str, torch.Tensor], list[float]]:
     cls = getattr(elasticzero, f"ZeroStage{stage}")
     model = make_model(kind)
+    if grouped:
+        kw["param_groups"] = groups(model)
     opt = cls(model, torch.optim.AdamW, lr=LR, weight_decay=WD, precision=precision, bucket_bytes=BUCKET_BYTES, **kw)
     sch = sched(opt)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -186,6 +200,8 @@ def scenario_equality(stage: int, out: dict[str, Any]) -> None:
         opt_b, full_b, _ = zero_run(stage, kind="blocks")
         out["s3_blocks_rel"] = max_rel(full_b, reference(kind="blocks")[0])
         out["s3_blocks_units"] = sorted(set(opt_b.unit_of_bucket().values()))
+    _, full_g, _ = zero_run(stage, grouped=True)
+    out[f"s{stage}_groups_rel"] = max_rel(full_g, reference(grouped=True)[0])
     for prec in ("bf16", "fp16"):
         _, full_lp, _ = zero_run(stage, precision=prec)
         out[f"s{stage}_{prec}_rel"] = max_rel(full_lp, ref)

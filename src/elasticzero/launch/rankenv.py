@@ -85,22 +85,23 @@ def resolve(
     if not table:
         lsize = _int(env, v_lsize) if v_lsize else 1
         return RankInfo(t_rank, t_size, t_local, lsize, 0, 1, None)
-    starts, acc = [], 0
-    for _, slots in table:
+    starts: list[int] = []
+    acc = 0
+    for _, node_slots in table:
         starts.append(acc)
-        acc += len(slots)
+        acc += len(node_slots)
     if acc != t_size:
         raise UsageError(f"the node table has {acc} slots but the scheduler started {t_size} ranks")
     if node_host_env:
         host = env.get(node_host_env, "")
-        names = [h for h, _ in table]
-        short = [h.split(".")[0] for h in names]
-        if host in names:
-            node = names.index(host)
+        hosts = [h for h, _ in table]
+        short = [h.split(".")[0] for h in hosts]
+        if host in hosts:
+            node = hosts.index(host)
         elif host.split(".")[0] in short:
             node = short.index(host.split(".")[0])
         else:
-            raise UsageError(f"${node_host_env}={host!r} is not a host of the node table {names}")
+            raise UsageError(f"${node_host_env}={host!r} is not a host of the node table {hosts}")
         local = t_local
     else:
         node = max(i for i, s in enumerate(starts) if s <= t_rank)

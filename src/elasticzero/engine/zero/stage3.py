@@ -7,7 +7,8 @@ master shard (kept by the optimizer). Before a unit's forward its bucket is all-
 views, and whatever autograd saved from them, see the data again), after it the storage is freed; before the unit's
 backward (a hook on its outputs' gradients) it is gathered again, and once every parameter of the unit has its
 gradient the storage is freed and the gradient bucket reduce-scattered (ordered by :class:`GradBucketer`). The next
-unit (forward order, recorded on the first iteration) is prefetched with an async all-gather.
+unit is prefetched with an async all-gather: in forward, the order units started their forward; in backward, the
+reverse of the order they finished it (both recorded on the first iteration, identical on every rank).
 
 A parameter shared by several modules (tied weights) belongs to the nearest unit enclosing all of them (often the
 root), so it stays gathered through that unit's forward and is gathered once per pass, never twice.
@@ -86,6 +87,8 @@ class ZeroStage3(ZeroOptimizer):
         self._users: dict[int, int] = {}
         self._fwd_order: list[str] = []
         self._fwd_index: dict[str, int] = {}
+        self._bwd_order: list[str] = []  # reverse order of forward completion
+        self._bwd_index: dict[str, int] = {}
         self._order_frozen = False
         self._bwd_callback_queued = False
         super().__init__(
@@ -220,19 +223,19 @@ class ZeroStage3(ZeroOptimizer):
         for i in self._needed[unit]:
             self._wait(self.buckets[i])
 
-    def _prefetch(self, unit: str, step: int) -> None:
-        """Start gathering the next unit(s) in forward order (``step=+1``) or backward order (``step=-1``)."""
-        if not (self.prefetch and self._order_frozen and unit in self._fwd_index):
+    def _prefetch(self, unit: str, order: list[str], index: dict[str, int]) -> None:
+        """Start gathering the unit(s) after ``unit`` in ``order`` (recorded on the first iteration)."""
+        if not (self.prefetch and self._order_frozen and unit in index):
             return
-        j, budget = self._fwd_index[unit] + step, self.prefetch_bytes
-        while 0 <= j < len(self._fwd_order):
+        j, budget = index[unit] + 1, self.prefetch_bytes
+        while j < len(order):
             nbytes = 0
-            for i in self._needed[self._fwd_order[j]]:
+            for i in self._needed[order[j]]:
                 b = self.buckets[i]
                 nbytes += b.padded_numel * self.policy.param_dtype.itemsize
                 self._gather(b)
             budget -= nbytes
-            j += step
+            j += 1
             if budget <= 0:
                 break
 
@@ -244,9 +247,12 @@ class ZeroStage3(ZeroOptimizer):
         self._use(unit)
         for i in self._needed[unit]:
             self._users[i] += 1
-        self._prefetch(unit, +1)
+        self._prefetch(unit, self._fwd_order, self._fwd_index)
 
     def _post_forward(self, unit: str, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._order_frozen and unit not in self._bwd_index:  # backward visits units in reverse of this
+            self._bwd_order.insert(0, unit)
+            self._bwd_index = {u: k for k, u in enumerate(self._bwd_order)}
         for i in self._needed[unit]:
             self._users[i] -= 1
             if self._users[i] == 0 and self.reshard_after_forward:
@@ -272,7 +278,7 @@ class ZeroStage3(ZeroOptimizer):
             self._bwd_callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
         self._use(unit)
-        self._prefetch(unit, -1)
+        self._prefetch(unit, self._bwd_order, self._bwd_index)
 
     def _on_ready(self, b: FlatBucket) -> None:
         if self._users[b.index] == 0:

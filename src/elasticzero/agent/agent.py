@@ -89,8 +89,19 @@ class ElasticZeroAgent(LocalElasticAgent):
 
 
 def root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
-    """The global rank that failed first (by error-file timestamp, as torch's ``ChildFailedError``) and its failure."""
-    rank = min(failures, key=lambda r: (failures[r].timestamp, r))
+    """The global rank that failed first, and its failure.
+
+    Ordered by torch's failure timestamp (from the error file, else the time the agent saw the exit — whole
+    seconds), then collateral last: torch's process context SIGTERMs the other local workers as soon as one fails
+    and reports them as failures too, so a SIGTERM exit without an error file loses a tie. Then by rank.
+    """
+
+    def key(rank: int) -> tuple[int, bool, int]:
+        f = failures[rank]
+        collateral = f.exitcode == -signal.SIGTERM and not os.path.isfile(f.error_file)
+        return f.timestamp, collateral, rank
+
+    rank = min(failures, key=key)
     return rank, failures[rank]
 
 

@@ -12,6 +12,7 @@ itself was stopped by signal N; 1 for other agent errors (rendezvous timeout/clo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -80,8 +81,9 @@ def _launch(args: argparse.Namespace) -> int:
     from elasticzero.agent.launch import launch
     from elasticzero.agent.options import rdzv_configs, resolve
 
-    _standalone(args)
     settings = resolve(args)
+    _standalone(args)
+    settings = dataclasses.replace(settings, job_id=args.rdzv_id)  # --standalone picks the id
     try:
         user_keys = set(_parse_rendezvous_config(args.rdzv_conf))
         config, cmd, cmd_args = config_from_args(args)
@@ -125,8 +127,7 @@ def _standalone(args: argparse.Namespace) -> None:
     if args.standalone:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
-        nnodes = args.nnodes or "1"
-        if nnodes.split(":")[-1] == "1" and not args.node_table:
+        if args.nnodes.split(":")[-1] == "1":
             args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500

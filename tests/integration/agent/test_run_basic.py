@@ -109,3 +109,18 @@ def _expand(cpus: str) -> list[int]:
         lo, _, hi = part.partition("-")
         out += list(range(int(lo), int(hi or lo) + 1))
     return out
+
+
+def test_failed_group_torn_down_with_grandchildren_and_health_file(cluster: Cluster) -> None:
+    health = cluster.tmp / "health.json"
+    opts = ["idle=1", "grandchild=1", "fail_rank=1", "fail_code=7"]
+    argv = cluster.argv(f"127.0.0.1:{free_port()}", "1", nproc=2, health=health, worker_opts=opts)
+    agent = cluster.start(argv)
+    state = wait_for(lambda: (s := agent.state()) and s["state"] == "running" and s, 120, "health: running")
+    assert state["agent_pid"] == agent.proc.pid and len(state["worker_pids"]) == 2 and state["world_size"] == 2
+    assert agent.proc.wait(timeout=120) == 7  # the root-cause rank's exit code
+    assert "root cause: rank 1" in agent.output()
+    grandchildren = [r["grandchild"] for r in cluster.reports()]
+    assert len(grandchildren) == 2 and not any(alive(p) for p in grandchildren)  # left the process group, still killed
+    assert not health.exists()  # removed when the agent exits
+    assert cluster.leftovers() == []

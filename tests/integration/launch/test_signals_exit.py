@@ -19,23 +19,27 @@ from test_real_launch import MARKS, OPTIONS, bed
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(420)]
 
 SIGNAL_CASES = [
-    ("pdsh", signal.SIGTERM),
-    ("pdsh", signal.SIGINT),
-    ("openmpi", signal.SIGTERM),
-    ("mpich", signal.SIGINT),
-    ("slurm", signal.SIGTERM),
+    ("pdsh", signal.SIGTERM, False),
+    ("pdsh", signal.SIGINT, False),
+    ("openmpi", signal.SIGTERM, False),
+    ("mpich", signal.SIGINT, False),
+    ("slurm", signal.SIGTERM, False),
+    ("mpich", signal.SIGTERM, True),
+    ("slurm", signal.SIGINT, True),
 ]
 
 
-def _case(backend: str, sig: signal.Signals) -> Any:
-    return pytest.param(backend, sig, marks=MARKS[backend], id=f"{backend}-{sig.name}")
+def _case(backend: str, sig: signal.Signals, per_rank: bool) -> Any:
+    mode = "-per-rank" if per_rank else ""
+    return pytest.param(backend, sig, per_rank, marks=MARKS[backend], id=f"{backend}{mode}-{sig.name}")
 
 
-@pytest.mark.parametrize(("backend", "sig"), [_case(b, s) for b, s in SIGNAL_CASES])
-def test_signal_stops_job_on_every_host(backend: str, sig: signal.Signals, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("backend", "sig", "per_rank"), [_case(*c) for c in SIGNAL_CASES])
+def test_signal_stops_job_on_every_host(backend: str, sig: signal.Signals, per_rank: bool, tmp_path: Path) -> None:
     tb, hosts = bed(backend)
     nodes = [[hosts[0], [0, 1]], [hosts[1], [0, 1]]]
-    spec = make_spec(tb, backend, tmp_path, nodes=nodes, env={"EZ_TEST_SLEEP": "600"}, options=OPTIONS.get(backend))
+    options = {**OPTIONS.get(backend, {}), "per_rank": per_rank}
+    spec = make_spec(tb, backend, tmp_path, nodes=nodes, env={"EZ_TEST_SLEEP": "600"}, options=options)
     out = Path(spec["env"]["EZ_TEST_OUT"])
     proc = start(spec, tmp_path)
     try:

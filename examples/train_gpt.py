@@ -7,8 +7,11 @@ MASTER_ADDR and MASTER_PORT; run directly, it is a world of one on 127.0.0.1::
     python examples/train_gpt.py --zero 0 --steps 5
 
 The training loop is the plain torch loop: forward, loss, ``backward``, clip, ``step``, ``zero_grad``. The ZeRO
-stage is an optimizer wrapper; nothing owns the loop. Data is synthetic and made locally (no downloads): every rank
-draws its own micro-batches from a seeded generator, so the global batch is ``world_size * batch_size``.
+stage is an optimizer wrapper; nothing owns the loop. With ``--precision fp16`` an ``elasticzero.LossScaler`` (shaped
+like ``torch.amp.GradScaler``) scales the loss and skips steps with inf/NaN gradients on every rank alike.
+
+Data is synthetic and made locally (no downloads): every rank draws its own micro-batches from a seeded generator,
+so the global batch is ``world_size * batch_size``.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sample (default 32)")
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 3e-3)")
     p.add_argument("--clip", type=float, default=None, help="global gradient-norm clip, 0 = off (default 1.0)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="compute precision")
+    p.add_argument(
+        "--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="ZeRO compute precision; DDP is fp32"
+    )
     p.add_argument("--seed", type=int, default=1234, help="model init seed (same on every rank)")
     p.add_argument("--ds-config", type=Path, default=None, help="DeepSpeed-style JSON (e.g. examples/ds_config.json)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (default 1)")
@@ -103,6 +108,15 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace, device: torch.de
     return model, stage_cls(model, torch.optim.AdamW, lr=args.lr, precision=args.precision)
 
 
+def make_scaler(precision: str) -> Any:
+    """A dynamic ``LossScaler`` for fp16 (bf16 and fp32 need none)."""
+    if precision != "fp16":
+        return None
+    from elasticzero import LossScaler
+
+    return LossScaler()
+
+
 def clip_gradients(model: nn.Module, opt: Any, max_norm: float) -> float:
     """Clip by global norm; ZeRO stages know their shards, DDP grads are already whole."""
     if max_norm <= 0:
@@ -116,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     """Train ``--steps`` steps, print the loss each step and a final summary line on rank 0."""
     args = parse_args(argv)
     apply_ds_config(args)
+    if args.zero == 0 and args.precision != "fp32":
+        raise SystemExit("train_gpt: --precision applies to the ZeRO stages; --zero 0 (DDP) runs fp32")
     torch.set_num_threads(args.threads)
     rank, world, device = init_distributed()
     try:
@@ -123,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(args.seed)  # same initial weights on every rank
         model = GPT(cfg).to(device)
         net, opt = build_optimizer(model, args, device)
+        scaler = make_scaler(args.precision)
         gen = torch.Generator().manual_seed(args.seed + 1000 * (rank + 1))  # each rank its own data
         if rank == 0:
             print(
@@ -134,11 +151,18 @@ def main(argv: list[str] | None = None) -> int:
         for step in range(1, args.steps + 1):
             x, y = (t.to(device) for t in synthetic_batch(cfg, args.batch_size, args.seq_len, gen))
             loss = lm_loss(net(x), y)
-            loss.backward()
-            norm = clip_gradients(net, opt, args.clip)
-            opt.step()
+            if scaler is None:
+                loss.backward()
+                norm = clip_gradients(net, opt, args.clip)
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)  # clip the true gradients
+                norm = clip_gradients(net, opt, args.clip)
+                scaler.step(opt)  # skipped on every rank if any rank saw inf/NaN
+                scaler.update()
             opt.zero_grad(set_to_none=True)
-            avg = loss.detach().clone()
+            avg = loss.detach().float()
             dist.all_reduce(avg)  # for printing only: the mean loss over ranks
             loss_val = avg.item() / world
             first = loss_val if step == 1 else first

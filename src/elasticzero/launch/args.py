@@ -3,6 +3,14 @@
 The launcher's own flags end at the first argument that is not a flag (the training script) or at ``--``;
 everything after that belongs to the user's script and is passed on untouched, even when it looks like one of our
 flags. :func:`parse_args` returns the parsed flags and that entry (script + its arguments).
+
+Flags whose value is optional follow one fixed rule each, so a flag never silently swallows the script:
+
+* ``--dry-run`` takes ``text`` or ``json`` either attached (``--dry-run=json``) or as the next argument
+  (``--dry-run json``); only those two exact words are taken, anything else starts the entry.
+* ``--save-pid`` takes a path only attached (``--save-pid=PATH``); a bare ``--save-pid`` uses the default path and
+  the next argument is the script. A next argument ending in ``.pid`` is an error (it would run the pid file as
+  the script); write ``--save-pid=PATH``, or ``--save-pid -- NAME.pid`` for a script really named like that.
 """
 
 from __future__ import annotations
@@ -98,8 +106,23 @@ def build_parser() -> argparse.ArgumentParser:
     l_.add_argument("--node-rank", "--node_rank", type=_nonneg_int, metavar="R", help="this node's rank (--no-ssh)")
     l_.add_argument("--force-multi", "--force_multi", action="store_true", help="multi-node backend for one node")
     l_.add_argument("--per-rank", "--per_rank", action="store_true", help="mpi/slurm start every rank directly")
-    l_.add_argument("--dry-run", "--dry_run", nargs="?", const="text", choices=["text", "json"], help="print the plan")
-    l_.add_argument("--save-pid", "--save_pid", nargs="?", const="", metavar="PATH", help="write the launcher pid")
+    l_.add_argument(
+        "--dry-run",
+        "--dry_run",
+        nargs="?",
+        const="text",
+        choices=["text", "json"],
+        help="print the plan and start nothing: --dry-run [text|json] or --dry-run=json",
+    )
+    l_.add_argument(
+        "--save-pid",
+        "--save_pid",
+        nargs="?",
+        const="",
+        metavar="PATH",
+        help="write the launcher pid; a path only as --save-pid=PATH "
+        "(default $XDG_RUNTIME_DIR/elasticzero-<pid>.pid, else a private temp dir)",
+    )
     l_.add_argument("--export", action="append", default=[], metavar="NAME", help="also export NAME (repeatable)")
     l_.add_argument("--export-prefix", "--export_prefix", action="append", default=[], metavar="P", help="prefix")
     a = p.add_argument_group("rendezvous and agent")
@@ -123,13 +146,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _option_table(parser: argparse.ArgumentParser) -> dict[str, bool]:
-    """Every option string → whether it takes a separate value (``nargs='?'`` only takes one via ``=``)."""
-    table: dict[str, bool] = {}
+#: a separate argument after ``--save-pid`` with this ending is almost certainly the pid path, not the script
+PID_SUFFIX = ".pid"
+
+
+def _option_table(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Every option string → its action."""
+    table: dict[str, argparse.Action] = {}
     for action in parser._actions:  # argparse has no public accessor for this
         for opt in action.option_strings:
-            table[opt] = action.nargs is None
+            table[opt] = action
     return table
+
+
+def _takes_next(action: argparse.Action, name: str, following: str | None) -> bool:
+    """Whether the option ``name`` (given without ``=value``) takes ``following`` as its value.
+
+    Options with a required value always take it; an optional value with fixed choices (``--dry-run json``) is
+    taken only when ``following`` is exactly one of the choices; any other optional value (``--save-pid``) is
+    never taken from a separate argument — see the module docstring.
+    """
+    if action.nargs is None:
+        return True
+    if action.nargs != "?" or following is None:
+        return False
+    if action.choices is not None:
+        return following in action.choices
+    if following.endswith(PID_SUFFIX) and action.dest == "save_pid":
+        raise UsageError(
+            f"{name} takes its path only as {name}=PATH: {following!r} would run as the training script; "
+            f"write {name}={following} (or {name} -- {following} if that is the script)"
+        )
+    return False
 
 
 def split_entry(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -153,7 +201,8 @@ def split_entry(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[l
             if hint:
                 raise UsageError(f"{name} is not supported: {hint}")
             raise UsageError(f"unknown option {tok!r}; see {PROG} --help (script arguments go after the script)")
-        i += 2 if table[name] and not attached else 1
+        following = argv[i + 1] if i + 1 < len(argv) else None
+        i += 2 if not attached and _takes_next(table[name], name, following) else 1
     return argv, []
 
 

@@ -7,6 +7,10 @@ Flow: parse flags (:mod:`.args`) → discover the pool (:mod:`.resources`) → `
 
 Backend options the plan carries in ``plan.options``: ``ssh_port`` (int | None), ``ssh_check`` (bool),
 ``node_rank`` (int | None, ``--no-ssh``), ``per_rank`` (bool), ``save_pid`` (path | None), ``force_multi`` (bool).
+
+Two checks guard the plan as a whole: a plan that spans several nodes (or an elastic ``--nnodes MIN:MAX`` with
+MAX > 1 on a multi-node backend) must not rendezvous on a loopback address (every node would host its own store),
+and the default ``--save-pid`` path is never a predictable name in a shared directory (see :func:`default_pid_file`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import re
 import secrets
 import shlex
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -27,12 +32,16 @@ from elasticzero.launch import backend as backend_mod
 from elasticzero.launch.args import DEFAULT_MASTER_PORT, PROG, parse_args
 from elasticzero.launch.envexport import export_env
 from elasticzero.launch.filters import apply_filters, select_first
-from elasticzero.launch.hostfile import ResourcePool, host_problem, normalize_host
+from elasticzero.launch.hostfile import ResourcePool, host_problem, is_loopback, normalize_host
 from elasticzero.launch.plan import AgentOptions, LaunchPlan, NodeSpec, mask_value, redact
 from elasticzero.launch.resources import LOCALHOST, discover
 
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _NNODES = re.compile(r"(\d+)(?::(\d+))?")
+#: backends that only ever start this machine's node
+SINGLE_NODE_BACKENDS = frozenset({"local"})
+#: the pid file inside the private directory made when ``$XDG_RUNTIME_DIR`` is not usable
+PID_FILE_NAME = "launcher.pid"
 
 
 def make_job_id() -> str:
@@ -66,6 +75,14 @@ def _rdzv_conf(text: str | None) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+def _launcher_args(text: str) -> tuple[str, ...]:
+    """``--launcher-args`` split with shell rules; unbalanced quotes are a :class:`UsageError`."""
+    try:
+        return tuple(shlex.split(text))
+    except ValueError as exc:  # "No closing quotation", "No escaped character"
+        raise UsageError(f"--launcher-args {text!r}: {exc}; balance the quotes") from None
+
+
 def _master_addr(addr: str | None) -> str | None:
     if addr is None:
         return None
@@ -73,6 +90,51 @@ def _master_addr(addr: str | None) -> str | None:
     if host is None:
         raise UsageError(f"--master-addr: {host_problem(addr)}")
     return host
+
+
+def _check_master_reachable(master_addr: str, explicit: bool, n_nodes: int, nnodes: str, backend: str) -> None:
+    """A rendezvous on a loopback address with more than one node is a split brain: refuse it.
+
+    More than one node means: several nodes in the plan, or an elastic ``--nnodes MIN:MAX`` with MAX > 1 on a
+    backend that can start other machines. Only the literal text is checked (no DNS).
+    """
+    max_nodes = int(nnodes.rpartition(":")[2])
+    elastic = max_nodes > 1 and backend not in SINGLE_NODE_BACKENDS
+    if not is_loopback(master_addr) or (n_nodes <= 1 and not elastic):
+        return
+    what = f"{n_nodes} nodes" if n_nodes > 1 else f"up to {max_nodes} nodes (--nnodes {nnodes})"
+    where = f"--master-addr {master_addr}" if explicit else f"the first host {master_addr!r}"
+    fix = (
+        "pass --master-addr with the first host's routable name or address"
+        if explicit
+        else "list the first host by a name or address the other nodes can reach, or pass --master-addr ADDR"
+    )
+    raise UsageError(
+        f"rendezvous on {where} is a loopback address but the job spans {what}: every node would host its own "
+        f"rendezvous (split brain); {fix}"
+    )
+
+
+def default_pid_file(env: Mapping[str, str]) -> str:
+    """Where a bare ``--save-pid`` writes the launcher's pid: never a guessable name in a shared directory.
+
+    ``$XDG_RUNTIME_DIR/elasticzero-<pid>.pid`` when ``XDG_RUNTIME_DIR`` is an absolute path to an existing
+    directory (per-user, mode 0700), else ``launcher.pid`` in a fresh private directory made by
+    :func:`tempfile.mkdtemp` (``elasticzero-XXXXXXXX``, mode 0700). The caller removes that directory at exit.
+    """
+    runtime = env.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(runtime) and os.path.isdir(runtime):
+        return os.path.join(runtime, f"elasticzero-{os.getpid()}.pid")
+    return os.path.join(tempfile.mkdtemp(prefix="elasticzero-"), PID_FILE_NAME)
+
+
+def _made_pid_dir(args: argparse.Namespace, plan: LaunchPlan) -> Path | None:
+    """The private directory :func:`default_pid_file` made for this plan, if it made one."""
+    path = plan.options.get("save_pid")
+    if args.save_pid != "" or not path or Path(path).name != PID_FILE_NAME:
+        return None
+    parent = Path(path).parent
+    return parent if parent.name.startswith("elasticzero-") else None
 
 
 def _launcher_name(args: argparse.Namespace, n_nodes: int) -> str:
@@ -123,9 +185,12 @@ def build_plan(
     nodes = tuple(NodeSpec(host, rank, slots) for rank, (host, slots) in enumerate(pool.items()))
     name = _launcher_name(args, len(nodes))
     first = nodes[0].host
-    master_addr = _master_addr(args.master_addr) or ("127.0.0.1" if first == LOCALHOST else first)
+    explicit_master = _master_addr(args.master_addr)
+    nnodes = _nnodes(args.nnodes, len(nodes))
+    _check_master_reachable(explicit_master or first, explicit_master is not None, len(nodes), nnodes, name)
+    master_addr = explicit_master or ("127.0.0.1" if first == LOCALHOST else first)
     agent = AgentOptions(
-        nnodes=_nnodes(args.nnodes, len(nodes)),
+        nnodes=nnodes,
         rdzv_backend=args.rdzv_backend or AgentOptions.rdzv_backend,
         rdzv_conf=_rdzv_conf(args.rdzv_conf),
         max_restarts=args.max_restarts,
@@ -137,10 +202,12 @@ def build_plan(
         module=args.module,
         no_python=args.no_python,
     )
-    save_pid = None
-    if args.save_pid is not None:
-        save_pid = args.save_pid or f"/tmp/{os.getpid()}.elasticzero"
     home = Path(env["HOME"]) if env.get("HOME") else None
+    exported = export_env(env, args.export, args.export_prefix, home=home, cwd=Path(cwd))
+    launcher_args = _launcher_args(args.launcher_args)
+    save_pid = None
+    if args.save_pid is not None:  # last: the default may create a directory, so nothing may fail after it
+        save_pid = args.save_pid or default_pid_file(env)
     return LaunchPlan(
         job_id=args.rdzv_id or make_job_id(),
         backend=name,
@@ -150,8 +217,8 @@ def build_plan(
         entry=tuple(entry),
         cwd=cwd,
         agent=agent,
-        env=export_env(env, args.export, args.export_prefix, home=home, cwd=Path(cwd)),
-        launcher_args=tuple(shlex.split(args.launcher_args)) if args.launcher_args.strip() else (),
+        env=exported,
+        launcher_args=launcher_args,
         options={
             "ssh_port": args.ssh_port,
             "ssh_check": not args.no_ssh_check,
@@ -199,6 +266,19 @@ def _run(argv: Sequence[str] | None) -> int:
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     plan = build_plan(args, entry, os.environ, os.getcwd())
+    pid_dir = _made_pid_dir(args, plan)
+    try:
+        return _show_or_execute(args, plan)
+    finally:
+        if pid_dir is not None:
+            try:
+                pid_dir.rmdir()  # empty once execute() removed the pid file; never recursive
+            except OSError:
+                pass
+
+
+def _show_or_execute(args: argparse.Namespace, plan: LaunchPlan) -> int:
+    """Print the plan (``--dry-run``) or run it; the exit code."""
     backend = backend_mod.get_launcher(plan.backend)
     if args.dry_run:
         try:

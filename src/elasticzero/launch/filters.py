@@ -7,6 +7,8 @@ Filter syntax (DeepSpeed's): ``NODE[:SLOT[,SLOT…]][@NODE[:SLOT[,SLOT…]]…]`
 * IPv6 hosts are bracketed: ``[fe80::1]:0,1`` or ``[fe80::1]``; an unbracketed IPv6 literal is an error because
   its colons are ambiguous.
 * The same host twice in one filter merges its slots (a bare host wins: all slots).
+* Host names match the pool case-insensitively, IPv6 literals after normalisation (the rule the hostfile uses for
+  duplicates): ``-i worker-0`` selects ``Worker-0``; the plan keeps the pool's spelling.
 
 Differences from DeepSpeed (bugs fixed): unknown hosts and slots the host does not have are errors; ``-i`` with
 ``-e`` is an error; node order always follows the pool (hostfile) order, never the filter order; ``--num-gpus``
@@ -19,24 +21,30 @@ Everything here is a pure function over :data:`~elasticzero.launch.hostfile.Reso
 from __future__ import annotations
 
 from elasticzero.errors import UsageError
-from elasticzero.launch.hostfile import ResourcePool, host_problem, normalize_host
+from elasticzero.launch.hostfile import ResourcePool, host_key, host_problem, normalize_host
 
 #: host -> requested slot ids, or ``None`` for the whole host
 FilterSpec = dict[str, "tuple[int, ...] | None"]
 
 
+def _merge(old: tuple[int, ...] | None, new: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """Two requests for one host: ``None`` (the whole host) wins, otherwise the union of the slots."""
+    return None if old is None or new is None else tuple(sorted(set(old) | set(new)))
+
+
 def parse_filter(expr: str, flag: str) -> FilterSpec:
-    """Parse a filter expression given to ``flag`` (``-i``/``-e``, used in messages)."""
+    """Parse a filter expression given to ``flag`` (``-i``/``-e``, used in messages).
+
+    Hosts are keyed by their first spelling in ``expr``; later spellings of the same host (any case) merge into it.
+    """
     spec: FilterSpec = {}
+    spelling: dict[str, str] = {}
     if not expr.strip():
         raise UsageError(f"{flag} needs a value like 'worker-0' or 'worker-0:0,1@worker-1'")
     for term in expr.split("@"):
         host, slots = _parse_term(term, expr, flag)
-        if host in spec:
-            old = spec[host]
-            spec[host] = None if old is None or slots is None else tuple(sorted(set(old) | set(slots)))
-        else:
-            spec[host] = slots
+        first = spelling.setdefault(host_key(host), host)
+        spec[first] = _merge(spec[first], slots) if first in spec else slots
     return spec
 
 
@@ -75,17 +83,23 @@ def _parse_slots(text: str, host: str, expr: str, flag: str) -> tuple[int, ...]:
     return tuple(sorted(set(slots)))
 
 
-def _check_known(spec: FilterSpec, pool: ResourcePool, flag: str, expr: str, source: str) -> None:
+def _resolve(spec: FilterSpec, pool: ResourcePool, flag: str, expr: str, source: str) -> FilterSpec:
+    """``spec`` keyed by the pool's spelling of each host; unknown hosts and missing slots are errors."""
+    by_key = {host_key(h): h for h in pool}
+    out: FilterSpec = {}
     for host, slots in spec.items():
-        if host not in pool:
-            known = ", ".join(list(pool)[:8]) + (", …" if len(pool) > 8 else "")
-            raise UsageError(f"{flag} {expr!r}: unknown host {host!r}; {source} has: {known}")
-        missing = [s for s in slots or () if s not in pool[host]]
+        known = by_key.get(host_key(host))
+        if known is None:
+            listed = ", ".join(list(pool)[:8]) + (", …" if len(pool) > 8 else "")
+            raise UsageError(f"{flag} {expr!r}: unknown host {host!r}; {source} has: {listed}")
+        missing = [s for s in slots or () if s not in pool[known]]
         if missing:
-            have = ",".join(map(str, pool[host]))
+            have = ",".join(map(str, pool[known]))
             raise UsageError(
-                f"{flag} {expr!r}: host {host!r} has no slot {missing[0]}; its slots are {have} ({source})"
+                f"{flag} {expr!r}: host {known!r} has no slot {missing[0]}; its slots are {have} ({source})"
             )
+        out[known] = _merge(out[known], slots) if known in out else slots
+    return out
 
 
 def apply_filters(
@@ -95,8 +109,7 @@ def apply_filters(
     if include is not None and exclude is not None:
         raise UsageError("--include and --exclude cannot be combined; use one of them")
     if include is not None:
-        spec = parse_filter(include, "--include")
-        _check_known(spec, pool, "--include", include, source)
+        spec = _resolve(parse_filter(include, "--include"), pool, "--include", include, source)
         kept_pool: ResourcePool = {}
         for host, slots in pool.items():
             if host in spec:
@@ -104,8 +117,7 @@ def apply_filters(
                 kept_pool[host] = slots if wanted is None else tuple(s for s in slots if s in wanted)
         return kept_pool
     if exclude is not None:
-        spec = parse_filter(exclude, "--exclude")
-        _check_known(spec, pool, "--exclude", exclude, source)
+        spec = _resolve(parse_filter(exclude, "--exclude"), pool, "--exclude", exclude, source)
         out: ResourcePool = {}
         for host, slots in pool.items():
             drop = spec.get(host, ())

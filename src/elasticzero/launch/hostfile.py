@@ -51,6 +51,38 @@ def normalize_host(host: str) -> str | None:
     return host if _HOSTNAME.fullmatch(host) else None
 
 
+#: names that mean "this machine" by convention (RFC 6761 ``localhost``, Debian's /etc/hosts names for ``::1``)
+_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
+
+
+def host_key(host: str) -> str:
+    """The key under which two spellings of one host compare equal: case-folded, IPv6 literals normalised.
+
+    ``Worker-0`` and ``worker-0`` share a key (DNS names are case-insensitive), as do ``[FE80::0001]`` and
+    ``fe80::1``. Text that is not a valid host is only case-folded.
+    """
+    return (normalize_host(host) or host).lower()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback interface by its text alone (no DNS lookup).
+
+    True for ``localhost`` (and ``*.localhost``, ``localhost.localdomain``, ``ip6-localhost``, ``ip6-loopback``),
+    any address in ``127.0.0.0/8``, ``::1`` and IPv4-mapped loopback (``::ffff:127.0.0.1``), in any case and with
+    or without IPv6 brackets.
+    """
+    key = host_key(host).rstrip(".")
+    if key in _LOOPBACK_NAMES or key.endswith(".localhost"):
+        return True
+    try:
+        addr = ipaddress.ip_address(key)
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped.is_loopback
+    return addr.is_loopback
+
+
 def host_problem(host: str) -> str:
     """Why ``host`` is not an acceptable host name, with the fix (for error messages)."""
     if "@" in host:
@@ -82,7 +114,7 @@ def parse_hostfile(text: str, source: str) -> ResourcePool:
         if host is None:
             raise UsageError(f"{where}: {host_problem(host_text)}")
         slots = _parse_pairs(host_text, pairs, where)
-        key = host.lower()
+        key = host_key(host)
         if key in first_line:
             raise UsageError(
                 f"{where}: duplicate host {host_text!r} (first at line {first_line[key]}); list each host once "

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elasticzero.errors import UsageError
-from elasticzero.launch.hostfile import ResourcePool, host_problem, normalize_host, read_hostfile
+from elasticzero.launch.hostfile import ResourcePool, host_key, host_problem, normalize_host, read_hostfile
 from elasticzero.launch.hostlist import expand_counts, expand_hostlist
 
 DEFAULT_HOSTFILE = "/job/hostfile"
@@ -102,9 +102,9 @@ def slurm_pool(env: Mapping[str, str], nproc_per_node: int | None) -> ResourcePo
     for node in nodes:
         if normalize_host(node) is None:
             raise UsageError(f"{var}: {host_problem(node)}")
-        if node in seen:
+        if host_key(node) in seen:  # compared like hostfile hosts: case-insensitively
             raise UsageError(f"{var}={env[var]!r}: node {node!r} listed twice")
-        seen.add(node)
+        seen.add(host_key(node))
     counts = _slurm_counts(env, len(nodes), nproc_per_node)
     return {node: tuple(range(c)) for node, c in zip(nodes, counts, strict=True)}
 

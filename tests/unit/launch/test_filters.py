@@ -135,3 +135,25 @@ def test_num_nodes_larger_than_hosts_after_filters_is_an_error() -> None:
 def test_non_positive_counts_are_errors(nodes: int | None, gpus: int | None) -> None:
     with pytest.raises(UsageError, match=r"must be at least 1"):
         select_first(POOL, nodes, gpus)
+
+
+def test_host_names_match_case_insensitively_keeping_the_pool_spelling() -> None:
+    pool: ResourcePool = {"Worker-0": (0, 1), "worker-1": (0, 1, 2)}
+    assert apply_filters(pool, "worker-0", None) == {"Worker-0": (0, 1)}
+    assert apply_filters(pool, "WORKER-0:1@Worker-1:2", None) == {"Worker-0": (1,), "worker-1": (2,)}
+    assert apply_filters(pool, None, "WORKER-1:0") == {"Worker-0": (0, 1), "worker-1": (1, 2)}
+    assert apply_filters(pool, None, "worker-0") == {"worker-1": (0, 1, 2)}
+
+
+def test_different_spellings_of_one_host_merge() -> None:
+    pool: ResourcePool = {"Worker-0": (0, 1, 2), "w1": (0,)}
+    assert parse_filter("w0:0@W0:2", "--include") == {"w0": (0, 2)}
+    assert apply_filters(pool, "worker-0:0@WORKER-0:2", None) == {"Worker-0": (0, 2)}
+    assert apply_filters(pool, "worker-0:0@Worker-0", None) == {"Worker-0": (0, 1, 2)}
+
+
+def test_case_insensitive_match_still_checks_slots_with_the_pool_spelling() -> None:
+    pool: ResourcePool = {"Worker-0": (0, 1)}
+    with pytest.raises(UsageError) as err:
+        apply_filters(pool, "worker-0:5", None)
+    assert str(err.value) == "--include 'worker-0:5': host 'Worker-0' has no slot 5; its slots are 0,1 (hostfile)"

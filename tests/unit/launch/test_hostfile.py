@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from elasticzero.errors import UsageError
-from elasticzero.launch.hostfile import normalize_host, parse_hostfile, read_hostfile
+from elasticzero.launch.hostfile import host_key, is_loopback, normalize_host, parse_hostfile, read_hostfile
 
 
 def test_hosts_in_file_order_with_comments_and_blank_lines() -> None:
@@ -81,3 +81,24 @@ def test_read_hostfile_reads_the_file(tmp_path: Path) -> None:
 )
 def test_normalize_host(host: str, expected: str | None) -> None:
     assert normalize_host(host) == expected
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["localhost", "LocalHost", "localhost.", "localhost.localdomain", "node.localhost", "ip6-localhost",
+     "127.0.0.1", "127.1.2.3", "::1", "[::1]", "0:0::1", "::ffff:127.0.0.1"],
+)  # fmt: skip
+def test_loopback_hosts_are_recognised_by_text(host: str) -> None:
+    assert is_loopback(host)
+
+
+@pytest.mark.parametrize(
+    "host", ["worker-0", "localhost-1", "mylocalhost", "10.0.0.1", "128.0.0.1", "fe80::1", "::ffff:10.0.0.1", "a;b"]
+)
+def test_routable_hosts_are_not_loopback(host: str) -> None:
+    assert not is_loopback(host)
+
+
+def test_host_key_folds_case_and_normalises_ipv6() -> None:
+    assert host_key("Worker-0") == host_key("worker-0") == "worker-0"
+    assert host_key("[FE80::0001]") == host_key("fe80::1") == "fe80::1"

@@ -23,6 +23,13 @@ from elasticzero.launch.args import build_parser, parse_args, split_entry
         (["-H", "hf", "-iw0", "t.py"], ["-H", "hf", "-iw0"], ["t.py"]),
         (["--num_gpus", "2", "--", "--odd.py"], ["--num_gpus", "2"], ["--odd.py"]),
         (["--save-pid", "t.py"], ["--save-pid"], ["t.py"]),
+        (["--save-pid=/run/x.pid", "t.py"], ["--save-pid=/run/x.pid"], ["t.py"]),
+        (["--save_pid", "--", "odd.pid", "a"], ["--save_pid"], ["odd.pid", "a"]),
+        (["--dry-run", "json", "s.py"], ["--dry-run", "json"], ["s.py"]),
+        (["--dry_run", "text", "s.py", "json"], ["--dry_run", "text"], ["s.py", "json"]),
+        (["--dry-run", "JSON", "s.py"], ["--dry-run"], ["JSON", "s.py"]),
+        (["--dry-run", "json.py"], ["--dry-run"], ["json.py"]),
+        (["--dry-run", "--", "json"], ["--dry-run"], ["json"]),
         (["--launcher-args", "-x FOO", "t.py"], ["--launcher-args", "-x FOO"], ["t.py"]),
         (["-m", "pkg.mod", "--a"], ["-m"], ["pkg.mod", "--a"]),
         ([], [], []),
@@ -37,6 +44,23 @@ def test_flag_values_and_defaults() -> None:
     assert (args.dry_run, args.save_pid, args.export, entry) == ("text", "/tmp/p", ["A", "B"], ["t.py"])
     args, _ = parse_args(["t.py"])
     assert (args.dry_run, args.save_pid, args.launcher_args, args.max_restarts) == (None, None, "", 0)
+
+
+def test_dry_run_separate_value_is_parsed() -> None:
+    args, entry = parse_args(["--dry-run", "json", "s.py", "--x"])
+    assert (args.dry_run, entry) == ("json", ["s.py", "--x"])
+    args, entry = parse_args(["--dry-run", "text", "s.py"])
+    assert (args.dry_run, entry) == ("text", ["s.py"])
+
+
+@pytest.mark.parametrize("flag", ["--save-pid", "--save_pid"])
+def test_save_pid_with_a_separate_pid_path_is_an_error(flag: str) -> None:
+    with pytest.raises(UsageError) as err:
+        parse_args([flag, "/run/ez.pid", "train.py"])
+    assert str(err.value) == (
+        f"{flag} takes its path only as {flag}=PATH: '/run/ez.pid' would run as the training script; "
+        f"write {flag}=/run/ez.pid (or {flag} -- /run/ez.pid if that is the script)"
+    )
 
 
 def test_prefix_abbreviations_are_not_guessed() -> None:

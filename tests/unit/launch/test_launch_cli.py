@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shlex
+import stat
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -145,13 +149,13 @@ def test_deepspeed_spellings(launch_env: Executions, tmp_path: Path) -> None:
         "--max_restarts", "3", "--force_multi", "--rdzv_conf", "join_timeout=5", "prog", "--x",
     ]  # fmt: skip
     args, entry = parse_args(argv)
-    plan = build_plan(args, entry, {"HOME": str(tmp_path)}, str(tmp_path))
+    plan = build_plan(args, entry, {"HOME": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path)}, str(tmp_path))
     assert [(n.host, n.slots) for n in plan.nodes] == [("w0", (0,)), ("w1", (0,))]
     assert (plan.master_addr, plan.master_port) == ("10.0.0.9", 1234)
     assert plan.launcher_args == ("-x", "FOO", "--mca", "a b")
     assert plan.options["ssh_check"] is False
     assert plan.options["ssh_port"] == 2222
-    assert plan.options["save_pid"].endswith(".elasticzero")
+    assert plan.options["save_pid"] == str(tmp_path / f"elasticzero-{os.getpid()}.pid")
     assert plan.agent.bind_cores_to_rank and plan.agent.no_python
     assert plan.agent.log_dir == str(tmp_path / "logs")
     assert plan.agent.max_restarts == 3
@@ -365,3 +369,164 @@ def test_env_file_values_reach_the_plan_exactly(
     (Path.cwd() / ".deepspeed_env").write_text("export MY_VAR='a;echo PWNED $(x) `y` \"q\" #'\n")
     plan = _json(capsys, ["--launcher", "fake", "--dry-run=json", "t.py"])
     assert plan["env"]["MY_VAR"] == 'a;echo PWNED $(x) `y` "q" #'
+
+
+# --- optional flag values never swallow the script ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--save-pid", "--save_pid"])
+def test_save_pid_with_a_separate_path_is_an_error_not_the_script(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str], tmp_path: Path, flag: str
+) -> None:
+    pid = tmp_path / "ez.pid"
+    msg = _error(capsys, ["--launcher", "fake", flag, str(pid), "train.py"], launch_env)
+    assert msg == (
+        f"{flag} takes its path only as {flag}=PATH: {str(pid)!r} would run as the training script; "
+        f"write {flag}={pid} (or {flag} -- {pid} if that is the script)"
+    )
+
+
+def test_save_pid_path_with_equals_and_bare_flag(launch_env: Executions, tmp_path: Path) -> None:
+    pid = tmp_path / "ez.pid"
+    assert main(["--launcher", "fake", f"--save-pid={pid}", "train.py", "--lr", "1"]) == 0
+    assert main(["--launcher", "fake", "--save-pid", "--", "odd.pid"]) == 0
+    (given, _), (bare, _) = launch_env.calls
+    assert (given.options["save_pid"], given.entry) == (str(pid), ("train.py", "--lr", "1"))
+    assert bare.entry == ("odd.pid",)
+    assert bare.options["save_pid"] not in (None, "", "odd.pid")
+
+
+@pytest.mark.parametrize("flag", ["--dry-run", "--dry_run"])
+def test_dry_run_takes_a_separate_json_or_text(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    plan = _json(capsys, ["--launcher", "fake", flag, "json", "s.py", "text"])
+    assert plan["commands"][0][-2:] == ["s.py", "text"]
+    assert main(["--launcher", "fake", flag, "text", "s.py"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^  entry:     s\.py$", out, re.M)
+    assert main(["--launcher", "fake", flag, "json.py"]) == 0  # not one of the two words: the script
+    assert re.search(r"^  entry:     json\.py$", capsys.readouterr().out, re.M)
+    assert launch_env.calls == []
+
+
+# --- a multi-node rendezvous never sits on a loopback address -------------------------------------------------
+
+LOOPBACK_CASES = [
+    ("localhost slots=1\nw1 slots=1\n", [], "the first host 'localhost'", "2 nodes"),
+    ("LOCALHOST slots=1\nw1 slots=1\n", [], "the first host 'LOCALHOST'", "2 nodes"),
+    ("127.0.1.1 slots=1\nw1 slots=1\n", [], "the first host '127.0.1.1'", "2 nodes"),
+    ("[::1] slots=1\nw1 slots=1\n", [], "the first host '::1'", "2 nodes"),
+    ("w0 slots=1\nw1 slots=1\nw2 slots=1\n", ["--master-addr", "localhost"], "--master-addr localhost", "3 nodes"),
+    ("w0 slots=1\nw1 slots=1\n", ["--master_addr", "127.0.0.1"], "--master-addr 127.0.0.1", "2 nodes"),
+    ("w0 slots=1\nw1 slots=1\n", ["--master-addr", "[::1]"], "--master-addr ::1", "2 nodes"),
+    ("localhost slots=2\n", ["--nnodes", "1:3"], "the first host 'localhost'", "up to 3 nodes (--nnodes 1:3)"),
+    ("w0 slots=2\n", ["--nnodes", "1:2", "--master-addr", "localhost"], "--master-addr localhost", "up to 2 nodes"),
+]
+
+
+@pytest.mark.parametrize(("hostfile", "flags", "where", "what"), LOOPBACK_CASES)
+def test_multi_node_rendezvous_on_loopback_is_an_error(
+    launch_env: Executions,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    hostfile: str,
+    flags: list[str],
+    where: str,
+    what: str,
+) -> None:
+    hf = _hostfile(tmp_path / "hf", hostfile)
+    msg = _error(capsys, ["-H", hf, *flags, "--launcher", "fake", "t.py"], launch_env)
+    fix = (
+        "pass --master-addr with the first host's routable name or address"
+        if where.startswith("--master-addr")
+        else "list the first host by a name or address the other nodes can reach, or pass --master-addr ADDR"
+    )
+    assert msg.startswith(f"rendezvous on {where} is a loopback address but the job spans {what}")
+    assert msg.endswith(f": every node would host its own rendezvous (split brain); {fix}")
+
+
+def test_single_node_and_routable_master_keep_their_rendezvous(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    one = _hostfile(tmp_path / "one", "localhost slots=2\n")
+    plan = _json(capsys, ["-H", one, "--nnodes", "1:3", "--launcher", "local", "--dry-run=json", "t.py"])
+    assert plan["master_addr"] == "127.0.0.1"  # the local backend never starts another node
+    plan = _json(capsys, ["-H", one, "--master-addr", "localhost", "--launcher", "fake", "--dry-run=json", "t.py"])
+    assert plan["master_addr"] == "localhost"
+    two = _hostfile(tmp_path / "two", "localhost slots=1\nw1 slots=1\n")
+    plan = _json(capsys, ["-H", two, "--master-addr", "10.0.0.9", "--launcher", "fake", "--dry-run=json", "t.py"])
+    assert plan["master_addr"] == "10.0.0.9"
+
+
+# --- the default pid file is private ---------------------------------------------------------------------------
+
+
+def test_default_pid_file_in_xdg_runtime_dir(
+    launch_env: Executions, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    assert main(["--launcher", "fake", "--save-pid", "t.py"]) == 0
+    [(plan, _)] = launch_env.calls
+    assert plan.options["save_pid"] == str(runtime / f"elasticzero-{os.getpid()}.pid")
+
+
+@pytest.mark.parametrize("xdg", [None, "relative/run", "/nonexistent-ez-runtime"])
+def test_default_pid_file_without_runtime_dir_is_in_a_fresh_private_dir(
+    launch_env: Executions, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, xdg: str | None
+) -> None:
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    if xdg is None:
+        monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    else:
+        monkeypatch.setenv("XDG_RUNTIME_DIR", xdg)
+    seen: list[tuple[str, int]] = []
+
+    def execute(plan: Any, backend: Any) -> int:
+        path = Path(plan.options["save_pid"])
+        seen.append((str(path.relative_to(temp)), stat.S_IMODE(path.parent.stat().st_mode)))
+        return 0
+
+    monkeypatch.setattr(sys.modules["elasticzero.launch.execute"], "execute", execute)  # the fixture's stub
+    assert main(["--launcher", "fake", "--save-pid", "t.py"]) == 0
+    [(rel, mode)] = seen
+    assert re.fullmatch(r"elasticzero-[^/]+/launcher\.pid", rel)
+    assert mode == 0o700
+    assert list(temp.iterdir()) == []  # the private directory is removed at exit
+
+
+def test_dry_run_with_save_pid_leaves_no_directory(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    assert _json(capsys, ["--launcher", "fake", "--save-pid", "--dry-run=json", "t.py"])["backend"] == "fake"
+    assert _error(capsys, ["--launcher", "bogus", "--save-pid", "t.py"], launch_env).startswith("unknown --launcher")
+    assert list(temp.iterdir()) == []
+
+
+# --- host names in filters match like hostfile hosts ----------------------------------------------------------
+
+
+def test_filters_match_host_names_case_insensitively(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    hf = _hostfile(tmp_path / "hf", "Worker-0 slots=2\nworker-1 slots=2\n[FE80::0001] slots=1\n")
+    plan = _json(capsys, ["-H", hf, "-i", "worker-0@[fe80:0::1]", "--launcher", "fake", "--dry-run=json", "t.py"])
+    assert [(n["host"], n["slots"]) for n in plan["nodes"]] == [("Worker-0", [0, 1]), ("fe80::1", [0])]
+    plan = _json(capsys, ["-H", hf, "-e", "WORKER-1@worker-0:0", "--launcher", "fake", "--dry-run=json", "t.py"])
+    assert [(n["host"], n["slots"]) for n in plan["nodes"]] == [("Worker-0", [1]), ("fe80::1", [0])]
+    assert plan["master_addr"] == "Worker-0"
+
+
+def test_unbalanced_launcher_args_quote_is_a_usage_error(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str]
+) -> None:
+    msg = _error(capsys, ["--launcher", "fake", "--launcher-args", "--mca 'a", "t.py"], launch_env)
+    assert msg == '--launcher-args "--mca \'a": No closing quotation; balance the quotes'

@@ -96,6 +96,7 @@ def test_slurm_slots(env: dict[str, str], nproc: int | None, pool: dict[str, tup
     [
         ({"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "2"}, "gives 1 counts for 2 nodes"),
         ({"SLURM_JOB_NODELIST": "n1,n1"}, "node 'n1' listed twice"),
+        ({"SLURM_JOB_NODELIST": "n1,N1"}, "node 'N1' listed twice"),
         ({"SLURM_JOB_NODELIST": "n1", "SLURM_GPUS_ON_NODE": "x"}, "SLURM_GPUS_ON_NODE='x' is not a number"),
         ({"SLURM_JOB_NODELIST": "n1", "SLURM_TASKS_PER_NODE": "0"}, "has a zero count"),
     ],

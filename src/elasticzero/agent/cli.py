@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _kill_job_argv(argv: Sequence[str]) -> bool:
-    return bool(argv) and (argv[0] == "--kill-job" or argv[0].startswith("--kill-job="))
+    return bool(argv) and argv[0].split("=", 1)[0] in ("--kill-job", "--kill_job")
 
 
 def run(argv: Sequence[str] | None) -> int:
@@ -63,7 +63,7 @@ def _kill_job(argv: list[str]) -> int:
     from elasticzero.agent.killjob import main as kill_main
 
     parser = argparse.ArgumentParser(prog=PROG)
-    parser.add_argument("--kill-job", required=True, metavar="JOBID")
+    parser.add_argument("--kill-job", "--kill_job", required=True, metavar="JOBID")
     parser.add_argument("--grace", type=float, default=5.0)
     parser.error = lambda message: (_ for _ in ()).throw(UsageError(message))  # type: ignore[method-assign]
     ns = parser.parse_args(argv)

@@ -54,17 +54,33 @@ class AgentSettings:
 def add_agent_flags(parser: argparse.ArgumentParser) -> None:
     """Add elasticzero-run's flags to torch's parser (and make the identity flags detectably unset)."""
     g = parser.add_argument_group("elasticzero-run")
-    g.add_argument("--node-table", help="JSON [[host,[slot,...]],...] in node-rank order (from elasticzero-launch)")
-    g.add_argument("--node-rank-env", metavar="VAR", help="read the node rank from env VAR (OMPI_COMM_WORLD_RANK…)")
-    g.add_argument("--node-host", metavar="NAME", help="this node's host name as written in --node-table")
-    g.add_argument("--node-host-env", metavar="VAR", help="read this node's host name from env VAR (SLURMD_NODENAME)")
+    g.add_argument(
+        "--node-table", "--node_table", help="JSON [[host,[slot,...]],...] in node-rank order (from elasticzero-launch)"
+    )
+    g.add_argument(
+        "--node-rank-env",
+        "--node_rank_env",
+        metavar="VAR",
+        help="read the node rank from env VAR (OMPI_COMM_WORLD_RANK…)",
+    )
+    g.add_argument(
+        "--node-host", "--node_host", metavar="NAME", help="this node's host name as written in --node-table"
+    )
+    g.add_argument(
+        "--node-host-env",
+        "--node_host_env",
+        metavar="VAR",
+        help="read this node's host name from env VAR (SLURMD_NODENAME)",
+    )
     g.add_argument(
         "--bind-cores-to-rank",
         "--bind_cores_to_rank",
         action="store_true",
         help="split this node's cores evenly among the local ranks (sched_setaffinity in each worker)",
     )
-    g.add_argument("--health-file", metavar="PATH", help="JSON file kept up to date with the agent's state")
+    g.add_argument(
+        "--health-file", "--health_file", metavar="PATH", help="JSON file kept up to date with the agent's state"
+    )
     g.add_argument(
         "--torch-rdzv-defaults",
         action="store_true",
@@ -72,6 +88,7 @@ def add_agent_flags(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--kill-job",
+        "--kill_job",
         metavar="JOBID",
         help="(first flag) stop every process of job JOBID on this host, then exit",
     )

@@ -103,3 +103,9 @@ def test_rdzv_configs_hint_defaults_and_no_phantom_timeout() -> None:
     cfg = {"timeout": 900, "rank": 0}
     rdzv_configs(cfg, set(), _settings(0), "static")
     assert cfg == {"timeout": 900, "rank": 0}
+
+
+def test_deepspeed_underscore_spellings() -> None:
+    ns = parse("--node_table", TABLE, "--node_host", "hostB", "--bind_cores_to_rank")
+    s = settle(ns)
+    assert (s.node_rank, s.cpus) == (1, [[0, 1], [2, 3], [4, 5]])

@@ -3,7 +3,8 @@
 Only the public hooks are overridden:
 
 * ``_start_workers`` — torch's, then the health file says ``running`` with this round's ranks and pids;
-* ``_monitor_workers`` — torch's; on a failure, the root-cause rank and its error file are reported once;
+* ``_monitor_workers`` — torch's; on a failure, the root-cause rank and its error file are reported once; while
+  healthy, a rendezvous closed by another node (it exhausted its restarts) stops this node too;
 * ``_stop_workers`` / ``_shutdown`` — torch's graceful stop (SIGTERM to each worker's process group, SIGKILL
   after the grace), followed by a psutil sweep that SIGKILLs every process still carrying this agent's
   ``ELASTICZERO_AGENT_PID`` or descending from a worker, so grandchildren that left the process group die too.
@@ -24,6 +25,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from elasticzero.agent.binding import AGENT_PID_ENV
 from elasticzero.agent.health import HealthFile
@@ -71,6 +73,10 @@ class ElasticZeroAgent(LocalElasticAgent):
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
             self.last_failure = root_cause(result.failures)
             report_failure(*self.last_failure)
+        elif result.state == WorkerState.HEALTHY and worker_group.spec.rdzv_handler.is_closed():
+            # another node gave up (restarts exhausted) and closed the run; torch's loop only looks at the wait
+            # list, so workers that never talk to that node would run on alone. Stop them and exit.
+            raise RendezvousClosedError("the rendezvous was closed by another node; stopping this node's workers")
         return result
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:

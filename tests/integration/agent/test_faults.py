@@ -143,3 +143,17 @@ def _child_of(pid: int, parent: int) -> bool:
         return psutil.Process(pid).ppid() == parent
     except psutil.Error:
         return False
+
+
+def test_node_that_gives_up_stops_idle_peers(cluster: Cluster) -> None:
+    # max-restarts 0: the failing node closes the run; the other node's workers never talk to it (idle)
+    start_nodes(cluster, 2, "2", max_restarts=0, worker_opts=["idle=1"])
+    first = running_world(cluster, 2, 0, 150)
+    victim = next(r for r in first if r["env"]["GROUP_RANK"] == "1")  # type: ignore[index]
+    os.kill(victim["pid"], signal.SIGKILL)  # type: ignore[arg-type]
+    t_kill = time.monotonic()
+    codes = [a.proc.wait(timeout=60) for a in cluster.agents]
+    print(f"both agents exited {time.monotonic() - t_kill:.1f}s after the kill: {codes}")
+    assert sorted(codes) == [1, 128 + signal.SIGKILL], codes
+    assert any("closed by another node" in a.output() for a in cluster.agents)
+    assert cluster.leftovers() == []

@@ -54,6 +54,8 @@ def test_fp32_equals_single_process_adamw(report: dict[str, Any], stage: int) ->
     assert report[f"s{stage}_norm_rel"] <= 1e-5
     assert report[f"s{stage}_lr_final"] == pytest.approx(1e-2 * 0.5**3)
     assert report[f"s{stage}_groups_rel"] <= FP32_TOL  # param_groups with their own lr / weight decay
+    # checkpoint at step 5 (full_state_dict + state_dict + scheduler), rebuild from other weights, finish
+    assert report[f"s{stage}_resume_rel"] <= FP32_TOL
 
 
 @pytest.mark.parametrize("stage", [s for s in STAGES if s < 3])

@@ -133,10 +133,24 @@ def zero_run(
         kw["param_groups"] = groups(model)
     opt = cls(model, torch.optim.AdamW, lr=LR, weight_decay=WD, precision=precision, bucket_bytes=BUCKET_BYTES, **kw)
     sch = sched(opt)
+    norms = train(model, opt, sch, range(STEPS), accum, clip, no_sync)
+    return opt, opt.full_state_dict(), norms
+
+
+def train(
+    model: nn.Module,
+    opt: Any,
+    sch: Any,
+    steps: range,
+    accum: int = ACCUM,
+    clip: float | None = MAX_NORM,
+    no_sync: bool = False,
+) -> list[float]:
+    """The user's plain loop on this rank's slice of every global micro-batch."""
     rank, world = dist.get_rank(), dist.get_world_size()
     per = GLOBAL_BATCH // world
     norms = []
-    for step in range(STEPS):
+    for step in steps:
         for m in range(accum):
             x, y = batch(step, m)
             x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
@@ -148,7 +162,26 @@ def zero_run(
         opt.step()
         sch.step()
         opt.zero_grad()
-    return opt, opt.full_state_dict(), norms
+    return norms
+
+
+def resume_run(stage: int) -> dict[str, torch.Tensor]:
+    """Train half the steps, checkpoint (full model state, optimizer shard state, scheduler), rebuild, finish."""
+    cls = getattr(elasticzero, f"ZeroStage{stage}")
+    model = make_model()
+    opt = cls(model, torch.optim.AdamW, lr=LR, weight_decay=WD, bucket_bytes=BUCKET_BYTES)
+    sch = sched(opt)
+    train(model, opt, sch, range(STEPS // 2))
+    ckpt = copy.deepcopy({"model": opt.full_state_dict(), "optim": opt.state_dict(), "sched": sch.state_dict()})
+    torch.manual_seed(123)
+    model = Tiny()  # different initial weights: everything must come from the checkpoint
+    opt = cls(model, torch.optim.AdamW, lr=LR, weight_decay=WD, bucket_bytes=BUCKET_BYTES)
+    sch = sched(opt)
+    opt.load_full_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["optim"])
+    sch.load_state_dict(ckpt["sched"])
+    train(model, opt, sch, range(STEPS // 2, STEPS))
+    return opt.full_state_dict()
 
 
 class PhaseRecorder:
@@ -200,6 +233,7 @@ def scenario_equality(stage: int, out: dict[str, Any]) -> None:
         opt_b, full_b, _ = zero_run(stage, kind="blocks")
         out["s3_blocks_rel"] = max_rel(full_b, reference(kind="blocks")[0])
         out["s3_blocks_units"] = sorted(set(opt_b.unit_of_bucket().values()))
+    out[f"s{stage}_resume_rel"] = max_rel(resume_run(stage), ref)
     _, full_g, _ = zero_run(stage, grouped=True)
     out[f"s{stage}_groups_rel"] = max_rel(full_g, reference(grouped=True)[0])
     for prec in ("bf16", "fp16"):

@@ -4,7 +4,7 @@ state dicts and memory accounting. The stages differ in where gradients and para
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -182,6 +182,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if meta is not None and meta["partition"] != {n: (s.global_offset, s.numel) for n, s in self.partition.items()}:
             raise UsageError("optimizer state was saved with a different bucket layout (bucket_bytes or model differ)")
         self.optim.load_state_dict(sd)
+        # torch's load_state_dict rebinds param_groups/state: keep ours the same objects (schedulers read ours)
+        self.param_groups = self.optim.param_groups
+        self.state = self.optim.state  # type: ignore[assignment]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported after construction: pass ``param_groups=`` to the constructor."""
@@ -238,6 +241,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for k, v in self.module.state_dict(keep_vars=True).items():
             sd[k] = full[id(v)] if id(v) in full else v.detach().clone()
         return sd
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load a full model state dict (what :meth:`full_state_dict` returns, any world size) into this rank's master
+        shards and the module (frozen parameters and buffers are copied as they are).
+
+        Collective on stages 1/2 (the updated parameters are all-gathered into the module). Pair it with
+        :meth:`load_state_dict` for the optimizer state to resume training.
+        """
+        missing = [n for n in self.partition if n not in state_dict]
+        if missing:
+            raise UsageError(f"state dict lacks trainable parameters: {', '.join(missing[:5])}")
+        for b, m in zip(self.buckets, self.masters, strict=True):
+            for name, start, end, off in b.local_pieces():
+                m[off : off + end - start].copy_(state_dict[name].reshape(-1)[start:end])
+        managed = {id(p) for p in self._managed_params()}
+        for k, v in self.module.state_dict(keep_vars=True).items():
+            if id(v) not in managed and k in state_dict:
+                v.data.copy_(state_dict[k])
+        self._gather_params()
 
     def memory_report(self) -> dict[str, float]:
         """Bytes of model state this rank holds right now, from the real tensors, each storage counted once.

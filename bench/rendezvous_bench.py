@@ -60,9 +60,11 @@ def _child(backend: str, endpoint: str, run_id: str, n_agents: int, n_local: int
     for t in threads:
         t.join()
     print(json.dumps({"done": done, "ranks": ranks}), flush=True)
-    sys.stdin.readline()  # stay in the world until every process has finished (rank 0 hosts the workers' store)
+    sys.stdin.readline()  # "close": every process has finished its rendezvous
     for h in handlers:
         h.shutdown()
+    print("closed", flush=True)
+    sys.stdin.readline()  # "exit": every process has closed (one of them hosts the TCPStore the others use)
 
 
 def _measure(backend: str, endpoint: str, run_id: str, n_agents: int, n_procs: int) -> float:
@@ -88,9 +90,13 @@ def _measure(backend: str, endpoint: str, run_id: str, n_agents: int, n_procs: i
             p.stdin.write("go\n")  # type: ignore[union-attr]
             p.stdin.flush()  # type: ignore[union-attr]
         results = [json.loads(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
-        for p in procs:
-            p.stdin.write("bye\n")  # type: ignore[union-attr]
-            p.stdin.flush()  # type: ignore[union-attr]
+        for word in ("close", "exit"):
+            for p in procs:
+                p.stdin.write(word + "\n")  # type: ignore[union-attr]
+                p.stdin.flush()  # type: ignore[union-attr]
+            if word == "close":
+                for p in procs:
+                    p.stdout.readline()  # type: ignore[union-attr]
         for p in procs:
             p.wait(timeout=120)
     finally:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import elasticzero
 import elasticzero.errors
@@ -59,10 +60,12 @@ class Blocks(nn.Module):
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.emb.weight
 
+        self.checkpoint = False
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.emb(idx)
         for b in self.blocks:
-            x = x + b(x)
+            x = x + (checkpoint(b, x, use_reentrant=False) if self.checkpoint else b(x))
         return self.head(x)
 
 
@@ -79,7 +82,11 @@ def groups(model: nn.Module) -> list[dict[str, Any]]:
 
 def make_model(kind: str = "tiny") -> nn.Module:
     torch.manual_seed(0)
-    return Blocks() if kind == "blocks" else Tiny()
+    if kind.startswith("blocks"):
+        model = Blocks()
+        model.checkpoint = kind == "blocks_ckpt"
+        return model
+    return Tiny()
 
 
 def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,6 +240,8 @@ def scenario_equality(stage: int, out: dict[str, Any]) -> None:
         opt_b, full_b, _ = zero_run(stage, kind="blocks")
         out["s3_blocks_rel"] = max_rel(full_b, reference(kind="blocks")[0])
         out["s3_blocks_units"] = sorted(set(opt_b.unit_of_bucket().values()))
+        _, full_c, _ = zero_run(stage, kind="blocks_ckpt")
+        out["s3_ckpt_rel"] = max_rel(full_c, reference(kind="blocks")[0])
     out[f"s{stage}_resume_rel"] = max_rel(resume_run(stage), ref)
     _, full_g, _ = zero_run(stage, grouped=True)
     out[f"s{stage}_groups_rel"] = max_rel(full_g, reference(grouped=True)[0])

@@ -10,8 +10,9 @@ gradient the storage is freed and the gradient bucket reduce-scattered (ordered 
 unit is prefetched with an async all-gather: in forward, the order units started their forward; in backward, the
 reverse of the order they finished it (both recorded on the first iteration, identical on every rank).
 
-A parameter shared by several modules (tied weights) belongs to the nearest unit enclosing all of them (often the
-root), so it stays gathered through that unit's forward and is gathered once per pass, never twice.
+Activation checkpointing works: a unit recomputed inside backward keeps its parameters gathered until its gradients
+are done. A parameter shared by several modules (tied weights) belongs to the nearest unit enclosing all of them
+(often the root), so it stays gathered through that unit's forward and is gathered once per pass, never twice.
 
 Held per rank (Ψ trainable elements, N ranks, fp32 Adam): fp32 master shard 4Ψ/N, fp32 gradient shard 4Ψ/N, Adam
 8Ψ/N — 8 bytes/param at N=2 — plus the units being used and the gradient buckets in flight. Frozen parameters are not
@@ -174,6 +175,12 @@ class ZeroStage3(ZeroOptimizer):
         bucket.extra.update(full=full, gathered=False, work=None)
         return master
 
+    def _gather_params(self) -> None:
+        """After ``step()``: drop any unit still gathered (its data predates the update); forward re-gathers."""
+        for b in self.buckets:
+            self._free(b)
+            self._users[b.index] = 0
+
     def _make_bucketer(self) -> GradBucketer:
         return GradBucketer(
             op="reduce_scatter",
@@ -241,6 +248,11 @@ class ZeroStage3(ZeroOptimizer):
 
     # -- module hooks ------------------------------------------------------------------------------------------------
     def _pre_forward(self, unit: str, module: nn.Module, args: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            # recomputation inside backward (activation checkpointing; torch may abort it midway, so no post hook is
+            # guaranteed): gather and leave freeing to the gradient hooks / end of backward
+            self._use(unit)
+            return
         if not self._order_frozen and unit not in self._fwd_index:
             self._fwd_index[unit] = len(self._fwd_order)
             self._fwd_order.append(unit)
@@ -250,11 +262,14 @@ class ZeroStage3(ZeroOptimizer):
         self._prefetch(unit, self._fwd_order, self._fwd_index)
 
     def _post_forward(self, unit: str, module: nn.Module, args: Any, output: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recomputation inside backward (see _pre_forward): its backward needs the params now
+        for i in self._needed[unit]:
+            self._users[i] -= 1
         if not self._order_frozen and unit not in self._bwd_index:  # backward visits units in reverse of this
             self._bwd_order.insert(0, unit)
             self._bwd_index = {u: k for k, u in enumerate(self._bwd_order)}
         for i in self._needed[unit]:
-            self._users[i] -= 1
             if self._users[i] == 0 and self.reshard_after_forward:
                 self._free(self.buckets[i])
         if unit == "" and self.reshard_after_forward:

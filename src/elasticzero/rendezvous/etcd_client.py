@@ -165,8 +165,8 @@ class EtcdClient:
                 self._authenticate(ep, rpc_timeout)
                 return op(ep, rpc_timeout)
             except self._grpc.RpcError as exc:
-                code = exc.code()  # type: ignore[attr-defined]
-                detail = exc.details() or ""  # type: ignore[attr-defined]
+                code = exc.code()
+                detail = exc.details() or ""
                 if code == self._grpc.StatusCode.UNAUTHENTICATED and self.settings.user is not None:
                     ep.metadata = None  # token lost (member restarted): authenticate again
                 elif code in self._retryable:
@@ -180,7 +180,7 @@ class EtcdClient:
                 last = exc
             attempt += 1
             if time.monotonic() >= deadline:
-                reason = last.details() if isinstance(last, self._grpc.RpcError) else last  # type: ignore[attr-defined]
+                reason = last.details() if isinstance(last, self._grpc.RpcError) else last
                 raise EtcdConnectionError(
                     f"no etcd endpoint of {self.settings.describe()} answered the {what} within {budget:g}s "
                     f"(last error: {reason})"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 from torch.distributed import DistStoreError, Store
 
@@ -29,17 +30,23 @@ class EtcdStore(Store):
 
     def __init__(self, client: EtcdClient, lease: KeptLease, key_prefix: str, timeout: timedelta) -> None:
         super().__init__()
-        self.set_timeout(timeout)
+        self._timeout = timeout
+        super().set_timeout(timeout)
         self._client = client
         self._lease = lease
         self._ops = Ops(client.rpc)
         self._prefix = key_prefix.rstrip("/").encode() + b"/"
 
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Default timeout of ``get``/``wait``/``multi_get``."""
+        super().set_timeout(timeout)
+        self._timeout = timeout
+
     def _key(self, key: str) -> bytes:
         return self._prefix + key.encode()
 
     def _deadline(self, timeout: timedelta | None) -> float:
-        seconds = (self.timeout if timeout is None else timeout).total_seconds()
+        seconds = (self._timeout if timeout is None else timeout).total_seconds()
         return time.monotonic() + (seconds if seconds > 0 else 365 * 24 * 3600.0)
 
     def set(self, key: str, value: str | bytes) -> None:
@@ -75,7 +82,7 @@ class EtcdStore(Store):
             return found
         if not self._client.watch_until(list(missing), ready, max(0.0, deadline - time.monotonic())):
             names = ", ".join(k[len(self._prefix) :].decode(errors="replace") for k in missing)
-            raise DistStoreError(f"etcd store wait timed out after {self.timeout} for key(s): {names}")
+            raise DistStoreError(f"etcd store wait timed out after {self._timeout} for key(s): {names}")
         return found
 
     def get(self, key: str) -> bytes:
@@ -103,11 +110,11 @@ class EtcdStore(Store):
         while True:
             new = (int(current) if current is not None else 0) + amount
             guard = self._ops.absent(k) if revision is None else self._ops.mod_is(k, revision)
-            resp = self._lease.attached(
-                lambda lease, g=guard, n=new: self._client.txn(
-                    [g], [self._ops.put(k, str(n).encode(), lease)], [self._ops.get(k)]
-                )
-            )
+
+            def attempt(lease: int, g: Any = guard, n: int = new) -> Any:
+                return self._client.txn([g], [self._ops.put(k, str(n).encode(), lease)], [self._ops.get(k)])
+
+            resp = self._lease.attached(attempt)
             if resp.succeeded:
                 return new
             kvs = range_kvs(resp, 0)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from torch.distributed import Store
 
 HINT_KEY_PREFIX = "elasticzero/node_rank_hint/"
-_NO_HINT = b"-"
+_NO_HINT = "-"
 
 
 def order_ranks(hints: Sequence[int | None]) -> list[int]:
@@ -24,14 +24,15 @@ def order_ranks(hints: Sequence[int | None]) -> list[int]:
     return new_rank
 
 
-def encode_hint(hint: int | None) -> bytes:
+def encode_hint(hint: int | None) -> str:
     """Wire form of a hint in the store."""
-    return _NO_HINT if hint is None else str(hint).encode()
+    return _NO_HINT if hint is None else str(hint)
 
 
-def decode_hint(raw: bytes) -> int | None:
-    """Inverse of :func:`encode_hint`."""
-    return None if raw == _NO_HINT else int(raw)
+def decode_hint(raw: bytes | str) -> int | None:
+    """Inverse of :func:`encode_hint` (the store hands back bytes)."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    return None if text == _NO_HINT else int(text)
 
 
 def exchange_and_order(store: Store, rank: int, world_size: int, hint: int | None) -> int:

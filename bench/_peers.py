@@ -154,6 +154,7 @@ def build_ds(model: nn.Module, lr: float, stage: int, bucket_mb: float, batch_si
     config = {
         "train_micro_batch_size_per_gpu": batch_size,
         "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0; no peer clips
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,

@@ -11,20 +11,32 @@ MiB = 2**20
 OP_ABBREV = {"reduce_scatter": "RS", "all_gather": "AG", "all_reduce": "AR", "broadcast": "BC", "reduce": "R"}
 
 
-def summarise(peer: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """One row from every rank's result: worst rank for memory and traffic, per-step slowest rank for time."""
-    first = ranks[0]
-    if "skipped" in first or "error" in first:
+def summarise(peer: str, rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """One row from every round's rank results: worst rank (and round) for memory and traffic; step times are the
+    slower rank's per step, pooled over rounds."""
+    good = [ranks for ranks in rounds if "skipped" not in ranks[0] and "error" not in ranks[0]]
+    if not good:
+        first = rounds[0][0]
         return {"peer": peer, "status": first.get("skipped") or first.get("error")}
+    every = [r for ranks in good for r in ranks]
+    first = every[0]
     psi, world = first["params"], first["world_size"]
-    held_points = [(r["held_bytes"][p]["total"], r["held_bytes"][p], p) for r in ranks for p in r["held_bytes"]]
+    held_points = [(r["held_bytes"][p]["total"], r["held_bytes"][p], p) for r in every for p in r["held_bytes"]]
     held_total, held_split, held_at = max(held_points, key=lambda h: h[0])
-    per_step = [max(ts) for ts in zip(*(r["step_times_s"] for r in ranks), strict=True)]
-    units = max(r["comm_paper_units_per_step"] for r in ranks)
-    comm = ranks[0]["comm_elements_per_step"]
+
+    def slower_rank(key: str, phase: str | None = None) -> list[float]:
+        out: list[float] = []
+        for ranks in good:
+            series = [r[key][phase] if phase else r[key] for r in ranks]
+            out += [max(ts) for ts in zip(*series, strict=True)]
+        return out
+
+    per_step = slower_rank("step_times_s")
+    units = max(r["comm_paper_units_per_step"] for r in every)
+    comm = first["comm_elements_per_step"]
     engine = first.get("engine_comm_elements_per_step")
     formula = FORMULA[peer](world)
-    reports = [rep for r in ranks for rep in (r.get("engine_memory_report") or {}).values()]
+    reports = [rep for r in every for rep in (r.get("engine_memory_report") or {}).values()]
     engine_mem = max((rep["total"] / psi for rep in reports), default=None)
     return {
         "peer": peer,
@@ -44,9 +56,14 @@ def summarise(peer: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "step_ms_median": 1000 * statistics.median(per_step),
         "step_ms_min": 1000 * min(per_step),
         "step_ms_max": 1000 * max(per_step),
-        "peak_rss_MiB": max(r["vmhwm_kib"] for r in ranks) / 1024,
-        "start_rss_MiB": max(r["rss_start_kib"] for r in ranks) / 1024,
-        "final_loss": statistics.fmean(r["losses"][-1] for r in ranks),
+        "phase_ms_median": {
+            k: 1000 * statistics.median(slower_rank("phase_times_s", k)) for k in ("forward", "backward", "step")
+        },
+        "timed_steps": len(per_step),
+        "rounds_ok": f"{len(good)}/{len(rounds)}",
+        "peak_rss_MiB": max(r["vmhwm_kib"] for r in every) / 1024,
+        "start_rss_MiB": max(r["rss_start_kib"] for r in every) / 1024,
+        "final_loss": statistics.fmean(r["losses"][-1] for r in good[0]),
     }
 
 
@@ -66,6 +83,7 @@ COLUMNS = (
     "comm split",
     "engine counter Ψ",
     "step ms median [min-max]",
+    "fwd / bwd / step ms",
     "peak RSS MiB",
     "final loss",
 )
@@ -91,6 +109,7 @@ def _cells(r: dict[str, Any]) -> list[str]:
         _split(r["comm_split_psi"], OP_ABBREV),
         _opt(r["engine_comm_psi"], ".4f"),
         f"{r['step_ms_median']:.0f} [{r['step_ms_min']:.0f}-{r['step_ms_max']:.0f}]",
+        " / ".join(f"{v:.0f}" for v in r["phase_ms_median"].values()),
         f"{r['peak_rss_MiB']:.0f}",
         f"{r['final_loss']:.4f}",
     ]

@@ -59,20 +59,27 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     peer = _peers.build(args.peer, model, args.lr, args.bucket_mb, args.batch_size)
     torch.set_num_threads(1)  # engines may reset it at init
 
-    def one_step() -> float:
+    def one_step(phases: list[float] | None = None) -> float:
+        t0 = time.perf_counter()
         loss = lm_loss(peer.net(x), y)
+        t1 = time.perf_counter()
         peer.backward(loss)
+        t2 = time.perf_counter()
         peer.step()
         peer.zero_grad()
+        if phases is not None:
+            phases[:] = [t1 - t0, t2 - t1, time.perf_counter() - t2]
         return float(loss.detach())
 
-    losses, times = [], []
+    losses, times, phase_times = [], [], []
     for _ in range(args.warmup):
         losses.append(one_step())
     for _ in range(args.steps):
+        phases: list[float] = []
         t0 = time.perf_counter()
-        losses.append(one_step())
+        losses.append(one_step(phases))
         times.append(time.perf_counter() - t0)
+        phase_times.append(phases)
     vmhwm = proc_status_kib("VmHWM")
 
     # held tensors: after backward (full/sharded grads present) and after the step (before zero_grad)
@@ -107,6 +114,7 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
         "step_times_s": times,
+        "phase_times_s": {k: [p[i] for p in phase_times] for i, k in enumerate(("forward", "backward", "step"))},
         "losses": losses,
         "held_bytes": {"after_backward": held_bwd, "after_step": held_step},
         "comm_elements_per_step": {op: n / args.comm_steps for op, n in COUNTER.elements.items()},

@@ -44,12 +44,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--comm-steps", type=int, default=None, help="counted steps (default 2; quick: 1)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient/gather bucket size for every peer")
     p.add_argument("--world-size", type=int, default=2, help="ranks per peer (default 2)")
+    p.add_argument("--rounds", type=int, default=None, help="run all peers this many times, order alternating (1)")
     p.add_argument("--ds-python", type=Path, default=DEFAULT_DS_VENV / "bin" / "python", help="DeepSpeed venv python")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per peer before its ranks are killed")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/engine_bench-<utc>.json)")
     args = p.parse_args(argv)
-    quick = {"size": "small", "warmup": 1, "steps": 3, "comm_steps": 1}
-    full = {"size": "bench", "warmup": 2, "steps": 6, "comm_steps": 2}
+    quick = {"size": "small", "warmup": 1, "steps": 3, "comm_steps": 1, "rounds": 1}
+    full = {"size": "bench", "warmup": 2, "steps": 5, "comm_steps": 1, "rounds": 1}
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -127,33 +128,51 @@ def run_peer(peer: str, args: argparse.Namespace, workdir: Path) -> list[dict[st
     return results
 
 
+def git_head() -> str:
+    """The commit the benchmark ran from (``unknown`` outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every requested peer sequentially, print the table and ratios, save JSON."""
     args = parse_args(argv)
     started = datetime.now(timezone.utc)
     out = args.out or HERE / "results" / f"engine_bench-{started:%Y%m%dT%H%M%SZ}.json"
     workdir = out.with_suffix("")  # per-rank JSON + logs beside the summary
-    workdir.mkdir(parents=True, exist_ok=True)
+    for rnd in range(args.rounds):
+        (workdir / f"round{rnd}").mkdir(parents=True, exist_ok=True)
     print(
         f"engine_bench: {started:%Y-%m-%d %H:%M:%S} UTC  size={args.size} batch={args.batch_size} seq={args.seq_len} "
         f"ranks={args.world_size} warmup={args.warmup} steps={args.steps} comm-steps={args.comm_steps} "
+        f"rounds={args.rounds} "
         f"cpus={os.cpu_count()} load={os.getloadavg()[0]:.2f}",
         flush=True,
     )
-    raw, rows, loads = {}, [], {}
-    for peer in args.peers.split(","):
-        t0, load0 = time.monotonic(), os.getloadavg()[0]
-        raw[peer] = run_peer(peer, args, workdir)
-        rows.append(summarise(peer, raw[peer]))
-        loads[peer] = {"load_before": load0, "load_after": os.getloadavg()[0], "wall_s": time.monotonic() - t0}
-        status = rows[-1]["status"]
-        shown = f"{rows[-1]['step_ms_median']:.0f} ms/step" if status == "ok" else status
-        print(f"  {peer:12s} {loads[peer]['wall_s']:6.1f}s  load {load0:.2f}->{loads[peer]['load_after']:.2f}  {shown}")
+    peers = args.peers.split(",")
+    raw: dict[str, list[list[dict[str, Any]]]] = {p: [] for p in peers}
+    loads: dict[str, list[dict[str, float]]] = {p: [] for p in peers}
+    for rnd in range(args.rounds):
+        order = peers if rnd % 2 == 0 else peers[::-1]  # alternate the order so load drift hits peers evenly
+        for peer in order:
+            t0, load0 = time.monotonic(), os.getloadavg()[0]
+            results = run_peer(peer, args, workdir / f"round{rnd}")
+            raw[peer].append(results)
+            load = {"load_before": load0, "load_after": os.getloadavg()[0], "wall_s": time.monotonic() - t0}
+            loads[peer].append(load)
+            row = summarise(peer, [results])
+            shown = f"{row['step_ms_median']:.0f} ms/step" if row["status"] == "ok" else row["status"]
+            print(f"  [{rnd}] {peer:12s} {load['wall_s']:6.1f}s  load {load0:.2f}->{load['load_after']:.2f}  {shown}")
+    rows = [summarise(peer, raw[peer]) for peer in peers]
     ratio_text, ratio_data = ratios(rows)
     print("\n" + table(rows) + "\n\nRatios (goals from issue 4):\n" + ratio_text)
     doc = {
         "started_utc": started.isoformat(),
         "argv": sys.argv,
+        "git_head": git_head(),
         "settings": {k: str(v) for k, v in vars(args).items()},
         "cpus": os.cpu_count(),
         "loads": loads,

@@ -9,6 +9,12 @@ Hosts go on the command line (no hostfile to write); ``-export`` forwards the la
 exported values travel in the command's own environment and never as ``VAR=VAL`` words on the argv. Agents find
 their node from ``MV2_COMM_WORLD_RANK``.
 
+``mpirun_rsh`` is a remote-shell boundary: it formats ``cd WD; env … MPISPAWN_ARGV_i=<arg> … mpispawn`` with plain
+``%s`` and hands that string to ``ssh host`` (or ``bash -c`` locally), so every element of the program argv is
+passed through :func:`shlex.quote` here (it crosses exactly one shell). mpirun_rsh puts its own working directory
+(the plan's cwd, where :func:`elasticzero.launch.execute.execute` starts it) into that string unquoted, so a cwd
+that would need quoting is rejected. The hydra flavour passes argv verbatim and is not quoted.
+
 No Debian package of MVAPICH exists, so this shape is only unit-tested here. MVAPICH2's ``mpiexec`` is hydra:
 ``mvapich_launcher="hydra"`` builds the MPICH command (``-genvlist``, ``PMI_RANK``) with ``mpiexec`` (override
 with the ``mpiexec`` option), and that path runs for real through MPICH's hydra in the tests.
@@ -16,6 +22,7 @@ with the ``mpiexec`` option), and that path runs for real through MPICH's hydra 
 
 from __future__ import annotations
 
+import shlex
 import shutil
 from typing import TYPE_CHECKING
 
@@ -51,5 +58,25 @@ class MVAPICHBackend(LauncherBackend):
         else:
             hosts = [n.host for n in plan.nodes]
             prog = plan.agent_argv(["--node-rank-env", "MV2_COMM_WORLD_RANK"])
-        argv = ["mpirun_rsh", "-export", "-np", str(len(hosts)), *hosts, *plan.launcher_args, *prog]
-        return [Command(argv=tuple(argv), env=job_env(plan))]
+        check_rsh_cwd(plan.cwd)
+        argv = ["mpirun_rsh", "-export", "-np", str(len(hosts)), *hosts, *plan.launcher_args]
+        return [Command(argv=(*argv, *rsh_quote(prog)), env=job_env(plan))]
+
+
+def rsh_quote(prog: list[str]) -> list[str]:
+    """The program argv for ``mpirun_rsh``: each element quoted for the one remote shell it crosses.
+
+    mpirun_rsh pastes each argument unquoted into ``MPISPAWN_ARGV_i=%s`` of the string ssh runs; after that
+    shell's parse, ``mpispawn`` gets exactly the original bytes.
+    """
+    return [shlex.quote(a) for a in prog]
+
+
+def check_rsh_cwd(cwd: str) -> None:
+    """Reject a working directory mpirun_rsh would break (it writes its cwd into ``cd %s`` unquoted)."""
+    if shlex.quote(cwd) != cwd:
+        raise UsageError(
+            f"launcher 'mvapich' (mpirun_rsh) cannot start in {cwd!r}: mpirun_rsh passes its working directory "
+            "through the remote shell unquoted; run from a directory whose path has only letters, digits and "
+            "'@%+=:,./-_', or use mvapich_launcher='hydra'"
+        )

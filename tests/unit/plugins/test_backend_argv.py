@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import shlex
+import subprocess
+from pathlib import Path
+
 import pytest
 from plugin_plans import HOSTILE, PY, make_plan
 
 from elasticzero.errors import UsageError
 from elasticzero.launch.backend import available_launchers, get_launcher
+from elasticzero_plugins._common import rankenv_argv as rankenv_prog
 from elasticzero_plugins.mpich import HYDRA_ENV_PAD
 
 TABLE = '[["node1",[0,1]],["node2",[2,3]]]'
@@ -88,9 +93,9 @@ def test_slurm_per_rank_needs_even_slots() -> None:
 
 def test_mvapich_mpirun_rsh_shape() -> None:
     (cmd,) = get_launcher("mvapich").commands(make_plan("mvapich"))
-    assert list(cmd.argv) == [
-        "mpirun_rsh", "-export", "-np", "2", "node1", "node2", *agent(["--node-rank-env", "MV2_COMM_WORLD_RANK"])
-    ]  # fmt: skip
+    prog = [shlex.quote(a) for a in agent(["--node-rank-env", "MV2_COMM_WORLD_RANK"])]
+    assert list(cmd.argv) == ["mpirun_rsh", "-export", "-np", "2", "node1", "node2", *prog]
+    assert f"'{TABLE}'" in cmd.argv  # the node table keeps its JSON quotes through mpirun_rsh's shell
     assert cmd.env == {"NCCL_DEBUG": "INFO", JOB: "ez-test-1"}
     (rr,) = get_launcher("mvapich").commands(make_plan("mvapich", options={"per_rank": True}))
     assert list(rr.argv[:8]) == ["mpirun_rsh", "-export", "-np", "4", "node1", "node1", "node2", "node2"]
@@ -135,7 +140,41 @@ def test_values_never_on_the_argv(name: str) -> None:
         assert value in cmd.env.values()
 
 
-@pytest.mark.parametrize("name", ["openmpi", "mpich", "mvapich", "slurm", "local", "no-ssh"])
+def _one_shell_parse(words: list[str]) -> list[str]:
+    """``words`` joined by spaces and parsed by one real ``sh -c`` (what mpirun_rsh's ssh does)."""
+    script = "printf '%s\\0' " + " ".join(words)
+    p = subprocess.run(["sh", "-c", script], capture_output=True, timeout=30, check=True)
+    assert p.stdout.endswith(b"\0"), p.stdout
+    return p.stdout[:-1].decode().split("\0")
+
+
+@pytest.mark.parametrize("per_rank", [False, True])
+def test_mvapich_mpirun_rsh_argv_survives_one_shell(per_rank: bool, tmp_path: Path) -> None:
+    mark = tmp_path / "mark"
+    mark.mkdir()
+    hostile = [*HOSTILE, f"a;touch {mark}/semi", f"$(touch {mark}/dollar)", f"`touch {mark}/tick`", "x'y\"z"]
+    plan = make_plan("mvapich", entry=("t.py", *hostile), options={"per_rank": per_rank})
+    (cmd,) = get_launcher("mvapich").commands(plan)
+    expected = rankenv_prog(plan) if per_rank else plan.agent_argv(["--node-rank-env", "MV2_COMM_WORLD_RANK"])
+    built = list(cmd.argv[cmd.argv.index("node2") + (2 if per_rank else 1) :])
+    assert len(built) == len(expected)
+    assert _one_shell_parse(built) == expected  # byte-exact after the remote shell
+    assert list(mark.iterdir()) == []  # nothing ran
+
+
+def test_mvapich_hydra_argv_stays_verbatim() -> None:
+    plan = make_plan("mvapich", entry=("t.py", *HOSTILE), options={"mvapich_launcher": "hydra"})
+    (cmd,) = get_launcher("mvapich").commands(plan)
+    assert list(cmd.argv[-len(HOSTILE) :]) == HOSTILE
+
+
+def test_mvapich_mpirun_rsh_rejects_a_cwd_needing_quotes() -> None:
+    with pytest.raises(UsageError, match="working directory"):
+        get_launcher("mvapich").commands(make_plan("mvapich", cwd="/w/$(x) 'a' ;b"))
+    get_launcher("mvapich").commands(make_plan("mvapich", options={"mvapich_launcher": "hydra"}, cwd="/w/a b"))
+
+
+@pytest.mark.parametrize("name", ["openmpi", "mpich", "slurm", "local", "no-ssh"])
 def test_hostile_entry_and_cwd_are_single_argv_elements(name: str) -> None:
     nodes = [("localhost", [0])] if name == "local" else None
     plan = make_plan(name, nodes, entry=("t.py", *HOSTILE), cwd="/w/$(x) 'a' ;b", options={"node_rank": 0})

@@ -68,6 +68,7 @@ def test_module_state_dict_and_no_sync(report: dict[str, Any], stage: int) -> No
 def test_low_precision_tracks_fp32(report: dict[str, Any], stage: int) -> None:
     assert 0 < report[f"s{stage}_bf16_rel"] <= BF16_TOL
     assert 0 < report[f"s{stage}_fp16_rel"] <= FP16_TOL
+    assert 0 < report[f"s{stage}_bf16_lowreduce_rel"] <= BF16_TOL  # gradients accumulated and reduced in bf16
 
 
 @pytest.mark.parametrize("stage", STAGES)

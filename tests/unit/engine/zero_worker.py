@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 import elasticzero
 import elasticzero.errors
+from elasticzero.engine.precision import PrecisionPolicy
 
 VOCAB, DIM, HID, SEQ, GLOBAL_BATCH = 11, 7, 13, 5, 6
 LR, WD, STEPS, ACCUM, MAX_NORM = 1e-2, 0.1, 10, 2, 0.5
@@ -126,7 +127,7 @@ def reference(
 
 def zero_run(
     stage: int,
-    precision: str = "fp32",
+    precision: str | PrecisionPolicy = "fp32",
     accum: int = ACCUM,
     clip: float | None = MAX_NORM,
     no_sync: bool = False,
@@ -248,6 +249,9 @@ def scenario_equality(stage: int, out: dict[str, Any]) -> None:
     for prec in ("bf16", "fp16"):
         _, full_lp, _ = zero_run(stage, precision=prec)
         out[f"s{stage}_{prec}_rel"] = max_rel(full_lp, ref)
+    low_reduce = PrecisionPolicy.from_name("bf16", reduce_in_low_precision=True)
+    _, full_lr, _ = zero_run(stage, precision=low_reduce)
+    out[f"s{stage}_bf16_lowreduce_rel"] = max_rel(full_lr, ref)
 
 
 def scenario_comm_memory(stage: int, out: dict[str, Any]) -> None:

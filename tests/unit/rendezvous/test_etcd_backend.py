@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from etcd_parts import backend_for, client_for
+from rdzv_etcd_parts import backend_for, client_for
 
 from cluster.etcd_server import EtcdCluster
 from elasticzero.rendezvous.etcd_lease import KeptLease

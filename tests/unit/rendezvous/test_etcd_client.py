@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from etcd_parts import client_for
+from rdzv_etcd_parts import client_for
 
 from cluster.etcd_server import EtcdCluster
 from elasticzero.rendezvous.etcd_client import EtcdClient, EtcdConnectionError, EtcdSettings

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-from etcd_parts import client_for, store_for
+from rdzv_etcd_parts import client_for, store_for
 
 from cluster.etcd_server import EtcdCluster
 from elasticzero.rendezvous.etcd_client import EtcdClient

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from torchrun_agents import agents_reaped, read_records, start_agent, torchrun_argv, wait_all
-from world_checks import assert_one_world
+from rdzv_agents import agents_reaped, read_records, start_agent, torchrun_argv, wait_all
+from rdzv_world import assert_one_world
 
 from ez_testing import free_port
 

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-WORKER = Path(__file__).with_name("worker_env.py")
+WORKER = Path(__file__).with_name("rdzv_worker.py")
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
@@ -116,5 +116,5 @@ def wait_for_files(paths: Sequence[Path], timeout: float, agents: Sequence[Agent
 
 
 def read_records(out_dir: Path, world_size: int) -> list[dict[str, object]]:
-    """The per-rank JSON records written by ``worker_env.py``, by global rank."""
+    """The per-rank JSON records written by ``rdzv_worker.py``, by global rank."""
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
-from torchrun_agents import (
+from rdzv_agents import (
     agents_reaped,
     read_records,
     start_agent,
@@ -14,7 +14,7 @@ from torchrun_agents import (
     wait_all,
     wait_for_files,
 )
-from world_checks import assert_one_world
+from rdzv_world import assert_one_world
 
 from cluster.etcd_server import EtcdCluster
 from ez_testing import free_port

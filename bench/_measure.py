@@ -190,9 +190,10 @@ def held_tensor_bytes(modules: Iterable[torch.nn.Module], exclude: Iterable[torc
     gc.collect()
     objects = gc.get_objects()
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
-    params: list[torch.Tensor] = [_local(p) for m in modules for p in m.parameters()]
-    params += [_local(p) for opt in optimizers for g in opt.param_groups for p in g["params"]]
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    owners = [p for m in modules for p in m.parameters()]
+    owners += [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    params = [_local(p) for p in owners]
+    grads = [_local(p.grad) for p in owners if p.grad is not None]
     state = [_local(t) for opt in optimizers for t in _state_tensors(dict(opt.state))]
     seen: dict[tuple[int, int], str] = {}
     skip = {k for k in (_storage_key(t) for t in exclude) if k}

@@ -32,6 +32,7 @@ def summarise(peer: str, rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
         return out
 
     per_step = slower_rank("step_times_s")
+    cpu_steps = slower_rank("step_cpu_s") if all("step_cpu_s" in r for r in every) else []
     units = max(r["comm_paper_units_per_step"] for r in every)
     comm = first["comm_elements_per_step"]
     engine = first.get("engine_comm_elements_per_step")
@@ -59,6 +60,7 @@ def summarise(peer: str, rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
         "phase_ms_median": {
             k: 1000 * statistics.median(slower_rank("phase_times_s", k)) for k in ("forward", "backward", "step")
         },
+        "cpu_ms_median": 1000 * statistics.median(cpu_steps) if cpu_steps else None,
         "timed_steps": len(per_step),
         "rounds_ok": f"{len(good)}/{len(rounds)}",
         "peak_rss_MiB": max(r["vmhwm_kib"] for r in every) / 1024,
@@ -84,6 +86,7 @@ COLUMNS = (
     "engine counter Ψ",
     "step ms median [min-max]",
     "fwd / bwd / step ms",
+    "CPU ms/step",
     "peak RSS MiB",
     "final loss",
 )
@@ -110,6 +113,7 @@ def _cells(r: dict[str, Any]) -> list[str]:
         _opt(r["engine_comm_psi"], ".4f"),
         f"{r['step_ms_median']:.0f} [{r['step_ms_min']:.0f}-{r['step_ms_max']:.0f}]",
         " / ".join(f"{v:.0f}" for v in r["phase_ms_median"].values()),
+        _opt(r["cpu_ms_median"], ".0f"),
         f"{r['peak_rss_MiB']:.0f}",
         f"{r['final_loss']:.4f}",
     ]
@@ -123,7 +127,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def _ratio(rows: dict[str, dict[str, Any]], a: str, b: str, key: str) -> float | None:
-    if rows.get(a, {}).get("status") == "ok" and rows.get(b, {}).get("status") == "ok":
+    if rows.get(a, {}).get(key) is not None and rows.get(b, {}).get(key) is not None:
         return rows[a][key] / rows[b][key]
     return None
 
@@ -138,10 +142,12 @@ def ratios(rows_list: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
         ok = r.get("status") == "ok"
         checks.append((f"{peer} held bytes / ZeRO formula", r["held_vs_formula"] if ok else None, 1.02, "<="))
         checks.append((f"{peer} comm / ({COMM_GOAL[peer]}Ψ)", r["comm_psi"] / COMM_GOAL[peer] if ok else None, 1, "=="))
-    time = "step_ms_median"
+    time, cpu = "step_ms_median", "cpu_ms_median"
     for s in (1, 2):
         checks.append((f"ez_stage{s} step time / ddp", _ratio(rows, f"ez_stage{s}", "ddp", time), 1.05, "<="))
+        checks.append((f"ez_stage{s} step CPU time / ddp", _ratio(rows, f"ez_stage{s}", "ddp", cpu), 1.05, "<="))
     checks.append(("ez_stage3 step time / fsdp2", _ratio(rows, "ez_stage3", "fsdp2", time), 1.0, "<="))
+    checks.append(("ez_stage3 step CPU time / fsdp2", _ratio(rows, "ez_stage3", "fsdp2", cpu), 1.0, "<="))
     checks.append(("ez_stage3 step time / fsdp2_keep", _ratio(rows, "ez_stage3", "fsdp2_keep", time), 1, "<="))
     for s in (1, 2, 3):
         checks.append((f"ez_stage{s} peak RSS / fsdp2", _ratio(rows, f"ez_stage{s}", "fsdp2", "peak_rss_MiB"), 1, "<="))
@@ -153,7 +159,7 @@ def ratios(rows_list: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     lines, data = [], {}
     for label, value, goal, cmp in checks:
         if value is None:
-            verdict, shown = "not measured (a peer was skipped or failed)", "-"
+            verdict, shown = "not measured (peer skipped or failed, or value not recorded)", "-"
         else:
             met = abs(value - goal) < 1e-9 if cmp == "==" else value <= goal
             verdict, shown = ("met" if met else "MISSED"), f"{value:.4f}"

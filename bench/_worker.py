@@ -71,14 +71,15 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
             phases[:] = [t1 - t0, t2 - t1, time.perf_counter() - t2]
         return float(loss.detach())
 
-    losses, times, phase_times = [], [], []
+    losses, times, cpu_times, phase_times = [], [], [], []
     for _ in range(args.warmup):
         losses.append(one_step())
     for _ in range(args.steps):
         phases: list[float] = []
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         losses.append(one_step(phases))
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)  # all threads of this rank; less sensitive to other load
         phase_times.append(phases)
     vmhwm = proc_status_kib("VmHWM")
 
@@ -114,6 +115,7 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
         "step_times_s": times,
+        "step_cpu_s": cpu_times,
         "phase_times_s": {k: [p[i] for p in phase_times] for i, k in enumerate(("forward", "backward", "step"))},
         "losses": losses,
         "held_bytes": {"after_backward": held_bwd, "after_step": held_step},

@@ -48,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ds-python", type=Path, default=DEFAULT_DS_VENV / "bin" / "python", help="DeepSpeed venv python")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per peer before its ranks are killed")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/engine_bench-<utc>.json)")
+    p.add_argument("--report", type=Path, default=None, help="re-print table and ratios from a saved JSON (no run)")
     args = p.parse_args(argv)
     quick = {"size": "small", "warmup": 1, "steps": 3, "comm_steps": 1, "rounds": 1}
     full = {"size": "bench", "warmup": 2, "steps": 5, "comm_steps": 1, "rounds": 1}
@@ -137,9 +138,22 @@ def git_head() -> str:
     return out.stdout.strip()
 
 
+def report(path: Path) -> int:
+    """Re-render the table and ratios from a saved run's raw per-rank data (measures nothing)."""
+    doc = json.loads(path.read_text())
+    raw = {peer: rounds if isinstance(rounds[0], list) else [rounds] for peer, rounds in doc["raw"].items()}
+    rows = [summarise(peer, rounds) for peer, rounds in raw.items()]
+    print(f"engine_bench report of the run started {doc['started_utc']} (git {doc.get('git_head', 'unknown')})")
+    print(f"settings: {doc['settings']}\nloads: {doc['loads']}\n")
+    print(table(rows) + "\n\nRatios (goals from issue 4):\n" + ratios(rows)[0])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every requested peer sequentially, print the table and ratios, save JSON."""
     args = parse_args(argv)
+    if args.report:
+        return report(args.report)
     started = datetime.now(timezone.utc)
     out = args.out or HERE / "results" / f"engine_bench-{started:%Y%m%dT%H%M%SZ}.json"
     workdir = out.with_suffix("")  # per-rank JSON + logs beside the summary

@@ -6,13 +6,20 @@ launcher only; its output goes straight to the launcher's stdout/stderr.
 
 Exit code: 0 when every command succeeds; otherwise the code of the first command that failed (the transport
 reports the failing rank's code: ``pdsh -S``, ``mpirun``, ``srun``), ``128+signal`` for a command killed by a
-signal. On SIGINT/SIGTERM the launcher stops the job everywhere, waits for its commands, and exits with
-``128+signal``: first the backend's optional ``stop_job(plan)`` (for transports that do not stop remote
-processes themselves, e.g. pdsh), then SIGTERM to each command's process group, SIGKILL after a grace period.
+signal. On SIGINT, SIGTERM, SIGHUP (terminal closed) or SIGQUIT the launcher stops the job everywhere, waits for
+its commands, and exits with ``128+signal``: first the backend's optional ``stop_job(plan)`` (for transports that
+do not stop remote processes themselves, e.g. pdsh), then SIGTERM to each command's process group, SIGKILL after a
+grace period.
+
+A launcher that cannot run handlers (SIGKILL, a crash) still takes its local commands along: each is started with
+``PR_SET_PDEATHSIG=SIGTERM`` (Linux), so the local agent, ``mpirun``, ``mpiexec`` or ``srun`` get SIGTERM and stop
+their part of the job as they do on Ctrl-C. pdsh is the exception: terminating pdsh leaves the remote agents
+running, and only :meth:`stop_job` (which needs a live launcher) removes them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -32,6 +39,10 @@ STOP_GRACE = 15.0
 #: seconds other commands may keep running after one failed, before they are stopped
 FAIL_GRACE = 30.0
 POLL = 0.1
+#: ``prctl`` option: signal sent to this process when its parent (thread) dies
+PR_SET_PDEATHSIG = 1
+#: signals that stop the job everywhere (SIGHUP: the terminal was closed)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 @runtime_checkable
@@ -65,11 +76,40 @@ def execute(plan: LaunchPlan, backend: LauncherBackend) -> int:
             Path(pid_file).unlink(missing_ok=True)
 
 
+def die_with_launcher(launcher_pid: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` arming ``PR_SET_PDEATHSIG=SIGTERM`` in the child, or ``None`` where that is unsupported.
+
+    ``prctl`` is looked up here, in the launcher, so the forked child only makes the call. After arming, the child
+    checks that its parent is still ``launcher_pid``: a launcher that died between ``fork`` and ``prctl`` would
+    never send the signal, so the child exits at once instead of running without an owner.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != launcher_pid:
+            os._exit(128 + signal.SIGTERM)
+
+    return preexec
+
+
 def _start(plan: LaunchPlan, cmd: Command) -> subprocess.Popen[bytes]:
     # the command's variables last and in their order (a transport may care: see elasticzero_plugins.mpich)
     env = {k: v for k, v in os.environ.items() if k not in cmd.env}
     env.update(cmd.env)
-    return subprocess.Popen(list(cmd.argv), env=env, cwd=plan.cwd, start_new_session=True, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(
+        list(cmd.argv),
+        env=env,
+        cwd=plan.cwd,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        preexec_fn=die_with_launcher(os.getpid()),  # only prctl + getppid run in the child
+    )
 
 
 def _run(plan: LaunchPlan, backend: LauncherBackend, commands: list[Command], received: list[int]) -> int:
@@ -126,10 +166,10 @@ def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
 
 
 def _install_handlers(on_signal: Callable[[int], None]) -> Callable[[], None]:
-    """Record SIGINT/SIGTERM instead of dying; returns a function restoring the previous handlers."""
+    """Record :data:`STOP_SIGNALS` instead of dying; returns a function restoring the previous handlers."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    sigs = (signal.SIGINT, signal.SIGTERM)
+    sigs = STOP_SIGNALS
     previous = {s: signal.getsignal(s) for s in sigs}
     for s in sigs:
         signal.signal(s, lambda signum, _frame: on_signal(signum))

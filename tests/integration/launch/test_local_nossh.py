@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import secrets
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from launchkit import WORKER, hostile_args, kill_job, leftovers, markers, reports, worker_env_clean
+from launchkit import (
+    WORKER,
+    hostile_args,
+    job_pids,
+    kill_job,
+    leftovers,
+    markers,
+    reports,
+    wait_for,
+    worker_env_clean,
+)
 from test_real_launch import bed, check_reports
 
 from ez_testing import free_port
@@ -45,6 +56,31 @@ def test_local_backend_two_workers(tmp_path: Path) -> None:
     ]
     assert all(r["argv"] == args and r["exported"] == {"EZT_V": "a,b 'c' $(x)"} and r["job"] == job for r in reps)
     assert markers(mark) == []
+
+
+@pytest.mark.parametrize("how", ["SIGHUP", "SIGKILL"])
+def test_closed_terminal_or_killed_launcher_leaves_nothing(how: str, tmp_path: Path) -> None:
+    """SIGHUP (terminal closed) stops the job and exits 129; a SIGKILLed launcher takes the agent along
+    (parent-death signal), and the agent its workers."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = f"ezt-local-{how.lower()}-{secrets.token_hex(4)}"
+    env = {**worker_env_clean(), "EZ_TEST_OUT": str(out), "EZ_TEST_SLEEP": "600", "OMP_NUM_THREADS": "1"}
+    argv = [LAUNCH, "--launcher", "local", "--nproc-per-node", "2", "--rdzv-id", job, "--master-port", str(free_port())]
+    argv += ["--export", "EZ_TEST_OUT", "--export", "EZ_TEST_SLEEP", WORKER]
+    proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: len(list(out.glob("pid-*"))) == 2 or proc.poll() is not None, 180, "2 sleeping workers")
+        assert proc.poll() is None
+        assert len(job_pids(job)) >= 3  # the agent and its two workers
+        proc.send_signal(getattr(signal, how))
+        rc = proc.wait(timeout=120)
+        wait_for(lambda: not job_pids(job), 30, "no process of the job left")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_job(job)
+    assert rc == (128 + signal.SIGHUP if how == "SIGHUP" else -signal.SIGKILL)
 
 
 @pytest.mark.sshd

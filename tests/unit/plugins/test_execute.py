@@ -11,11 +11,12 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from plugin_plans import make_plan
 
 from elasticzero.launch.backend import Command, LauncherBackend
-from elasticzero.launch.execute import execute, exit_code
+from elasticzero.launch.execute import die_with_launcher, execute, exit_code
 from elasticzero.launch.plan import LaunchPlan
 
 
@@ -76,23 +77,60 @@ sys.exit(execute(make_plan("sleepy", cwd={tmp!r}), Sleepy()))
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_stops_everything(tmp_path: Path, sig: signal.Signals) -> None:
+def _start_launcher(tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """The LAUNCHER script as a real process, once both of its (sleeping) children are up."""
     script = tmp_path / "launcher.py"
     script.write_text(textwrap.dedent(LAUNCHER.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))))
     proc = subprocess.Popen([sys.executable, str(script)])
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("child-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return proc, [int(p.name.split("-")[1]) for p in tmp_path.glob("child-*")]
+
+
+def _gone(pid: int) -> bool:
     try:
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("child-*"))) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        children = [int(p.name.split("-")[1]) for p in tmp_path.glob("child-*")]
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT])
+def test_signal_stops_everything(tmp_path: Path, sig: signal.Signals) -> None:
+    proc, children = _start_launcher(tmp_path)
+    try:
         assert len(children) == 2
         proc.send_signal(sig)
         assert proc.wait(timeout=60) == 128 + sig
+        left = [pid for pid in children if not _gone(pid)]  # the launcher waited for them before exiting
     finally:
         if proc.poll() is None:
             proc.kill()
+        for pid in children:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)  # the test failed: do not leave its sleepers behind
     assert (tmp_path / "stop_job-called").exists()
-    for pid in children:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    assert left == []
+
+
+def test_sigkilled_launcher_takes_its_commands_along(tmp_path: Path) -> None:
+    proc, children = _start_launcher(tmp_path)
+    try:
+        assert len(children) == 2
+        proc.kill()  # no handler runs: only the parent-death signal can stop the children
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while not all(_gone(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [pid for pid in children if not _gone(pid)] == []
+    finally:
+        for pid in children:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_child_of_a_dead_launcher_exits_before_running() -> None:
+    preexec = die_with_launcher(os.getpid() + 1_000_000)  # "the launcher" is not our parent: it already died
+    assert preexec is not None
+    p = subprocess.run([sys.executable, "-c", "print('ran')"], preexec_fn=preexec, capture_output=True, timeout=30)
+    assert (p.returncode, p.stdout) == (128 + signal.SIGTERM, b"")

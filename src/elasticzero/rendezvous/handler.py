@@ -30,7 +30,8 @@ class ElasticZeroRendezvousHandler(DynamicRendezvousHandler):
 
     The rank is re-assigned inside ``_get_world`` (called once per ``next_rendezvous``, before torch builds the
     bootstrap store info), so the node that ends up as group rank 0 is also the one that hosts the workers' store and
-    publishes ``MASTER_ADDR``/``MASTER_PORT``: every node sees the same master address.
+    publishes ``MASTER_ADDR``/``MASTER_PORT``: every node sees the same master address. From the second round on,
+    the bootstrap info is rebuilt every round (torch would keep a stale master on the nodes that are not rank 0).
     """
 
     _ez_hint: int | None = None
@@ -45,6 +46,11 @@ class ElasticZeroRendezvousHandler(DynamicRendezvousHandler):
         new_rank = exchange_and_order(self._get_store(), rank, world_size, self._ez_hint)
         if new_rank != rank:
             logger.info("elasticzero: node_rank_hint=%s moves group rank %d to %d", self._ez_hint, rank, new_rank)
+        if self._ez_world is not None:
+            # torch caches the workers' bootstrap address after the first round and rebuilds it only on a node that
+            # becomes rank 0: the other nodes would keep pointing at a master that may be gone (scale-down). Drop
+            # the cache every new round, so rank 0 publishes a fresh store address and everyone reads it.
+            self._bootstrap_store_info = None
         self._ez_world = (round_, (new_rank, world_size))
         return new_rank, world_size
 

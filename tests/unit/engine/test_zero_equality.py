@@ -119,6 +119,8 @@ def test_stage3_shards_params_and_options(report: dict[str, Any]) -> None:
     # default units on a ModuleList model: one per block, tied embedding/head owned by the root
     assert report["s3_blocks_units"] == ["", "blocks.0", "blocks.1"]
     assert report["s3_blocks_rel"] <= FP32_TOL
+    assert report["s3_instance_rel"] <= FP32_TOL  # units=<one module instance>; the other block joins the root
+    assert report["s3_instance_units"] == ["", "blocks.0"]
     assert report["s3_ckpt_rel"] <= FP32_TOL  # blocks under activation checkpointing (recomputed in backward)
 
 

@@ -139,6 +139,8 @@ def zero_run(
     model = make_model(kind)
     if grouped:
         kw["param_groups"] = groups(model)
+    if kw.get("units") == "first_block":
+        kw["units"] = model.blocks[0]  # a single module instance
     opt = cls(model, torch.optim.AdamW, lr=LR, weight_decay=WD, precision=precision, bucket_bytes=BUCKET_BYTES, **kw)
     sch = sched(opt)
     norms = train(model, opt, sch, range(STEPS), accum, clip, no_sync)
@@ -241,6 +243,9 @@ def scenario_equality(stage: int, out: dict[str, Any]) -> None:
         opt_b, full_b, _ = zero_run(stage, kind="blocks")
         out["s3_blocks_rel"] = max_rel(full_b, reference(kind="blocks")[0])
         out["s3_blocks_units"] = sorted(set(opt_b.unit_of_bucket().values()))
+        opt_i, full_i, _ = zero_run(stage, kind="blocks", units="first_block")
+        out["s3_instance_rel"] = max_rel(full_i, reference(kind="blocks")[0])
+        out["s3_instance_units"] = sorted(set(opt_i.unit_of_bucket().values()))
         _, full_c, _ = zero_run(stage, kind="blocks_ckpt")
         out["s3_ckpt_rel"] = max_rel(full_c, reference(kind="blocks")[0])
     out[f"s{stage}_resume_rel"] = max_rel(resume_run(stage), ref)

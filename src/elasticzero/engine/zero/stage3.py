@@ -46,8 +46,9 @@ class ZeroStage3(ZeroOptimizer):
     """ZeRO-3 optimizer wrapper (arguments of :class:`~elasticzero.engine.zero.base.ZeroOptimizer`, plus):
 
     Args:
-        units: which submodules are gathered/freed as one unit: module instances, a module class (or tuple of
-            classes), or a predicate; the root is always a unit and owns every parameter not inside another unit.
+        units: which submodules are gathered/freed as one unit: a module class (or tuple of classes), a predicate
+            ``f(module) -> bool``, or module instances (one, an iterable, or an ``nn.ModuleList`` of them); the root
+            is always a unit and owns every parameter not inside another unit.
             Default: every element of every ``nn.ModuleList`` in the model (transformer blocks, as one would
             ``fully_shard`` them); a model without a ``ModuleList`` gets one unit per module owning a trainable
             parameter directly.
@@ -80,7 +81,7 @@ class ZeroStage3(ZeroOptimizer):
         prefetch_bytes: int = 0,
         **optimizer_kwargs: Any,
     ) -> None:
-        self._unit_spec = units
+        self._unit_spec = _normalize_units(units)
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
         self.prefetch_bytes = prefetch_bytes
@@ -123,9 +124,9 @@ class ZeroStage3(ZeroOptimizer):
             return any(p is not None and p.requires_grad for p in m._parameters.values())
         if isinstance(spec, type) or (isinstance(spec, tuple) and all(isinstance(c, type) for c in spec)):
             return isinstance(m, spec)
-        if callable(spec) and not isinstance(spec, nn.Module):
-            return bool(spec(m))
-        return any(m is u for u in spec)  # type: ignore[union-attr]
+        if isinstance(spec, frozenset):
+            return id(m) in spec
+        return bool(spec(m))  # type: ignore[operator]
 
     def _build_buckets(self, named: list[tuple[str, nn.Parameter]]) -> list[FlatBucket]:
         modules = list(self.module.named_modules())
@@ -332,3 +333,16 @@ def _common_prefix(names: list[str]) -> str:
             break
         common.append(level[0])
     return ".".join(common)
+
+
+def _normalize_units(spec: UnitSpec) -> Any:
+    """None, a class / tuple of classes, a predicate, or a frozenset of module ids (instances, lists of them)."""
+    if spec is None or isinstance(spec, type):
+        return spec
+    if isinstance(spec, tuple) and all(isinstance(c, type) for c in spec):
+        return spec
+    if isinstance(spec, nn.Module) and not isinstance(spec, nn.ModuleList):  # nn.Sequential is one unit
+        return frozenset({id(spec)})
+    if callable(spec) and not isinstance(spec, nn.Module):
+        return spec
+    return frozenset(id(m) for m in spec)  # type: ignore[union-attr]

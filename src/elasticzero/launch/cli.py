@@ -33,7 +33,7 @@ from elasticzero.launch.args import DEFAULT_MASTER_PORT, PROG, parse_args
 from elasticzero.launch.envexport import export_env
 from elasticzero.launch.filters import apply_filters, select_first
 from elasticzero.launch.hostfile import ResourcePool, host_problem, is_loopback, normalize_host
-from elasticzero.launch.plan import AgentOptions, LaunchPlan, NodeSpec, mask_value, redact
+from elasticzero.launch.plan import MASK, AgentOptions, LaunchPlan, NodeSpec, is_secret
 from elasticzero.launch.resources import LOCALHOST, discover
 
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -232,12 +232,14 @@ def build_plan(
 
 def _shown(name: str, value: str) -> str:
     """``value`` as printed: masked when ``name`` looks secret, else shell-quoted."""
-    masked = mask_value(name, value)
-    return masked if masked != value else shlex.quote(value)
+    return MASK if is_secret(name) else shlex.quote(value)
 
 
 def render_plan(plan: LaunchPlan) -> str:
-    """The plan for people: hosts, slots, endpoint, exported env (secrets masked), commands (shlex-quoted)."""
+    """The plan for people: hosts, slots, endpoint, exported env (secrets masked), commands (shlex-quoted).
+
+    Commands are printed as given: pass the plan from :func:`shown_plan`, whose commands hold only the mask.
+    """
     lines = [
         f"{PROG} plan (dry run; nothing started)",
         f"  job id:    {plan.job_id}",
@@ -252,12 +254,17 @@ def render_plan(plan: LaunchPlan) -> str:
     lines.append(f"  env ({len(plan.env)} exported):")
     lines += [f"    {k}={_shown(k, v)}" for k, v in sorted(plan.env.items())]
     lines.append("  commands:")
-    secrets = plan.secret_values()
     for cmd in plan.commands:
         where = f" [{cmd.host}]" if cmd.host else ""
         extra = " ".join(f"{k}={_shown(k, v)}" for k, v in sorted(cmd.env.items()))
-        lines.append(f"   {where} {extra + ' ' if extra else ''}{redact(shlex.join(cmd.argv), secrets)}")
+        lines.append(f"   {where} {extra + ' ' if extra else ''}{shlex.join(cmd.argv)}")
     return "\n".join(lines)
+
+
+def shown_plan(plan: LaunchPlan, backend: backend_mod.LauncherBackend) -> LaunchPlan:
+    """The plan to print: secret values masked *before* the backend builds the commands (never executed)."""
+    masked = plan.masked()
+    return masked.with_commands(backend.commands(masked))
 
 
 def _run(argv: Sequence[str] | None) -> int:
@@ -285,11 +292,12 @@ def _show_or_execute(args: argparse.Namespace, plan: LaunchPlan) -> int:
             backend.check_available()
         except UsageError as exc:
             print(f"{PROG}: note: {exc} (a real launch would stop here)", file=sys.stderr)
-        plan = plan.with_commands(backend.commands(plan))
+        backend.commands(plan)  # the real plan must build: its errors are the launch's errors
+        shown = shown_plan(plan, backend)
         if args.dry_run == "json":
-            print(json.dumps(plan.to_json(), indent=2))
+            print(json.dumps(shown.to_json(), indent=2))
         else:
-            print(render_plan(plan))
+            print(render_plan(shown))
         return 0
     backend.check_available()
     plan = plan.with_commands(backend.commands(plan))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -21,24 +21,19 @@ SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNO
 MASK = "****"
 
 
+def is_secret(name: str) -> bool:
+    """Whether the variable ``name`` looks secret (its value is never printed)."""
+    return SECRET_NAME.search(name) is not None
+
+
 def mask_value(name: str, value: str) -> str:
     """The value to show for ``name`` in logs and dry-run output (secrets are masked)."""
-    return MASK if SECRET_NAME.search(name) else value
+    return MASK if is_secret(name) else value
 
 
-def secret_values(env: Mapping[str, str]) -> list[str]:
-    """Values of secret-looking names (at least 4 characters), longest first, for :func:`redact`."""
-    return sorted({v for k, v in env.items() if SECRET_NAME.search(k) and len(v) >= 4}, key=len, reverse=True)
-
-
-def redact(text: str, secrets: Sequence[str]) -> str:
-    """``text`` with every occurrence of a secret value replaced by the mask (for printed commands).
-
-    Some transports carry values inside argv (pdsh's remote command string); dry-run output must not show them.
-    """
-    for secret in secrets:
-        text = text.replace(secret, MASK)
-    return text
+def mask_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with every secret-looking variable's value replaced by :data:`MASK` (order kept)."""
+    return {k: mask_value(k, v) for k, v in env.items()}
 
 
 @dataclass(frozen=True)
@@ -128,16 +123,21 @@ class LaunchPlan:
     def with_commands(self, commands: list[Command]) -> LaunchPlan:
         return replace(self, commands=tuple(commands))
 
-    def secret_values(self) -> list[str]:
-        """Secret values of the exported env and of every command's env (see :func:`redact`)."""
-        merged = dict(self.env)
-        for c in self.commands:
-            merged.update(c.env)
-        return secret_values(merged)
+    def masked(self) -> LaunchPlan:
+        """This plan for display: secret env values replaced by :data:`MASK`, no commands.
+
+        A transport may carry values inside argv, transformed on the way (pdsh's remote string holds each value
+        shell-quoted with ``%`` doubled), so printed commands are not redacted by searching for the values: they
+        are built by the backend from this masked plan instead (``backend.commands(plan.masked())``), and only
+        ever contain the mask. Never execute the masked plan's commands.
+        """
+        return replace(self, env=mask_env(self.env), commands=())
 
     def to_json(self) -> dict[str, Any]:
-        """The machine-readable plan printed by ``--dry-run=json`` (secret values masked, also inside commands)."""
-        secrets = self.secret_values()
+        """The machine-readable plan printed by ``--dry-run=json`` (secret env values masked).
+
+        Commands are shown as they are: print it for a plan whose commands were built from :meth:`masked`.
+        """
         return {
             "job_id": self.job_id,
             "backend": self.backend,
@@ -145,7 +145,7 @@ class LaunchPlan:
             "master_addr": self.master_addr,
             "master_port": self.master_port,
             "nodes": [{"host": n.host, "node_rank": n.node_rank, "slots": list(n.slots)} for n in self.nodes],
-            "commands": [[redact(a, secrets) for a in c.argv] for c in self.commands],
+            "commands": [list(c.argv) for c in self.commands],
             "env": {k: mask_value(k, v) for k, v in sorted(self.env.items())},
             "cwd": self.cwd,
         }

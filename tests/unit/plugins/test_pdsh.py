@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from plugin_plans import HOSTILE, make_plan
 
 from elasticzero.errors import UsageError
 from elasticzero.launch.backend import get_launcher
+from elasticzero.launch.cli import render_plan, shown_plan
 from elasticzero_plugins.pdsh import remote_command
 from ez_testing import require
 
@@ -76,3 +78,22 @@ def test_preflight_names_the_host_that_failed() -> None:
 def test_no_ssh_check_skips_preflight() -> None:
     plan = make_plan("pdsh", [("no-such-host.invalid", [0])], options={"ssh_check": False})
     get_launcher("pdsh").preflight(plan)  # nothing raised, nothing contacted
+
+
+def test_dry_run_never_shows_a_secret_however_the_transport_rewrites_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # pdsh's remote string holds each value shell-quoted with % doubled: a text search for the raw value misses it
+    monkeypatch.delenv("PDSH_SSH_ARGS_APPEND", raising=False)
+    secrets = {"HF_TOKEN": "zq7%wx'vy", "DB_KEY": "qz"}  # quoting + %, and a value too short to search for
+    plan = make_plan("pdsh", env={**secrets, "NCCL_DEBUG": "INFO"})
+    backend = get_launcher("pdsh")
+    shown = shown_plan(plan, backend)
+    outputs = [render_plan(shown), json.dumps(shown.to_json())]
+    for out in outputs:
+        for piece in ("zq7", "wx", "vy", "qz"):
+            assert piece not in out, (piece, out)
+    (remote,) = [a for a in shown.commands[0].argv if a.startswith("export ")]
+    assert "export HF_TOKEN='****'; export DB_KEY='****'; export NCCL_DEBUG=INFO;" in remote
+    assert shown.to_json()["env"] == {"DB_KEY": "****", "HF_TOKEN": "****", "NCCL_DEBUG": "INFO"}
+    # what runs is built from the real plan: the values are there, quoted for the remote shell and pdsh
+    (real,) = backend.commands(plan)
+    assert f"export HF_TOKEN={shlex.quote(secrets['HF_TOKEN'])}".replace("%", "%%") in real.argv[-1]

@@ -93,8 +93,11 @@ class GradBucketer:
         self.rank = dist.get_rank(self.process_group)
         self.reduce_dtype = reduce_dtype
         if buckets is None:
-            named = [(f"param{i}", p) if isinstance(p, torch.Tensor) else p for i, p in enumerate(params)]
-            named = [(n, p) for n, p in named if p.requires_grad]
+            pairs: list[tuple[str, nn.Parameter]] = [
+                (f"param{i}", p) if isinstance(p, torch.Tensor) else p  # type: ignore[misc]
+                for i, p in enumerate(params)
+            ]
+            named = [(n, p) for n, p in pairs if p.requires_grad]
             buckets = build_buckets(
                 named,
                 bucket_bytes=bucket_bytes,

@@ -99,7 +99,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.optim = optimizer_class(inner_groups, **optimizer_kwargs)
         torch.optim.Optimizer.__init__(self, list(self.masters), dict(self.optim.defaults))
         self.param_groups = self.optim.param_groups
-        self.state = self.optim.state  # type: ignore[assignment]
+        self.state = self.optim.state
         self.defaults = self.optim.defaults
         self._ready = True
         self.bucketer = self._make_bucketer()
@@ -184,7 +184,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.optim.load_state_dict(sd)
         # torch's load_state_dict rebinds param_groups/state: keep ours the same objects (schedulers read ours)
         self.param_groups = self.optim.param_groups
-        self.state = self.optim.state  # type: ignore[assignment]
+        self.state = self.optim.state
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported after construction: pass ``param_groups=`` to the constructor."""

@@ -126,7 +126,7 @@ class ZeroStage3(ZeroOptimizer):
             return isinstance(m, spec)
         if isinstance(spec, frozenset):
             return id(m) in spec
-        return bool(spec(m))  # type: ignore[operator]
+        return bool(spec(m))
 
     def _build_buckets(self, named: list[tuple[str, nn.Parameter]]) -> list[FlatBucket]:
         modules = list(self.module.named_modules())

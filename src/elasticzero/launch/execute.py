@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from elasticzero.errors import UsageError
+
 if TYPE_CHECKING:
     from elasticzero.launch.backend import Command, LauncherBackend
     from elasticzero.launch.plan import LaunchPlan
@@ -65,7 +67,7 @@ def execute(plan: LaunchPlan, backend: LauncherBackend) -> int:
     commands = list(plan.commands) or backend.commands(plan)
     pid_file = plan.options.get("save_pid")
     if pid_file:
-        Path(pid_file).write_text(f"{os.getpid()}\n")
+        write_pid_file(str(pid_file))
     received: list[int] = []
     restore = _install_handlers(received.append)
     try:
@@ -74,6 +76,23 @@ def execute(plan: LaunchPlan, backend: LauncherBackend) -> int:
         restore()
         if pid_file:
             Path(pid_file).unlink(missing_ok=True)
+
+
+def write_pid_file(path: str) -> None:
+    """Create ``path`` (mode 0600) holding this process's pid; never follow or reuse an existing file.
+
+    ``O_EXCL|O_NOFOLLOW``: a file or symlink already at ``path`` (a stale pid file, or one planted to redirect
+    the write) is a :class:`UsageError`, raised before anything starts.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        raise UsageError(f"--save-pid: {path!r} already exists (a stale pid file or a symlink); remove it") from None
+    except OSError as exc:
+        raise UsageError(f"--save-pid: cannot create {path!r}: {exc.strerror}") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{os.getpid()}\n")
 
 
 def die_with_launcher(launcher_pid: int) -> Callable[[], None] | None:

@@ -15,6 +15,7 @@ import psutil
 import pytest
 from plugin_plans import make_plan
 
+from elasticzero.errors import UsageError
 from elasticzero.launch.backend import Command, LauncherBackend
 from elasticzero.launch.execute import die_with_launcher, execute, exit_code
 from elasticzero.launch.plan import LaunchPlan
@@ -58,10 +59,36 @@ def test_cwd_env_order_and_save_pid(tmp_path: Path) -> None:
     assert not pid_file.exists()
 
 
+@pytest.mark.parametrize("planted", ["file", "symlink", "dangling-symlink"])
+def test_save_pid_never_reuses_or_follows_an_existing_path(tmp_path: Path, planted: str) -> None:
+    pid_file, target, started = tmp_path / "launcher.pid", tmp_path / "victim", tmp_path / "started"
+    if planted == "file":
+        pid_file.write_text("4242\n")
+    else:
+        if planted == "symlink":
+            target.write_text("precious\n")
+        pid_file.symlink_to(target)
+    plan = make_plan("scripted", cwd=str(tmp_path), options={"save_pid": str(pid_file)})
+    with pytest.raises(UsageError, match="already exists"):
+        execute(plan, Scripted(f"open({str(started)!r}, 'w').close()"))
+    assert not started.exists()  # nothing was started
+    assert pid_file.is_symlink() or pid_file.read_text() == "4242\n"  # left as found, not removed
+    assert (target.read_text() if target.exists() else None) == ("precious\n" if planted == "symlink" else None)
+
+
+def test_save_pid_file_is_private(tmp_path: Path) -> None:
+    pid_file, out = tmp_path / "launcher.pid", tmp_path / "mode"
+    snippet = f"import os; open({str(out)!r}, 'w').write(oct(os.stat({str(pid_file)!r}).st_mode & 0o777))"
+    plan = make_plan("scripted", cwd=str(tmp_path), options={"save_pid": str(pid_file)})
+    assert execute(plan, Scripted(snippet)) == 0
+    assert out.read_text() == "0o600" and not pid_file.exists()
+
+
 LAUNCHER = """
 import os, sys, json
 sys.path.insert(0, {tests!r})
 from plugin_plans import make_plan
+from elasticzero.errors import UsageError
 from elasticzero.launch.backend import Command, LauncherBackend
 from elasticzero.launch.execute import execute
 

@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from plugin_plans import HOSTILE, make_plan
+from plugin_plans import HOSTILE, PY, make_plan
 
 from elasticzero.errors import UsageError
 from elasticzero.launch.backend import get_launcher
 from elasticzero.launch.cli import render_plan, shown_plan
-from elasticzero_plugins.pdsh import remote_command
+from elasticzero_plugins.pdsh import remote_command, ssh_base
 from ez_testing import require
 
 PROG = "import json,os,sys; print(json.dumps([os.getcwd(), {k: v for k, v in os.environ.items() if k.startswith('EZT_')}, sys.argv[1:]]))"  # noqa: E501
@@ -97,3 +97,56 @@ def test_dry_run_never_shows_a_secret_however_the_transport_rewrites_it(monkeypa
     # what runs is built from the real plan: the values are there, quoted for the remote shell and pdsh
     (real,) = backend.commands(plan)
     assert f"export HF_TOKEN={shlex.quote(secrets['HF_TOKEN'])}".replace("%", "%%") in real.argv[-1]
+
+
+FAKE_SSH = """#!{python}
+import json, os, sys
+host = sys.argv[-2]
+with open(os.path.join({out!r}, host + ".json"), "w") as f:
+    json.dump({{"argv": sys.argv[1:], "sid": os.getsid(0), "pgid": os.getpgid(0)}}, f)
+if host == "bad1":
+    sys.exit("ssh: connect to host bad1 port 2222: Connection refused")
+sys.exit(3 if host == "bad2" else 0)
+"""
+
+
+def test_stop_job_uses_the_launch_ssh_options_own_session_and_names_failed_hosts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    bindir, out = tmp_path / "bin", tmp_path / "out"
+    bindir.mkdir()
+    out.mkdir()
+    ssh = bindir / "ssh"
+    ssh.write_text(FAKE_SSH.format(python=sys.executable, out=str(out)))
+    ssh.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("PDSH_SSH_ARGS_APPEND", "-F '/my ssh/config' -o User=bob")
+    nodes = [("good", [0]), ("bad1", [0]), ("bad2", [0])]
+    plan = make_plan("pdsh", nodes, options={"ssh_port": 2222}, launcher_args=("-l", "alice", "-u", "30"))
+    backend = get_launcher("pdsh")
+    (launch,) = backend.commands(plan)
+    backend.stop_job(plan)
+    expected = ["-l", "alice", *shlex.split(launch.env["PDSH_SSH_ARGS_APPEND"]), "-o", "ConnectTimeout=10"]
+    assert expected[2:8] == ["-F", "/my ssh/config", "-o", "User=bob", "-o", "BatchMode=yes"]
+    remote = f"{PY} -m elasticzero.agent.cli --kill-job ez-test-1"
+    for host, _ in nodes:
+        seen = json.loads((out / f"{host}.json").read_text())
+        assert seen["argv"] == [*expected, host, remote]
+        assert seen["sid"] != os.getsid(0) and seen["pgid"] != os.getpgid(0)  # out of the terminal's reach
+    err = capfd.readouterr().err.splitlines()
+    assert err == [
+        "elasticzero-launch: could not stop job ez-test-1 on bad1: exit code 1: ssh: connect to host bad1 port "
+        "2222: Connection refused (run elasticzero-run --kill-job there)",
+        "elasticzero-launch: could not stop job ez-test-1 on bad2: exit code 3 (run elasticzero-run --kill-job there)",
+    ]
+
+
+def test_preflight_and_cleanup_share_the_ssh_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSH_SSH_ARGS_APPEND", "-i /k/id -o ConnectTimeout=3")
+    plan = make_plan("pdsh", options={"ssh_port": 22})
+    assert ssh_base(plan) == [
+        "ssh", "-i", "/k/id", "-o", "ConnectTimeout=3", "-o", "BatchMode=yes", "-p", "22", "-o", "ConnectTimeout=10"
+    ]  # fmt: skip
+    monkeypatch.setenv("PDSH_SSH_ARGS_APPEND", "-o 'unbalanced")
+    with pytest.raises(UsageError, match="PDSH_SSH_ARGS_APPEND"):
+        ssh_base(plan)

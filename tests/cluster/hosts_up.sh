@@ -54,7 +54,7 @@ PrintMotd no
 CFG
 
 ip link show $BR >/dev/null 2>&1 || ip link add $BR type bridge
-ip addr show dev $BR | grep -q "$NET.1/24" || ip addr add $NET.1/24 dev $BR
+ip addr replace $NET.1/24 dev $BR   # replace: idempotent, no check-then-add race
 ip link set $BR up
 
 tmp=$(mktemp)
@@ -73,7 +73,7 @@ for i in $(seq 1 "$N"); do
     ip link set $veth master $BR up
   fi
   ip -n $ns link set lo up
-  ip -n $ns addr show dev eth0 | grep -q "$addr/24" || ip -n $ns addr add $addr/24 dev eth0
+  ip -n $ns addr replace $addr/24 dev eth0
   ip -n $ns link set eth0 up
   ip -n $ns route del default 2>/dev/null || true
   if [ -f "$pidf" ] && kill -0 "$(cat "$pidf")" 2>/dev/null; then continue; fi

@@ -31,7 +31,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from elasticzero.errors import UsageError, cli_main
@@ -50,6 +50,8 @@ FAMILIES: tuple[tuple[str, str, str, str, str | None], ...] = (
     ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),
 )
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+#: ``prctl`` option: signal sent to this process when its parent dies
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -138,27 +140,55 @@ def torch_env(info: RankInfo, master_addr: str | None, master_port: int | None) 
     return env
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGKILL when this wrapper dies (Linux ``PR_SET_PDEATHSIG``)."""
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets SIGKILL when this wrapper dies (Linux ``PR_SET_PDEATHSIG``).
+
+    ``prctl`` is looked up here, before the fork. After arming, the child checks that its parent is still
+    ``parent_pid``: if the wrapper died between ``fork`` and ``prctl`` the signal will never come, so the child
+    exits at once instead of running on as an orphan.
+    """
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+        prctl: Callable[..., int] | None = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        pass
+        prctl = None
+
+    def preexec() -> None:
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os._exit(128 + signal.SIGKILL)
+
+    return preexec
 
 
 def run_child(argv: list[str], env: dict[str, str]) -> int:
-    """Run the program, forwarding signals; return its code, or ``128+signal`` when a signal killed it."""
-    child = subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)
+    """Run the program, forwarding signals; return its code, or ``128+signal`` when a signal killed it.
+
+    The forwarding handlers are installed before the child starts: a signal that arrives while it is being
+    started is held and delivered to it right after, instead of killing this wrapper (and, through the
+    parent-death signal, the child) with a misleading status.
+    """
+    held: list[int] = []
+    started: list[subprocess.Popen[bytes]] = []
 
     def forward(signum: int, _frame: object) -> None:
+        if not started:
+            held.append(signum)
+            return
         try:
-            child.send_signal(signum)
+            started[0].send_signal(signum)
         except ProcessLookupError:
             pass
 
-    for s in FORWARDED:
-        signal.signal(s, forward)
-    rc = child.wait()
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        started.append(subprocess.Popen(argv, env=env, preexec_fn=die_with_parent(os.getpid())))
+        while held:
+            forward(held.pop(0), None)
+        rc = started[0].wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
     return 128 - rc if rc < 0 else rc
 
 

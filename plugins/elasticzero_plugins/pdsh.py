@@ -1,5 +1,8 @@
 """pdsh over ssh: ``pdsh -R ssh -S -w h1,h2 '<remote command>'``, one agent per host.
 
+Exit code: ``-S`` makes pdsh return the *largest* remote exit code (ssh's 255 for an unreachable host), i.e. the
+largest of the agents' codes, not necessarily the code of the rank that failed first.
+
 ssh runs one string through the remote login shell, so this is the one place elasticzero builds a shell string:
 ``export K=V; …; cd DIR && exec ARGV`` with every value and argv element passed through :func:`shlex.quote`.
 pdsh itself rewrites ``%h``/``%n``/``%u``/``%%`` anywhere in that string (ssh mode included), so every ``%`` of

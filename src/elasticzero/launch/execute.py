@@ -4,9 +4,12 @@ Each :class:`~elasticzero.launch.backend.Command` starts as a local process from
 with ``os.environ`` plus ``command.env``, in ``plan.cwd``, in its own session so a terminal's Ctrl-C reaches the
 launcher only; its output goes straight to the launcher's stdout/stderr.
 
-Exit code: 0 when every command succeeds; otherwise the code of the first command that failed (the transport
-reports the failing rank's code: ``pdsh -S``, ``mpirun``, ``srun``), ``128+signal`` for a command killed by a
-signal. On SIGINT, SIGTERM, SIGHUP (terminal closed) or SIGQUIT the launcher stops the job everywhere, waits for
+Exit code: 0 when every command succeeds; otherwise the code of the first command that failed, ``128+signal``
+for a command killed by a signal. A transport command combines its processes' codes its own way (docs/launching.md,
+"Signals and exit codes"): ``pdsh -S`` and ``srun`` report the largest, hydra the bitwise OR, OpenMPI's
+``mpirun`` the first failure's; only with one failing node (or equal codes) is it the first failing rank's code.
+
+On SIGINT, SIGTERM, SIGHUP (terminal closed) or SIGQUIT the launcher stops the job everywhere, waits for
 its commands, and exits with ``128+signal``: first the backend's optional ``stop_job(plan)`` (for transports that
 do not stop remote processes themselves, e.g. pdsh), then SIGTERM to each command's process group, SIGKILL after a
 grace period.

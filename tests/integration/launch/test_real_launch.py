@@ -8,6 +8,7 @@ Each backend starts one ``elasticzero-run`` agent per host (or, per-rank mode, e
 from __future__ import annotations
 
 import secrets
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +109,31 @@ def test_agent_per_node_hostile_strings(backend: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("backend", params("openmpi", "mpich", "slurm"))
 def test_per_rank_mode_hostile_strings(backend: str, tmp_path: Path) -> None:
     hostile_launch(backend, tmp_path, {"per_rank": True})
+
+
+CPU_REPORT = """import os, socket
+out = os.environ["EZ_TEST_OUT"]
+with open(os.path.join(out, "cpus-" + os.environ["RANK"]), "w") as f:
+    f.write(socket.gethostname() + " " + os.environ.get("SLURM_CPUS_ON_NODE", "?"))
+"""
+
+
+@pytest.mark.slurm
+def test_slurm_agent_step_holds_every_cpu_of_the_node(tmp_path: Path) -> None:
+    """The agent and all its workers share one task: Slurm must give that task the node's CPUs, not one."""
+    tb, hosts = bed("slurm")
+    script = tmp_path / "cpu_report.py"
+    script.write_text(CPU_REPORT)
+    nodes = [[hosts[0], [0]], [hosts[1], [0]]]
+    spec = make_spec(tb, "slurm", tmp_path, nodes=nodes, entry=[str(script)])
+    p = launch(spec, tmp_path, timeout=180)
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    out = Path(spec["env"]["EZ_TEST_OUT"])
+    seen = sorted((out / f"cpus-{r}").read_text().split() for r in (0, 1))
+    node_cpus = subprocess.run(
+        ["sinfo", "--noheader", "--Node", f"--nodes={','.join(hosts)}", "--format=%N %c"],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout.split()  # fmt: skip
+    expected = sorted(zip(node_cpus[::2], node_cpus[1::2], strict=True))
+    assert [tuple(s) for s in seen] == [tuple(e) for e in expected]
+    assert leftovers(spec["job_id"], tb) == {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 from plugin_plans import HOSTILE, PY, make_plan
 
+import elasticzero_plugins.slurm as slurm_plugin
 from elasticzero.errors import UsageError
 from elasticzero.launch.backend import available_launchers, get_launcher
 from elasticzero_plugins._common import rankenv_argv as rankenv_prog
@@ -72,14 +74,73 @@ def test_mpich_per_rank() -> None:
     assert argv[-len(rankenv()) :] == rankenv()
 
 
-def test_slurm_agent_argv_env_in_srun_environment() -> None:
+SLURM_VARS = ("SLURM_JOB_ID", "SLURM_JOB_CPUS_PER_NODE", "SLURM_CPUS_ON_NODE")
+REAL_SINFO_CPUS = slurm_plugin.sinfo_cpus  # the autouse fixture below stubs the module attribute
+
+
+@pytest.fixture(autouse=True)
+def _outside_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test starts outside an allocation, with sinfo unable to tell the CPU count (no real sinfo call)."""
+    for var in SLURM_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(slurm_plugin, "sinfo_cpus", lambda hosts: None)
+
+
+def test_slurm_agent_argv_env_in_srun_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(slurm_plugin, "sinfo_cpus", lambda hosts: 8 if list(hosts) == ["node1", "node2"] else None)
     plan = make_plan("slurm", env={"V": "a,b 'c' \"d\""})
     (cmd,) = get_launcher("slurm").commands(plan)
     assert list(cmd.argv) == [
-        "srun", "--nodelist=node1,node2", "--nodes=2", "--ntasks-per-node=1", "--ntasks=2", "--export=ALL",
-        "--chdir=/work/dir", *agent(["--node-host-env", "SLURMD_NODENAME"]),
+        "srun", "--nodelist=node1,node2", "--nodes=2", "--ntasks-per-node=1", "--ntasks=2", "--cpu-bind=none",
+        "--exclusive", "--cpus-per-task=8", "--export=ALL", "--chdir=/work/dir",
+        *agent(["--node-host-env", "SLURMD_NODENAME"]),
     ]  # fmt: skip
     assert cmd.env == {"V": "a,b 'c' \"d\"", JOB: "ez-test-1"}
+
+
+IN_JOB = {"SLURM_JOB_ID": "42"}
+
+
+@pytest.mark.parametrize(
+    ("env", "sinfo", "cpu_args"),
+    [
+        ({}, 16, ["--cpu-bind=none", "--exclusive", "--cpus-per-task=16"]),  # srun allocates whole nodes
+        ({}, None, ["--cpu-bind=none", "--exclusive"]),  # sinfo could not tell
+        ({**IN_JOB, "SLURM_CPUS_ON_NODE": "48"}, 99, ["--cpu-bind=none", "--cpus-per-task=48"]),
+        ({**IN_JOB, "SLURM_JOB_CPUS_PER_NODE": "64(x2),32", "SLURM_CPUS_ON_NODE": "64"}, 99,
+         ["--cpu-bind=none", "--cpus-per-task=32"]),
+        ({**IN_JOB, "SLURM_JOB_CPUS_PER_NODE": "garbled", "SLURM_CPUS_ON_NODE": "8"}, 99,
+         ["--cpu-bind=none", "--cpus-per-task=8"]),
+        ({**IN_JOB, "SLURM_CPUS_ON_NODE": "0"}, 99, ["--cpu-bind=none"]),  # unknown: Slurm's default
+    ],
+)  # fmt: skip
+def test_slurm_agent_task_gets_every_cpu_of_its_node(
+    env: dict[str, str], sinfo: int | None, cpu_args: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(slurm_plugin, "sinfo_cpus", lambda hosts: sinfo)
+    (cmd,) = get_launcher("slurm").commands(make_plan("slurm", launcher_args=("--cpus-per-task=4",)))
+    argv = list(cmd.argv)
+    i = argv.index("--ntasks=2")
+    assert argv[i + 1 : argv.index("--export=ALL")] == cpu_args
+    assert argv.index("--cpus-per-task=4") > argv.index("--export=ALL")  # --launcher-args come later: they win
+    (rr,) = get_launcher("slurm").commands(make_plan("slurm", options={"per_rank": True}))
+    assert not {"--cpu-bind=none", "--exclusive"} & set(rr.argv)  # per-rank: Slurm's own placement per rank
+
+
+@pytest.mark.parametrize(("out", "rc", "expect"), [("8\n4\n", 0, 4), ("", 0, None), ("8\n", 1, None), ("n/a", 0, None)])
+def test_sinfo_cpus_reads_the_smallest_node(
+    out: str, rc: int, expect: int | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = tmp_path / "args"
+    sinfo = tmp_path / "sinfo"
+    script = f'printf "%s\\n" "$@" > {shlex.quote(str(args))}\nprintf {shlex.quote(out)}\nexit {rc}\n'
+    sinfo.write_text("#!/bin/sh\n" + script)
+    sinfo.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert REAL_SINFO_CPUS(["n1", "n2"]) == expect
+    assert args.read_text().split("\n")[:4] == ["--noheader", "--Node", "--nodes=n1,n2", "--format=%c"]
 
 
 def test_slurm_per_rank_needs_even_slots() -> None:

@@ -6,8 +6,9 @@ through the entry-point group ``elasticzero.launchers``; the ones shipped with e
 
 Rules every backend follows:
 
-* commands are argv lists; the only place a string is built for a shell is a remote-shell boundary (pdsh/ssh),
-  and there every element goes through :func:`shlex.quote`;
+* commands are argv lists; the only place a string is built for a shell is a remote-shell boundary (pdsh/ssh,
+  or an argument a transport pastes into its own ssh string, as MVAPICH's ``mpirun_rsh`` does), and there every
+  element goes through :func:`shlex.quote` once;
 * environment crosses by *name* where the transport allows it (``mpirun -x NAME``, ``-genvlist``, srun's inherited
   environment), so values are never quoted;
 * each node's agent learns which node it is from the plan's node table (see

@@ -1,6 +1,6 @@
 """The engine's configuration schema: omegaconf structured dataclasses, one per concern.
 
-A YAML/JSON/hjson file mirrors the dataclasses (see ``docs/engine-config.md``)::
+A YAML/JSON/hjson file mirrors the dataclasses (see ``docs/engine.md``)::
 
     zero: {stage: 2, bucket_bytes: 104857600}
     precision: {dtype: bf16}

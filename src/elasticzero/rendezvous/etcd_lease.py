@@ -1,7 +1,9 @@
-"""A per-agent etcd lease, kept alive by a daemon thread: every key an agent writes is attached to it.
+"""A per-agent etcd lease, kept alive by a daemon thread: the agent's member key and Store keys are attached to it.
 
-If every agent dies, every lease expires and the run's keys disappear with them; on a clean shutdown the agent
-revokes its lease, which deletes its keys at once.
+The rendezvous state is *not* attached to any lease (see :mod:`.etcd_backend`): one agent leaving must not delete
+it. If an agent dies its lease expires and its keys disappear; on a clean shutdown the agent revokes its lease.
+A lease lost during an outage (longer than its TTL) is replaced by a new one; the callbacks registered with
+:meth:`KeptLease.on_renew` then re-create what must outlive the loss (the agent's member key).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class KeptLease:
         self._ttl = ttl
         self._lock = threading.Lock()
         self._id = client.grant(ttl, timeout=grant_timeout)
+        self._renewed: list[Callable[[int], None]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elasticzero-etcd-lease", daemon=True)
         self._thread.start()
@@ -37,13 +40,23 @@ class KeptLease:
         with self._lock:
             return self._id
 
+    def on_renew(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(new_lease_id)`` after every lease renewal (a lost lease replaced by a new one)."""
+        self._renewed.append(callback)
+
     def renew(self, lost_id: int) -> int:
-        """Grant a new lease if ``lost_id`` is still current (it expired, e.g. after a long outage); the new id."""
+        """Grant a new lease if ``lost_id`` is still current (it expired, e.g. after a long outage); the new id.
+
+        Keys that were attached to the lost lease are gone; the :meth:`on_renew` callbacks run with the new id.
+        """
         with self._lock:
-            if self._id == lost_id:
-                self._id = self._client.grant(self._ttl)
-                logger.warning("elasticzero: etcd lease %x was lost; granted %x", lost_id, self._id)
-            return self._id
+            if self._id != lost_id:
+                return self._id
+            self._id = new_id = self._client.grant(self._ttl)
+            logger.warning("elasticzero: etcd lease %x was lost; granted %x", lost_id, new_id)
+        for callback in self._renewed:
+            callback(new_id)
+        return new_id
 
     def attached(self, op: Callable[[int], T]) -> T:
         """Run ``op(lease_id)``; if etcd says the lease is gone, renew it and run once more."""

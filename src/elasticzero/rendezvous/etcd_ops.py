@@ -26,9 +26,21 @@ class Ops:
         c = self.rpc.Compare
         return c(key=key, target=c.VALUE, result=c.EQUAL, value=value)
 
-    def put(self, key: bytes, value: bytes, lease: int) -> Any:
-        """Put ``value`` attached to ``lease``."""
+    def none_in(self, key: bytes, range_end: bytes) -> Any:
+        """No key exists in ``[key, range_end)`` (etcd compares every key of the range; an empty range holds)."""
+        c = self.rpc.Compare
+        return c(key=key, range_end=range_end, target=c.VERSION, result=c.EQUAL, version=0)
+
+    def put(self, key: bytes, value: bytes, lease: int = 0) -> Any:
+        """Put ``value`` attached to ``lease`` (0: no lease, the key stays until deleted)."""
         return self.rpc.RequestOp(request_put=self.rpc.PutRequest(key=key, value=value, lease=lease))
+
+    def delete(self, key: bytes, range_end: bytes | None = None) -> Any:
+        """Delete ``key`` (or ``[key, range_end)``)."""
+        req = self.rpc.DeleteRangeRequest(key=key)
+        if range_end is not None:
+            req.range_end = range_end
+        return self.rpc.RequestOp(request_delete_range=req)
 
     def get(self, key: bytes) -> Any:
         """Read one key (in the transaction's revision)."""

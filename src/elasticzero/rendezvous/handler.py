@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -36,11 +37,14 @@ class ElasticZeroRendezvousHandler(DynamicRendezvousHandler):
 
     _ez_hint: int | None = None
     _ez_release: Callable[[], None] | None = None
-    _ez_world: tuple[int, tuple[int, int]] | None = None
+    _ez_world: tuple[tuple[int, frozenset[Any]], tuple[int, int]] | None = None
 
     def _get_world(self) -> tuple[int, int]:
         rank, world_size = super()._get_world()
-        round_ = self._state_holder.state.round
+        state = self._state_holder.state
+        # A round is identified by its number *and* its participants: a run wiped and started again also has a
+        # round 0, with other nodes (or other pids) in it.
+        round_ = (state.round, frozenset(state.participants.items()))
         if self._ez_world is not None and self._ez_world[0] == round_:
             return self._ez_world[1]
         new_rank = exchange_and_order(self._get_store(), rank, world_size, self._ez_hint)

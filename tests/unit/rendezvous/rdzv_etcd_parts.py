@@ -23,6 +23,6 @@ def store_for(client: EtcdClient, lease: KeptLease, run: str = "run", timeout: f
     return EtcdStore(client, lease, f"/elasticzero/{run}/store", timedelta(seconds=timeout))
 
 
-def backend_for(client: EtcdClient, lease: KeptLease, run: str = "run") -> EtcdRendezvousBackend:
+def backend_for(client: EtcdClient, run: str = "run") -> EtcdRendezvousBackend:
     """A state backend on ``/elasticzero/<run>/state``."""
-    return EtcdRendezvousBackend(client, lease, f"/elasticzero/{run}/state")
+    return EtcdRendezvousBackend(client, f"/elasticzero/{run}/state")

@@ -1,11 +1,9 @@
-"""The etcd v3 state backend against a real etcd: create-if-absent, CAS on mod_revision, lease-bound state."""
+"""The etcd v3 state backend against a real etcd: create-if-absent, CAS on mod_revision, a lease-less state."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from rdzv_etcd_parts import backend_for, client_for
+from rdzv_etcd_parts import backend_for, client_for, store_for
 
 from cluster.etcd_server import EtcdCluster
 from elasticzero.rendezvous.etcd_lease import KeptLease
@@ -17,7 +15,7 @@ def test_get_state_of_a_fresh_run_is_none(etcd_any: EtcdCluster) -> None:
     client = client_for(etcd_any)
     lease = KeptLease(client, 10)
     try:
-        assert backend_for(client, lease).get_state() is None
+        assert backend_for(client).get_state() is None
     finally:
         lease.release()
         client.close()
@@ -26,7 +24,7 @@ def test_get_state_of_a_fresh_run_is_none(etcd_any: EtcdCluster) -> None:
 def test_create_if_absent_then_cas(etcd_any: EtcdCluster) -> None:
     client = client_for(etcd_any)
     lease = KeptLease(client, 10)
-    a, b = backend_for(client, lease), backend_for(client, lease)
+    a, b = backend_for(client), backend_for(client)
     try:
         state, token, ok = a.set_state(b"one") or (b"", 0, False)
         assert (state, ok) == (b"one", True)
@@ -46,7 +44,7 @@ def test_create_if_absent_then_cas(etcd_any: EtcdCluster) -> None:
 def test_cas_against_a_vanished_state_returns_none(etcd: EtcdCluster) -> None:
     client = client_for(etcd)
     lease = KeptLease(client, 10)
-    backend = backend_for(client, lease)
+    backend = backend_for(client)
     try:
         _, token, _ = backend.set_state(b"x") or (b"", 0, False)
         etcd.etcdctl("del", "/elasticzero/run/state")
@@ -57,39 +55,30 @@ def test_cas_against_a_vanished_state_returns_none(etcd: EtcdCluster) -> None:
         client.close()
 
 
-def test_state_is_bound_to_the_writers_lease(etcd: EtcdCluster) -> None:
-    """Revoking (agent shut down) or letting the lease expire (agent died) removes the state."""
+def test_state_outlives_the_writers_lease(etcd: EtcdCluster) -> None:
+    """The state has no lease: an agent that closes the rendezvous and revokes its lease leaves "closed" behind."""
     client = client_for(etcd)
     lease = KeptLease(client, 10)
-    backend = backend_for(client, lease)
-    backend.set_state(b"alive")
-    lease.release()
-    assert backend.get_state() is None
-
-    lease2 = KeptLease(client, 2)
-    backend2 = backend_for(client, lease2)
-    backend2.set_state(b"kept")
-    time.sleep(3)  # the keep-alive thread keeps a 2 s lease going
-    assert backend2.get_state() is not None
-    lease2._stop.set()  # simulate a dead agent: no more keep-alives, no revoke
-    lease2._thread.join(5)
-    deadline = time.monotonic() + 10
-    while backend2.get_state() is not None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert backend2.get_state() is None
-    client.close()
+    backend = backend_for(client)
+    try:
+        backend.set_state(b"closed")
+        lease.release()
+        assert backend.get_state() is not None
+        assert etcd.etcdctl("get", "--write-out=fields", "/elasticzero/run/state").count('"Lease" : 0') == 1
+    finally:
+        client.close()
 
 
 def test_lost_lease_is_renewed_on_write(etcd: EtcdCluster) -> None:
     client = client_for(etcd)
     lease = KeptLease(client, 10)
-    backend = backend_for(client, lease)
+    store = store_for(client, lease)
     try:
         old = lease.id
         client.revoke(old)
-        assert backend.set_state(b"after-loss") is not None
+        store.set("k", "after-loss")
         assert lease.id != old
-        assert backend.get_state() is not None
+        assert store.get("k") == b"after-loss"
     finally:
         lease.release()
         client.close()

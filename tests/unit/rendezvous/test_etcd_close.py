@@ -1,0 +1,87 @@
+"""A closed rendezvous stays closed for the agents still running; the last agent to leave removes the run's keys."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousInfo, RendezvousParameters
+
+from cluster.etcd_server import EtcdCluster
+from elasticzero.rendezvous.etcd_store import EtcdStore
+from elasticzero.rendezvous.handler import ElasticZeroRendezvousHandler, create_rdzv_handler
+
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]
+
+CONF = {"keep_alive_interval": "1", "last_call_timeout": "1", "join_timeout": "30", "lease_ttl": "10"}
+
+
+def _handlers(etcd: EtcdCluster, run_id: str, n: int = 2) -> list[ElasticZeroRendezvousHandler]:
+    return [
+        create_rdzv_handler(
+            RendezvousParameters("elasticzero", etcd.endpoint(), run_id, n, n, local_addr=f"127.0.0.{i + 1}", **CONF)
+        )
+        for i in range(n)
+    ]
+
+
+def _join(handlers: list[ElasticZeroRendezvousHandler]) -> list[RendezvousInfo]:
+    infos: dict[int, RendezvousInfo] = {}
+
+    def join(i: int) -> None:
+        infos[i] = handlers[i].next_rendezvous()
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(infos) == list(range(len(handlers)))
+    return [infos[i] for i in range(len(handlers))]
+
+
+def _keys(etcd: EtcdCluster, run_id: str) -> str:
+    return etcd.etcdctl("get", "--prefix", "--keys-only", f"/elasticzero/{run_id}/").strip()
+
+
+def test_closed_by_one_agent_is_seen_by_the_other_then_nothing_is_left(etcd: EtcdCluster) -> None:
+    a, b = _handlers(etcd, "closed")
+    assert [i.world_size for i in _join([a, b])] == [2, 2]
+    assert a.shutdown()  # node A gave up (restarts exhausted): it closes the rendezvous and exits
+    assert "/elasticzero/closed/state" in _keys(etcd, "closed")  # B is still there: the closed state is kept
+    start = time.monotonic()
+    with pytest.raises(RendezvousClosedError):
+        b.next_rendezvous()  # B re-joins: it must learn at once that the run is over, not wait join_timeout
+    assert time.monotonic() - start < 10
+    assert b.shutdown()
+    assert _keys(etcd, "closed") == ""  # the last agent to leave removed the run's keys
+
+
+def test_a_run_abandoned_by_dead_agents_is_wiped_by_the_next_agent(etcd: EtcdCluster) -> None:
+    """Every agent died (no clean shutdown): the lease-less state stays until an agent of that run id comes back."""
+    etcd.etcdctl("put", "/elasticzero/abandoned/state", "stale-pickle")
+    etcd.etcdctl("put", "/elasticzero/abandoned/store/torch.rendezvous.abandoned.0/x", "stale")
+    (a,) = _handlers(etcd, "abandoned", n=1)
+    try:
+        assert "stale" not in etcd.etcdctl("get", "--prefix", "/elasticzero/abandoned/")
+        assert _join([a])[0].world_size == 1
+    finally:
+        assert a.shutdown()
+    assert _keys(etcd, "abandoned") == ""
+
+
+def test_member_key_is_registered_again_after_a_lost_lease(etcd: EtcdCluster) -> None:
+    """A lease lost in an outage must not make the agent look gone (the next agent would wipe a live run)."""
+    a, b = _handlers(etcd, "relost")
+    _join([a, b])
+    store = a._store
+    assert isinstance(store, EtcdStore)
+    old = store._lease.id
+    store._client.revoke(old)  # as if the lease expired during an outage
+    assert store._lease.renew(old) != old
+    members = etcd.etcdctl("get", "--prefix", "--keys-only", "/elasticzero/relost/members/").split()
+    assert f"/elasticzero/relost/members/{store._lease.id:x}" in members
+    assert len(members) == 2
+    assert a.shutdown() and b.shutdown()
+    assert _keys(etcd, "relost") == ""

@@ -1,6 +1,7 @@
 """A :class:`torch.distributed.Store` on etcd v3, for the agents' bookkeeping around a rendezvous.
 
-Keys live under ``<prefix>/<run_id>/store/`` and are attached to the writing agent's lease. ``wait`` opens one watch
+Keys live under ``<prefix>/<run_id>/store/`` and are attached to the writing agent's lease (a key whose lease is
+lost in an outage longer than the TTL is gone; see docs/rendezvous.md). ``wait`` opens one watch
 over the missing keys and re-reads them when one is put (it does not poll), with TCPStore's semantics.
 Timeouts raise :class:`torch.distributed.DistStoreError`, like torch's TCPStore.
 """
@@ -8,11 +9,13 @@ Timeouts raise :class:`torch.distributed.DistStoreError`, like torch's TCPStore.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 from torch.distributed import DistStoreError, Store
+from torch.distributed.elastic.rendezvous import RendezvousError
 
 from elasticzero.rendezvous.etcd_client import EtcdClient
 from elasticzero.rendezvous.etcd_lease import KeptLease
@@ -36,6 +39,8 @@ class EtcdStore(Store):
         self._lease = lease
         self._ops = Ops(client.rpc)
         self._prefix = key_prefix.rstrip("/").encode() + b"/"
+        # markers of add() calls live beside the store (``<run>/ops/``), so num_keys() does not count them
+        self._ops_prefix = key_prefix.rstrip("/").rsplit("/", 1)[0].encode() + b"/ops/"
 
     def set_timeout(self, timeout: timedelta) -> None:
         """Default timeout of ``get``/``wait``/``multi_get``."""
@@ -103,22 +108,43 @@ class EtcdStore(Store):
         return all(v is not None for v in values)
 
     def add(self, key: str, amount: int) -> int:
-        """Atomically add ``amount`` to the integer at ``key`` (missing = 0); the new value."""
+        """Atomically add ``amount`` to the integer at ``key`` (missing = 0); the new value. Applied exactly once.
+
+        Each call writes a unique marker key (holding the new value) in the same transaction as the counter. The
+        client retries a transaction whose answer was lost (``DEADLINE_EXCEEDED``, fail-over); if that first
+        attempt did commit, the retry's compare fails and the marker, read in the same transaction, says so: the
+        call returns the committed value instead of adding a second time. The marker is deleted afterwards.
+        """
         k = self._key(key)
+        marker = self._ops_prefix + uuid.uuid4().hex.encode()
         kvs = list(self._client.range(k).kvs)
         current, revision = (bytes(kvs[0].value), int(kvs[0].mod_revision)) if kvs else (None, None)
-        while True:
-            new = (int(current) if current is not None else 0) + amount
-            guard = self._ops.absent(k) if revision is None else self._ops.mod_is(k, revision)
+        try:
+            while True:
+                new = (int(current) if current is not None else 0) + amount
+                guard = self._ops.absent(k) if revision is None else self._ops.mod_is(k, revision)
 
-            def attempt(lease: int, g: Any = guard, n: int = new) -> Any:
-                return self._client.txn([g], [self._ops.put(k, str(n).encode(), lease)], [self._ops.get(k)])
+                def attempt(lease: int, g: Any = guard, n: int = new) -> Any:
+                    value = str(n).encode()
+                    return self._client.txn(
+                        [g],
+                        [self._ops.put(k, value, lease), self._ops.put(marker, value, lease)],
+                        [self._ops.get(k), self._ops.get(marker)],
+                    )
 
-            resp = self._lease.attached(attempt)
-            if resp.succeeded:
-                return new
-            kvs = range_kvs(resp, 0)
-            current, revision = (bytes(kvs[0].value), int(kvs[0].mod_revision)) if kvs else (None, None)
+                resp = self._lease.attached(attempt)
+                if resp.succeeded:
+                    return new
+                done = range_kvs(resp, 1)
+                if done:  # an earlier attempt of this call committed; its answer was lost
+                    return int(bytes(done[0].value))
+                kvs = range_kvs(resp, 0)
+                current, revision = (bytes(kvs[0].value), int(kvs[0].mod_revision)) if kvs else (None, None)
+        finally:
+            try:
+                self._client.delete_range(marker, marker + b"\0")
+            except RendezvousError:  # best effort: the marker is on this agent's lease and goes with it
+                pass
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         """TCPStore semantics: set ``desired`` if the value equals ``expected`` (or the key is missing and

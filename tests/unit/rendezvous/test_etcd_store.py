@@ -6,6 +6,7 @@ import threading
 import time
 from datetime import timedelta
 
+import grpc
 import pytest
 import torch.distributed as dist
 from rdzv_etcd_parts import client_for, store_for
@@ -128,3 +129,42 @@ def test_through_torch_prefix_store_as_the_agent_uses_it(store: EtcdStore) -> No
     assert prefixed.add("barrier/num", 1) == 1
     prefixed.wait(["MASTER_ADDR"])
     assert store.get("torch.rendezvous.run.0/MASTER_ADDR") == b"127.0.0.1"
+
+
+class _LostAnswer(grpc.RpcError):
+    """What grpc raises when the deadline passes before etcd's answer arrives."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return "Deadline Exceeded"
+
+
+def test_add_counts_once_when_the_committed_answer_is_lost(store: EtcdStore) -> None:
+    """The first Txn commits but its answer is lost (DEADLINE_EXCEEDED): the client's retry must not add again."""
+    assert store.add("n", 1) == 1
+    client = store._client
+    ep = client._endpoints[client._current]
+    real_kv, lost = ep.kv, []
+
+    class _Kv:
+        def __getattr__(self, name: str) -> object:
+            return getattr(real_kv, name)
+
+        def Txn(self, req: object, **kw: object) -> object:
+            resp = real_kv.Txn(req, **kw)
+            if not lost and resp.succeeded:
+                lost.append(resp)
+                raise _LostAnswer()
+            return resp
+
+    ep.kv = _Kv()
+    try:
+        assert store.add("n", 5) == 6
+    finally:
+        ep.kv = real_kv
+    assert lost, "the injected failure did not happen"
+    assert store.get("n") == b"6"
+    assert store.add("n", 0) == 6
+    assert client.range(b"/elasticzero/run/ops/", b"/elasticzero/run/ops0").count == 0  # markers are removed

@@ -3,10 +3,11 @@
     pieces = build_pieces(model, "ds_config.json")
     opt, scaler, timers, acc = pieces.optimizer, pieces.scaler, pieces.timers, pieces.accumulation
     for x, y in loader:
-        with acc.no_sync(opt), timers.phase("forward"):
-            loss = acc.scale_loss(loss_fn(model(x), y))
-        with timers.phase("backward"):
-            (scaler.scale(loss) if scaler else loss).backward()
+        with acc.no_sync(opt):                # backward inside: the gradient hooks read the sync flag
+            with timers.phase("forward"):
+                loss = acc.scale_loss(loss_fn(model(x), y))
+            with timers.phase("backward"):
+                (scaler.scale(loss) if scaler else loss).backward()
         if acc.advance():
             if scaler: scaler.unscale_(opt)
             pieces.clip_grad_norm_()

@@ -43,8 +43,9 @@ class GradAccumulation:
         return loss if self.steps == 1 else loss / self.steps
 
     def no_sync(self, target: Any) -> AbstractContextManager[Any]:
-        """``target.no_sync()`` unless this micro-batch is a boundary or ``target`` has no ``no_sync``."""
-        if self.is_boundary or not hasattr(target, "no_sync"):
+        """``target.no_sync()`` unless this micro-batch is a boundary, ``target`` has no ``no_sync``, or it says
+        ``supports_no_sync = False`` (ZeRO stage 3, whose gradients are sharded as they are produced)."""
+        if self.is_boundary or not hasattr(target, "no_sync") or not getattr(target, "supports_no_sync", True):
             return nullcontext()
         return target.no_sync()
 

@@ -64,6 +64,11 @@ class GradBucketer:
         on_finalize: called at the end of every backward after all reductions completed.
         keep_buffers: keep the bucket buffers allocated between steps (ZeRO-1); otherwise they are freed once reduced.
         max_inflight: at most this many collectives outstanding.
+        launch_in_backward: launch a bucket as soon as it (and every bucket before it in flush order) is complete.
+            False: launch every bucket at the end of backward. When the same process group also carries
+            collectives issued at rank-independent points of backward (ZeRO-3's parameter all-gathers), completion
+            is not rank-independent (a parameter unused on one rank completes only there at the end), so launching
+            early would interleave the collectives differently on different ranks and hang.
         comm_stats: extra :class:`~elasticzero.engine.zero.comm.CommStats` to count into.
         timers: optional ``PhaseTimers``; reductions are timed under ``"reduce"``.
     """
@@ -84,6 +89,7 @@ class GradBucketer:
         max_inflight: int = 2,
         comm_stats: comm.CommStats | None = None,
         timers: Any = None,
+        launch_in_backward: bool = True,
     ) -> None:
         if op not in ("all_reduce", "reduce_scatter"):
             raise UsageError(f"GradBucketer op must be 'all_reduce' or 'reduce_scatter', not {op!r}")
@@ -112,6 +118,7 @@ class GradBucketer:
         self.on_finalize = on_finalize
         self.keep_buffers = keep_buffers
         self.max_inflight = max(1, max_inflight)
+        self.launch_in_backward = launch_in_backward
         self.comm_stats = comm_stats
         self.timers = timers
         self._slot: dict[nn.Parameter, tuple[FlatBucket, int]] = {}
@@ -217,7 +224,8 @@ class GradBucketer:
         if self._sync and len(arrived) == len(bucket.params):
             self._mark_ready(bucket)
             self._ready.add(bucket.index)
-            self._launch_ready()
+            if self.launch_in_backward:
+                self._launch_ready()
 
     def _add_leftover_grads(self, bucket: FlatBucket) -> None:
         """Parameters that got no gradient in this backward contribute what ``p.grad`` holds (zeros if None)."""

@@ -105,7 +105,8 @@ def _worker(rank: int, port: int, out_dir: str, stages: list[int]) -> None:
             assert scaler is not None
             for micro in range(4):  # two optimizer steps of two micro-batches
                 x = torch.full((2, 4), float(rank + micro + 1))
-                scaler.scale(acc.scale_loss(model(x).float().square().mean())).backward()
+                with acc.no_sync(opt):  # the documented loop: backward inside (stage 3: a plain context)
+                    scaler.scale(acc.scale_loss(model(x).float().square().mean())).backward()
                 if acc.advance():
                     scaler.unscale_(opt)
                     pieces.clip_grad_norm_()
@@ -123,6 +124,8 @@ def _worker(rank: int, port: int, out_dir: str, stages: list[int]) -> None:
                 "timed": sorted(pieces.timers.summary()["phases"]),
                 "skipped": scaler.skipped_steps,
                 "full": full,
+                "reduce_scatters": opt.comm_stats.calls[("reduce_scatter", "grad")],
+                "nbuckets": len(opt.buckets),
             }
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -166,6 +169,9 @@ def test_ds_config_builds_zero_stages_that_train(tmp_path: Path) -> None:
         else:  # stage-3 options and timers reach the stage
             assert a["prefetch"] is False and a["timers"] is True and a["timed"]
         assert a["same_group"] and a["skipped"] == b["skipped"] == 0
+        # no_sync deferred the first micro-batch of each step (stages 1/2); stage 3 reduces every backward
+        backwards = 4 if stage == 3 else 2
+        assert a["reduce_scatters"] == b["reduce_scatters"] == backwards * a["nbuckets"]
         assert torch.isfinite(a["full"]).all()
         torch.testing.assert_close(a["full"], b["full"], rtol=0, atol=0)
     if 1 in stages and 2 in stages:  # same math, different sharding

@@ -1,7 +1,8 @@
 """Worker side of the ZeRO multi-process tests: run scenarios on real gloo ranks, report metrics to the parent.
 
 Each rank computes the single-process reference itself (plain ``torch.optim.AdamW`` on the whole global batch) and
-compares it with the ZeRO run; rank 0 writes ``{scenario: metrics}`` as JSON for the test to assert on.
+compares it with the ZeRO run on that rank (its own module and compute copies); every rank writes
+``{scenario: metrics}`` as JSON (``<path>.rank<r>``) and the test asserts on all of them.
 """
 
 from __future__ import annotations
@@ -70,6 +71,42 @@ class Blocks(nn.Module):
         return self.head(x)
 
 
+class MaybeB(nn.Module):
+    """A block whose second linear layer is used only when ``use_b`` (set per rank: unused on some ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(DIM, DIM)
+        self.b = nn.Linear(DIM, DIM)
+        self.use_b = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.a(x))
+        return y + self.b(x) if self.use_b else y
+
+
+class Unused(nn.Module):
+    """Three stage-3 units (blocks) between an embedding and a head; ``blocks[1].b`` is used on some ranks only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(MaybeB() for _ in range(3))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+def _use_b(model: Unused, used: bool) -> None:
+    block = model.blocks[1]
+    assert isinstance(block, MaybeB)
+    block.use_b = used
+
+
 def trainable(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
@@ -133,6 +170,8 @@ def zero_run(
     no_sync: bool = False,
     kind: str = "tiny",
     grouped: bool = False,
+    set_to_none: bool = True,
+    validate: bool = False,
     **kw: Any,
 ) -> tuple[Any, dict[str, torch.Tensor], list[float]]:
     cls = getattr(elasticzero, f"ZeroStage{stage}")
@@ -140,10 +179,10 @@ def zero_run(
     if grouped:
         kw["param_groups"] = groups(model)
     if kw.get("units") == "first_block":
-        kw["units"] = model.blocks[0]  # a single module instance
+        kw["units"] = model.get_submodule("blocks.0")  # a single module instance
     opt = cls(model, torch.optim.AdamW, lr=LR, weight_decay=WD, precision=precision, bucket_bytes=BUCKET_BYTES, **kw)
     sch = sched(opt)
-    norms = train(model, opt, sch, range(STEPS), accum, clip, no_sync)
+    norms = train(model, opt, sch, range(STEPS), accum, clip, no_sync, set_to_none, validate)
     return opt, opt.full_state_dict(), norms
 
 
@@ -155,8 +194,14 @@ def train(
     accum: int = ACCUM,
     clip: float | None = MAX_NORM,
     no_sync: bool = False,
+    set_to_none: bool = True,
+    validate: bool = False,
 ) -> list[float]:
-    """The user's plain loop on this rank's slice of every global micro-batch."""
+    """The user's plain loop on this rank's slice of every global micro-batch.
+
+    ``validate``: after backward, a ``torch.no_grad()`` forward before ``step()`` (a validation pass); on stage 3 it
+    must leave no unit gathered (``VALIDATION_LEFT_GATHERED`` counts the times it did).
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     per = GLOBAL_BATCH // world
     norms = []
@@ -167,12 +212,20 @@ def train(
             ctx = opt.no_sync() if (no_sync and m < accum - 1) else _null()
             with ctx:
                 (loss_fn(model(x), y) / accum).backward()
+        if validate:
+            with torch.no_grad():
+                model(x)
+            if getattr(opt, "stage", 0) == 3 and any(p.untyped_storage().nbytes() for p in opt._managed_params()):
+                VALIDATION_LEFT_GATHERED.append(step)
         if clip is not None:
             norms.append(float(opt.clip_grad_norm_(clip)))
         opt.step()
         sch.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
     return norms
+
+
+VALIDATION_LEFT_GATHERED: list[int] = []
 
 
 def resume_run(stage: int) -> dict[str, torch.Tensor]:
@@ -248,6 +301,12 @@ def scenario_equality(stage: int, out: dict[str, Any]) -> None:
         out["s3_instance_units"] = sorted(set(opt_i.unit_of_bucket().values()))
         _, full_c, _ = zero_run(stage, kind="blocks_ckpt")
         out["s3_ckpt_rel"] = max_rel(full_c, reference(kind="blocks")[0])
+        VALIDATION_LEFT_GATHERED.clear()
+        _, full_v, _ = zero_run(stage, reshard_after_forward=False, validate=True)
+        out["s3_validate_rel"] = max_rel(full_v, ref)
+        out["s3_validate_left_gathered"] = len(VALIDATION_LEFT_GATHERED)
+    _, full_z, _ = zero_run(stage, set_to_none=False)
+    out[f"s{stage}_zero_grad_keep_rel"] = max_rel(full_z, ref)
     out[f"s{stage}_resume_rel"] = max_rel(resume_run(stage), ref)
     _, full_g, _ = zero_run(stage, grouped=True)
     out[f"s{stage}_groups_rel"] = max_rel(full_g, reference(grouped=True)[0])
@@ -297,29 +356,92 @@ def scenario_comm_memory(stage: int, out: dict[str, Any]) -> None:
             o2.step()
             o2.zero_grad()
         out["s3_no_reshard_comm_elems"] = o2.comm_stats.total_elements()
-    # optimizer state dict round trip
-    sd = opt.state_dict()
-    opt.load_state_dict(copy.deepcopy(sd))
-    out[f"s{stage}_sd_roundtrip"] = all(
-        torch.equal(a, b)
-        for s1, s2 in zip(sd["state"].values(), opt.state_dict()["state"].values(), strict=True)
-        for a, b in zip(s1.values(), s2.values(), strict=True)
-    )
-    # loss-scaler protocol: unscale_ scales in place and flags a local inf on rank 0 only
+    # loss-scaler protocol: unscale_ scales in place; an inf in one rank's shard makes every rank skip the step
     loss_fn(model(x[:2]), y[:2]).backward()
     before = [g.clone() for g in opt.grad_shards()]
     found = opt.unscale_(0.5)
     out[f"s{stage}_unscale_ok"] = float(found) == 0.0 and all(
         torch.allclose(g, b * 0.5) for g, b in zip(opt.grad_shards(), before, strict=True)
     )
+    scaler = elasticzero.LossScaler(2.0**4, hysteresis=1)
     if dist.get_rank() == 0:
-        opt.grad_shards()[0][0] = float("inf")
-    found = opt.unscale_(1.0)
-    flag = found.clone()
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    out[f"s{stage}_overflow_local"] = float(found)
-    out[f"s{stage}_overflow_agreed"] = float(flag)
+        opt.grad_shards()[0].view(-1)[0] = float("inf")  # this rank's shard only
+    params_before = opt.full_state_dict()
+    scaler.step(opt)
+    scaler.update()
+    out[f"s{stage}_scaler_skipped"] = scaler.skipped_steps
+    out[f"s{stage}_scaler_scale"] = scaler.get_scale()
+    out[f"s{stage}_scaler_params_kept"] = max_rel(opt.full_state_dict(), params_before) == 0.0
     opt.zero_grad()
+
+
+def scenario_module_state_dict(stage: int, out: dict[str, Any]) -> None:
+    """``module.state_dict()``/``load_state_dict()``: stage 3 refuses them; bf16 stages 1/2 keep what was loaded."""
+    cls = getattr(elasticzero, f"ZeroStage{stage}")
+    model = make_model()
+    opt = cls(model, torch.optim.AdamW, lr=LR, precision="bf16", bucket_bytes=BUCKET_BYTES)
+    x, y = batch(0, 0)
+    loss_fn(model(x[:2]), y[:2]).backward()
+    opt.step()
+    opt.zero_grad()
+    torch.manual_seed(7)
+    target = {k: v.to(torch.bfloat16) for k, v in Tiny().state_dict().items()}
+    if stage == 3:
+        for name, call in (("sd", model.state_dict), ("load", lambda: model.load_state_dict(target))):
+            try:
+                call()
+                out[f"s3_module_{name}_error"] = ""
+            except elasticzero.errors.UsageError as e:
+                out[f"s3_module_{name}_error"] = str(e)
+        return
+    model.load_state_dict(target)
+    opt.step()  # no gradients: AdamW leaves the masters alone, then they are all-gathered over the module
+    loaded = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out[f"s{stage}_bf16_load_rel"] = max_rel(loaded, target)
+    out[f"s{stage}_bf16_load_full_rel"] = max_rel(opt.full_state_dict(), target)
+
+
+def scenario_frozen_group(stage: int, out: dict[str, Any]) -> None:
+    """A param group holding only frozen parameters keeps its index (per-group schedulers)."""
+    cls = getattr(elasticzero, f"ZeroStage{stage}")
+    model = make_model()
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    pgs = [{"params": frozen, "lr": 0.5}, {"params": trainable(model), "lr": LR}]
+    opt = cls(model, torch.optim.AdamW, param_groups=pgs, lr=LR, bucket_bytes=BUCKET_BYTES)
+    sch = torch.optim.lr_scheduler.LambdaLR(opt, [lambda e: 1.0, lambda e: 0.5**e])
+    x, y = batch(0, 0)
+    loss_fn(model(x[:2]), y[:2]).backward()
+    opt.step()
+    sch.step()
+    out[f"s{stage}_frozen_group_sizes"] = [len(g["params"]) for g in opt.param_groups]
+    out[f"s{stage}_frozen_group_lrs"] = [g["lr"] for g in opt.param_groups]
+
+
+def scenario_unused_param(out: dict[str, Any]) -> None:
+    """Stage 3 with ``blocks[1].b`` used on rank 0 only (its gradient is zero elsewhere), no prefetch: finishes
+    (same collective order on every rank) and equals AdamW on the mean of the per-rank losses."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = GLOBAL_BATCH // world
+    torch.manual_seed(0)
+    ref = Unused()
+    torch.manual_seed(0)
+    model = Unused()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    opt = elasticzero.ZeroStage3(
+        model, torch.optim.AdamW, lr=LR, weight_decay=WD, bucket_bytes=BUCKET_BYTES, prefetch=False
+    )
+    for step in range(3):
+        x, y = batch(step, 0)
+        for r in range(world):
+            _use_b(ref, r == 0)
+            (loss_fn(ref(x[r * per : (r + 1) * per]), y[r * per : (r + 1) * per]) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        _use_b(model, rank == 0)
+        loss_fn(model(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per]).backward()
+        opt.step()
+        opt.zero_grad()
+    out["s3_unused_rel"] = max_rel(opt.full_state_dict(), {k: v.detach() for k, v in ref.state_dict().items()})
 
 
 def scenario_bucketer(out: dict[str, Any]) -> None:
@@ -339,7 +461,7 @@ def scenario_bucketer(out: dict[str, Any]) -> None:
         loss_fn(model(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per]).backward()
     out["bucketer_nbuckets"] = len(bucketer.buckets)
     out["bucketer_rel"] = max(
-        float((p.grad - q.grad).abs().max() / q.grad.abs().max())
+        float((torch.as_tensor(p.grad) - q.grad).abs().max() / q.grad.abs().max())  # p.grad None: as_tensor raises
         for p, q in zip(model.parameters(), ref.parameters(), strict=True)
         if q.grad is not None
     )
@@ -364,13 +486,16 @@ def worker(rank: int, world: int, port: int, result_path: str, stages: list[int]
         for stage in stages:
             scenario_equality(stage, out)
             scenario_comm_memory(stage, out)
+            scenario_module_state_dict(stage, out)
+            scenario_frozen_group(stage, out)
+        if 3 in stages:
+            scenario_unused_param(out)
         scenario_bucketer(out)
         dist.barrier()
     except Exception:
         out["error"] = traceback.format_exc()
         raise
     finally:
-        if rank == 0 or "error" in out:
-            with open(result_path if rank == 0 else f"{result_path}.rank{rank}", "w") as f:
-                json.dump(out, f, default=str)
+        with open(f"{result_path}.rank{rank}", "w") as f:
+            json.dump(out, f, default=str)
         dist.destroy_process_group()

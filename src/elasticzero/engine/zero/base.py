@@ -51,6 +51,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """
 
     stage: int = 0
+    supports_no_sync: bool = True
+    """Whether :meth:`no_sync` defers communication (False on stage 3, where it raises);
+    :class:`~elasticzero.engine.accumulation.GradAccumulation` falls back to a plain context then."""
 
     def __init__(
         self,
@@ -93,9 +96,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         inner_groups = []
         for gi, opts in enumerate(group_options):
+            # a group whose parameters are all frozen stays, empty, so group indices match the user's (schedulers)
             masters = [self.masters[b.index] for b in self.buckets if b.key[0] == gi]  # type: ignore[index]
-            if masters:
-                inner_groups.append({**opts, "params": masters})
+            inner_groups.append({**opts, "params": masters})
         self.optim = optimizer_class(inner_groups, **optimizer_kwargs)
         torch.optim.Optimizer.__init__(self, list(self.masters), dict(self.optim.defaults))
         self.param_groups = self.optim.param_groups
@@ -108,6 +111,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._input_hook = module.register_forward_pre_hook(
                 _input_caster(self.policy.param_dtype), with_kwargs=True
             )
+        self._own_module_state_dict = False  # set while full_state_dict/load_full_state_dict read the module
+        self._register_state_dict_hooks()
 
     # -- stage hooks (overridden) --------------------------------------------------------------------------------
     def _build_buckets(self, named: list[tuple[str, nn.Parameter]]) -> list[FlatBucket]:
@@ -131,6 +136,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _gather_params(self) -> None:
         """Bring the updated masters back into the module's parameters (stages 1/2: all-gather)."""
+
+    def _register_state_dict_hooks(self) -> None:
+        """Hooks on ``module.state_dict`` / ``module.load_state_dict`` (stages 1/2: keep masters in sync; 3: refuse)."""
+
+    @contextlib.contextmanager
+    def _reading_module_state(self) -> Any:
+        """Mark ``module.state_dict()`` calls made by this optimizer itself (the stage-3 hooks let them through)."""
+        old, self._own_module_state_dict = self._own_module_state_dict, True
+        try:
+            yield
+        finally:
+            self._own_module_state_dict = old
 
     # -- torch.optim.Optimizer API ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -238,7 +255,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for p, off in zip(b.params, b.offsets, strict=True):
                     full[id(p)] = out[off : off + p.numel()].view(p.shape).clone()
         sd = {}
-        for k, v in self.module.state_dict(keep_vars=True).items():
+        with self._reading_module_state():
+            module_sd = self.module.state_dict(keep_vars=True)
+        for k, v in module_sd.items():
             sd[k] = full[id(v)] if id(v) in full else v.detach().clone()
         return sd
 
@@ -257,7 +276,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for name, start, end, off in b.local_pieces():
                 m[off : off + end - start].copy_(state_dict[name].reshape(-1)[start:end])
         managed = {id(p) for p in self._managed_params()}
-        for k, v in self.module.state_dict(keep_vars=True).items():
+        with self._reading_module_state():
+            module_sd = self.module.state_dict(keep_vars=True)
+        for k, v in module_sd.items():
             if id(v) not in managed and k in state_dict:
                 v.data.copy_(state_dict[k])
         self._gather_params()

@@ -5,12 +5,15 @@ updated parameters."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from elasticzero.engine.zero import comm
 from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.flat import FlatBucket, flatten_into, view_params_into
+from elasticzero.errors import UsageError
 
 
 class _ReplicatedParamsZero(ZeroOptimizer):
@@ -28,6 +31,27 @@ class _ReplicatedParamsZero(ZeroOptimizer):
         view_params_into(bucket, compute)
         bucket.extra["compute"] = compute
         return master
+
+    def _register_state_dict_hooks(self) -> None:
+        self.module.register_load_state_dict_post_hook(self._refresh_masters)
+
+    @torch.no_grad()
+    def _refresh_masters(self, module: nn.Module, incompatible_keys: Any) -> None:
+        """After ``module.load_state_dict``: copy the loaded parameters into the separate fp32 masters (bf16/fp16),
+        which ``step()`` would otherwise all-gather back over them. Precision is that of the compute copies;
+        :meth:`load_full_state_dict` keeps fp32."""
+        for b, m in zip(self.buckets, self.masters, strict=True):
+            compute: torch.Tensor = b.extra["compute"]  # type: ignore[assignment]
+            storage = compute.untyped_storage().data_ptr()
+            if any(p.untyped_storage().data_ptr() != storage for p in b.params):
+                raise UsageError(
+                    "module.load_state_dict(assign=True) replaced parameters the ZeRO optimizer manages: load "
+                    "without assign=True, or use opt.load_full_state_dict(state_dict)"
+                )
+            lo, hi = b.shard_range()
+            chunk = compute[lo:hi]
+            if chunk.data_ptr() != m.data_ptr() or chunk.dtype != m.dtype:
+                m.copy_(chunk)
 
     def _gather_params(self) -> None:
         works = []

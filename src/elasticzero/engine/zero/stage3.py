@@ -6,19 +6,23 @@ buffer whose storage is freed (``untyped_storage().resize_(0)``), so the module 
 master shard (kept by the optimizer). Before a unit's forward its bucket is all-gathered into that storage (the
 views, and whatever autograd saved from them, see the data again), after it the storage is freed; before the unit's
 backward (a hook on its outputs' gradients) it is gathered again, and once every parameter of the unit has its
-gradient the storage is freed and the gradient bucket reduce-scattered (ordered by :class:`GradBucketer`). The next
-unit is prefetched with an async all-gather: in forward, the order units started their forward; in backward, the
-reverse of the order they finished it (both recorded on the first iteration, identical on every rank).
+gradient the storage is freed. The gradient buckets are reduce-scattered at the end of backward, in the fixed
+reverse-bucket order of :class:`GradBucketer`: when a bucket is complete depends on the rank (a parameter unused on
+one rank gets its zero gradient only at the end there), and launching it then would interleave it differently with
+the all-gathers on each rank (a hang). The next unit is prefetched with an async all-gather: in forward, the order
+units started their forward; in backward, the reverse of the order they finished it (both recorded on the first
+iteration, identical on every rank).
 
 Activation checkpointing works: a unit recomputed inside backward keeps its parameters gathered until its gradients
 are done. A parameter shared by several modules (tied weights) belongs to the nearest unit enclosing all of them
 (often the root), so it stays gathered through that unit's forward and is gathered once per pass, never twice.
 
 Held per rank (Ψ trainable elements, N ranks, fp32 Adam): fp32 master shard 4Ψ/N, fp32 gradient shard 4Ψ/N, Adam
-8Ψ/N — 8 bytes/param at N=2 — plus the units being used and the gradient buckets in flight. Frozen parameters are not
-sharded (every rank keeps them whole). Communication per step: all-gather Ψ (forward) + all-gather Ψ (backward) +
-reduce-scatter Ψ = 3Ψ (2Ψ with ``reshard_after_forward=False``, at the memory cost of keeping every unit gathered
-from its forward to its backward).
+8Ψ/N — 8 bytes/param at N=2 — plus the units being used and, during backward, the gradient buckets filled so far
+(up to Ψ elements of ``reduce_dtype`` at the end of backward, freed as they are reduce-scattered). Frozen parameters
+are not sharded (every rank keeps them whole). Communication per step: all-gather Ψ (forward) + all-gather Ψ
+(backward) + reduce-scatter Ψ = 3Ψ (2Ψ with ``reshard_after_forward=False``, at the memory cost of keeping every unit
+gathered from its forward to its backward).
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class ZeroStage3(ZeroOptimizer):
     """
 
     stage = 3
+    supports_no_sync = False
 
     def __init__(
         self,
@@ -177,7 +182,8 @@ class ZeroStage3(ZeroOptimizer):
         return master
 
     def _gather_params(self) -> None:
-        """After ``step()``: drop any unit still gathered (its data predates the update); forward re-gathers."""
+        """After ``step()``: drop every unit still gathered (its data predates the update, e.g. kept by a forward
+        without backward under ``reshard_after_forward=False``); the next forward re-gathers from the masters."""
         for b in self.buckets:
             self._free(b)
             self._users[b.index] = 0
@@ -194,6 +200,7 @@ class ZeroStage3(ZeroOptimizer):
             max_inflight=self.max_inflight,
             comm_stats=self.comm_stats,
             timers=self.timers,
+            launch_in_backward=False,  # all-gathers run during backward: keep the collective order rank-independent
         )
 
     # -- gather / free (collectives in comm) ----------------------------------------------------------------------
@@ -270,10 +277,12 @@ class ZeroStage3(ZeroOptimizer):
         if not self._order_frozen and unit not in self._bwd_index:  # backward visits units in reverse of this
             self._bwd_order.insert(0, unit)
             self._bwd_index = {u: k for k, u in enumerate(self._bwd_order)}
+        # without grad no backward will come to free the unit: reshard now even with reshard_after_forward=False
+        reshard = self.reshard_after_forward or not torch.is_grad_enabled()
         for i in self._needed[unit]:
-            if self._users[i] == 0 and self.reshard_after_forward:
+            if self._users[i] == 0 and reshard:
                 self._free(self.buckets[i])
-        if unit == "" and self.reshard_after_forward:
+        if unit == "" and reshard:
             for b in self.buckets:  # prefetched but unused
                 if self._users[b.index] == 0:
                     self._free(b)
@@ -313,6 +322,24 @@ class ZeroStage3(ZeroOptimizer):
         for b in self.buckets:
             if self._users[b.index] == 0:
                 self._free(b)
+
+    # -- module state dict: refused (the module holds freed views) ----------------------------------------------
+    def _register_state_dict_hooks(self) -> None:
+        self.module.register_state_dict_pre_hook(self._refuse_state_dict)
+        self.module.register_load_state_dict_pre_hook(self._refuse_load_state_dict)
+
+    def _refuse_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if not self._own_module_state_dict:
+            raise UsageError(
+                "module.state_dict() under ZeroStage3 would return freed (0-byte) parameters: use "
+                "opt.full_state_dict() (collective; the full fp32 state on every rank)"
+            )
+
+    def _refuse_load_state_dict(self, module: nn.Module, *args: Any) -> None:
+        raise UsageError(
+            "module.load_state_dict() under ZeroStage3 would write into freed parameters: use "
+            "opt.load_full_state_dict(state_dict) (fills this rank's master shards)"
+        )
 
     # -- API differences ---------------------------------------------------------------------------------------------
     def no_sync(self) -> contextlib.AbstractContextManager[None]:

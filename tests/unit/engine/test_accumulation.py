@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ def test_scaled_micro_batches_accumulate_the_big_batch_gradient() -> None:
     w = torch.randn(3, requires_grad=True)
     x = torch.randn(8, 3)
     (x @ w).square().mean().backward()
+    assert w.grad is not None
     big = w.grad.clone()
     w.grad = None
     acc = GradAccumulation(4)
@@ -51,6 +53,23 @@ def test_no_sync_only_between_boundaries() -> None:
         pass
 
 
+class _RefusesNoSync(_WithNoSync):
+    supports_no_sync = False  # like ZeroStage3, whose no_sync() raises
+
+    def no_sync(self) -> nullcontext[None]:
+        raise UsageError("no no_sync here")
+
+
+def test_no_sync_falls_back_when_target_does_not_support_it() -> None:
+    acc, target = GradAccumulation(2), _RefusesNoSync()
+    for _ in range(4):
+        with acc.no_sync(target):
+            pass
+        acc.advance()
+    assert target.entered == 0 and acc.micro_step == 4
+    # (a real ZeroStage3 goes through this loop in tests/unit/config/test_config_build.py)
+
+
 def test_state_round_trip_and_bad_steps() -> None:
     acc = GradAccumulation(4)
     for _ in range(5):
@@ -58,6 +77,7 @@ def test_state_round_trip_and_bad_steps() -> None:
     other = GradAccumulation(4)
     other.load_state_dict(acc.state_dict())
     assert other.micro_step == 5 and other.is_boundary is False
-    for bad in (0, -1, 1.5, True):
+    bads: tuple[Any, ...] = (0, -1, 1.5, True)  # deliberately not ints
+    for bad in bads:
         with pytest.raises(UsageError, match="accumulation steps"):
-            GradAccumulation(bad)  # type: ignore[arg-type]
+            GradAccumulation(bad)

@@ -1,7 +1,8 @@
 """What stages 1 and 2 share: the module's trainable parameters become views into flat compute buffers (one per
 bucket, ``param_dtype``); the fp32 master shard is this rank's chunk of that buffer (fp32) or a separate fp32 copy of
 it (bf16/fp16); after ``step()`` each bucket is all-gathered in place, so ``module.state_dict()`` holds the full
-updated parameters."""
+updated parameters. ``module.load_state_dict()`` works too: a post-hook copies what it loaded into the fp32 masters
+(at the compute dtype's precision; :meth:`load_full_state_dict` keeps fp32)."""
 
 from __future__ import annotations
 

@@ -60,8 +60,10 @@ class ZeroStage3(ZeroOptimizer):
         prefetch: all-gather the next unit asynchronously while the current one computes.
         prefetch_bytes: keep prefetching further units while their total stays under this many bytes (0: one).
 
-    After ``step()`` the module holds only freed views: use :meth:`full_state_dict` for its full state. ``no_sync``
-    is not available (gradients are sharded as they are produced).
+    After ``step()`` the module holds only freed views: ``module.state_dict()`` and ``module.load_state_dict()``
+    raise :class:`~elasticzero.errors.UsageError`; use :meth:`full_state_dict` / :meth:`load_full_state_dict`.
+    ``no_sync`` is not available (gradients are sharded as they are produced; ``supports_no_sync`` is False, so
+    :class:`~elasticzero.engine.accumulation.GradAccumulation` uses a plain context instead).
     """
 
     stage = 3

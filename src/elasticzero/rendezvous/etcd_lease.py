@@ -30,6 +30,7 @@ class KeptLease:
         self._lock = threading.Lock()
         self._id = client.grant(ttl, timeout=grant_timeout)
         self._renewed: list[Callable[[int], None]] = []
+        self._unfinished: int | None = None  # a renewed lease whose callbacks have not all succeeded yet
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elasticzero-etcd-lease", daemon=True)
         self._thread.start()
@@ -53,10 +54,18 @@ class KeptLease:
             if self._id != lost_id:
                 return self._id
             self._id = new_id = self._client.grant(self._ttl)
+            self._unfinished = new_id
             logger.warning("elasticzero: etcd lease %x was lost; granted %x", lost_id, new_id)
-        for callback in self._renewed:
-            callback(new_id)
+        self._run_callbacks(new_id)
         return new_id
+
+    def _run_callbacks(self, lease_id: int) -> None:
+        """Run every :meth:`on_renew` callback for ``lease_id``; on failure the keep-alive thread runs them again."""
+        for callback in self._renewed:
+            callback(lease_id)
+        with self._lock:
+            if self._unfinished == lease_id:
+                self._unfinished = None
 
     def attached(self, op: Callable[[int], T]) -> T:
         """Run ``op(lease_id)``; if etcd says the lease is gone, renew it and run once more."""
@@ -75,6 +84,8 @@ class KeptLease:
             try:
                 if self._client.keep_alive_once(lease_id, timeout=interval) <= 0:
                     self.renew(lease_id)
+                elif self._unfinished == lease_id:
+                    self._run_callbacks(lease_id)  # a renewal whose callbacks failed (etcd flapping): again
             except RendezvousError as exc:
                 if self._stop.is_set():
                     return

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from rdzv_etcd_parts import backend_for, client_for, store_for
 
 from cluster.etcd_server import EtcdCluster
+from elasticzero.rendezvous.etcd_client import EtcdConnectionError
 from elasticzero.rendezvous.etcd_lease import KeptLease
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
@@ -79,6 +82,36 @@ def test_lost_lease_is_renewed_on_write(etcd: EtcdCluster) -> None:
         store.set("k", "after-loss")
         assert lease.id != old
         assert store.get("k") == b"after-loss"
+    finally:
+        lease.release()
+        client.close()
+
+
+def test_renew_callbacks_that_failed_are_run_again_by_the_keep_alive_thread(etcd: EtcdCluster) -> None:
+    """A member key that could not be re-registered right after a renewal is registered by a later keep-alive."""
+    client = client_for(etcd)
+    lease = KeptLease(client, 2)
+    calls: list[int] = []
+
+    def flaky(lease_id: int) -> None:
+        calls.append(lease_id)
+        if len(calls) == 1:
+            raise EtcdConnectionError("etcd flapped")
+
+    lease.on_renew(flaky)
+    try:
+        old = lease.id
+        client.revoke(old)
+        with pytest.raises(EtcdConnectionError):
+            lease.renew(old)
+        new = lease.id
+        assert new != old
+        deadline = time.monotonic() + 10
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert calls[:2] == [new, new]
+        time.sleep(1.5)  # done once it succeeded: no further calls
+        assert len(calls) == 2
     finally:
         lease.release()
         client.close()

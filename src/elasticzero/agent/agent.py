@@ -1,10 +1,14 @@
 """``ElasticZeroAgent``: torch's ``LocalElasticAgent`` with tree kill, root-cause reporting and a health file.
 
-Only the public hooks are overridden:
+Only the hooks torch's run loop (``SimpleElasticAgent._invoke_run``) calls are overridden — protected methods, not a
+public API; ``tests/unit/agent/test_exit_barrier.py`` checks torch still calls ``_exit_barrier`` there:
 
 * ``_start_workers`` — torch's, then the health file says ``running`` with this round's ranks and pids;
 * ``_monitor_workers`` — torch's; on a failure, the root-cause rank and its error file are reported once; while
-  healthy, a rendezvous closed by another node (it exhausted its restarts) stops this node too;
+  healthy, a job marked failed or a rendezvous closed by another node (it exhausted its restarts) stops this node;
+* ``_exit_barrier`` — torch's terminal-state barrier (same keys, same success condition), polled: a node whose
+  workers succeeded stops waiting as soon as another node marks the job failed (:meth:`announce_failure`) or
+  closes the rendezvous without completing the barrier, and fails instead of sitting out ``exit_barrier_timeout``;
 * ``_stop_workers`` / ``_shutdown`` — torch's graceful stop (SIGTERM to each worker's process group, SIGKILL
   after the grace), followed by a psutil sweep that SIGKILLs every process still carrying this agent's
   ``ELASTICZERO_AGENT_PID`` or descending from a worker, so grandchildren that left the process group die too.
@@ -19,19 +23,45 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Any
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.api import (
+    _TERMINAL_STATE_SYNC_ID,
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 from elasticzero.agent.binding import AGENT_PID_ENV
 from elasticzero.agent.health import HealthFile
 from elasticzero.agent.proctree import descendants, kill_now, processes_with_env
 
 logger = logging.getLogger(__name__)
+
+#: round-scoped store key (the rendezvous store is prefixed per round) a node sets when its restarts are exhausted;
+#: the value is its root-cause line
+JOB_FAILED_KEY = "elasticzero/agent/job_failed"
+#: counter of nodes that know the job failed (the failing ones and those that saw the key)
+FAILED_SEEN_KEY = "elasticzero/agent/job_failed_seen"
+#: how long a failing node waits, at most, for the others to see its failure before it exits (it may host the store)
+FAILURE_LINGER_S = 10.0
+#: poll period of the exit barrier
+EXIT_BARRIER_POLL_S = 0.25
+#: counter of nodes that saw the exit barrier complete, and how long a node waits for the others to see it
+BARRIER_SEEN_KEY = "elasticzero/agent/exit_barrier_seen"
+EXIT_LINGER_S = 5.0
+
+
+class PeerFailedError(RendezvousClosedError):
+    """Another node of this job failed (restarts exhausted) or closed the run: this node must fail too."""
 
 
 class ElasticZeroAgent(LocalElasticAgent):
@@ -73,11 +103,112 @@ class ElasticZeroAgent(LocalElasticAgent):
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
             self.last_failure = root_cause(result.failures)
             report_failure(*self.last_failure)
-        elif result.state == WorkerState.HEALTHY and worker_group.spec.rdzv_handler.is_closed():
+        elif result.state == WorkerState.HEALTHY:
             # another node gave up (restarts exhausted) and closed the run; torch's loop only looks at the wait
             # list, so workers that never talk to that node would run on alone. Stop them and exit.
-            raise RendezvousClosedError("the rendezvous was closed by another node; stopping this node's workers")
+            self._raise_if_peer_failed()
+            if worker_group.spec.rdzv_handler.is_closed():
+                raise PeerFailedError("the rendezvous was closed by another node; stopping this node's workers")
         return result
+
+    def _raise_if_peer_failed(self) -> None:
+        """Raise :class:`PeerFailedError` (after counting this node as informed) if the job is marked failed."""
+        store = self._store
+        if store is None or not store.check([JOB_FAILED_KEY]):
+            return
+        cause = store.get(JOB_FAILED_KEY).decode(errors="replace")
+        store.add(FAILED_SEEN_KEY, 1)
+        raise PeerFailedError(f"the rendezvous was closed by another node, whose workers failed: {cause}")
+
+    def _exit_barrier(self) -> None:
+        """torch's exit barrier (same keys and timeout), polled so a failure elsewhere ends it within a poll.
+
+        This node's workers succeeded. It checks in as torch does, then every ``EXIT_BARRIER_POLL_S`` looks at
+        (``store.check``, which logs nothing): the job-failed key (→ :class:`PeerFailedError`); the barrier's
+        last-member key (→ done, after :meth:`_linger_after_barrier`); whether the rendezvous is closed while the
+        barrier is incomplete (→ :class:`PeerFailedError`; a node that leaves without reaching the barrier, e.g. a
+        rendezvous error after a failed restart, closes it — after a success the others close it too, hence the
+        last-member key is read again first). Store errors end the wait as in torch (logged; still a success).
+        """
+        group = self._worker_group
+        logger.info("local worker group finished; waiting up to %ss for the other nodes", self._exit_barrier_timeout)
+        start = time.monotonic()
+        self._in_exit_barrier = True
+        try:
+            store = self._store
+            if store is None:
+                return
+            # torch's own check-in (counter + last-member key), so the success condition is torch's
+            last_key = _barrier_nonblocking(store, group.group_world_size, _TERMINAL_STATE_SYNC_ID)
+            while time.monotonic() - start < self._exit_barrier_timeout:
+                self._raise_if_peer_failed()
+                if store.check([last_key]):
+                    self._raise_if_peer_failed()  # a failing node marks the job before it could complete us
+                    logger.info("done waiting for the other nodes after %.1fs", time.monotonic() - start)
+                    self._linger_after_barrier(group.group_world_size)
+                    return
+                if group.spec.rdzv_handler.is_closed() and not store.check([last_key]):
+                    self._raise_if_peer_failed()
+                    raise PeerFailedError("another node closed the rendezvous before finishing; the job failed")
+                time.sleep(EXIT_BARRIER_POLL_S)
+            logger.error("timed out after %ss waiting for the other nodes to finish", self._exit_barrier_timeout)
+        except (PeerFailedError, SignalException):
+            raise
+        except Exception as exc:
+            logger.warning("exit barrier ended by a store error after %.1fs: %s", time.monotonic() - start, exc)
+        finally:
+            self._in_exit_barrier = False
+
+    def _linger_after_barrier(self, world: int) -> None:
+        """Stay until every node saw the barrier complete (at most ``EXIT_LINGER_S``).
+
+        torch's barrier is a blocking wait, so the store pushes the completion to everyone before the node hosting
+        the store can leave; a polling node could find the store gone instead. So each node counts itself as
+        having seen the completion and waits for the others; a store error here is harmless (all saw it).
+        """
+        store = self._store
+        if store is None:
+            return
+        deadline = time.monotonic() + EXIT_LINGER_S
+        try:
+            store.add(BARRIER_SEEN_KEY, 1)
+            while store.add(BARRIER_SEEN_KEY, 0) < world and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception as exc:
+            logger.debug("store gone after the exit barrier completed: %s", exc)
+
+    def announce_failure(self, result: RunResult) -> None:
+        """Mark the job failed in this round's store (value: the root-cause line), so the other nodes stop now."""
+        store = self._store
+        if store is None:
+            return
+        line = describe_failure(*root_cause(result.failures)) if result.failures else "workers failed"
+        group_rank = self._worker_group.group_rank
+        try:
+            store.set(JOB_FAILED_KEY, f"node {group_rank}: {line}")
+            store.add(FAILED_SEEN_KEY, 1)
+        except Exception:
+            logger.exception("could not mark the job failed in the rendezvous store")
+
+    def await_peers_informed(self, timeout: float = FAILURE_LINGER_S) -> float:
+        """After :meth:`announce_failure`: wait (at most ``timeout`` s) until every node of the round saw it.
+
+        This node may host the embedded store; leaving at once could take the failure key with it. Returns the
+        seconds waited.
+        """
+        store = self._store
+        start = time.monotonic()
+        if store is None:
+            return 0.0
+        world = self._worker_group.group_world_size or 1
+        try:
+            while time.monotonic() - start < timeout:
+                if store.add(FAILED_SEEN_KEY, 0) >= world:
+                    break
+                time.sleep(0.1)
+        except Exception as exc:  # the store's host saw the mark and left (it exits at once), or died
+            logger.info("stopped waiting for the other nodes to see the failure (store gone: %s)", exc)
+        return time.monotonic() - start
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._shutdown(timeout=self._shutdown_timeout)

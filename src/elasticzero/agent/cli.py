@@ -6,7 +6,8 @@ added by :mod:`elasticzero.agent.options` bind the node to its slots from ``--no
 
 Exit status: 0 on success; 2 for bad input (one line on stderr, nothing started); the root-cause worker's exit
 code (128+N when it died of signal N) when workers failed and restarts are exhausted; 128+N when the agent
-itself was stopped by signal N; 1 for other agent errors (rendezvous timeout/closed, …).
+itself was stopped by signal N; 1 when another node's workers failed (restarts exhausted) or for other agent
+errors (rendezvous timeout/closed, …).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def _launch(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import _parse_rendezvous_config, config_from_args
 
+    from elasticzero.agent.agent import PeerFailedError
     from elasticzero.agent.binding import agent_env, shim_argv
     from elasticzero.agent.launch import launch
     from elasticzero.agent.options import rdzv_configs, resolve
@@ -89,7 +91,7 @@ def _launch(args: argparse.Namespace) -> int:
         config, cmd, cmd_args = config_from_args(args)
     except (ValueError, AssertionError) as exc:
         raise UsageError(str(exc)) from None
-    rdzv_configs(config.rdzv_configs, user_keys, settings, config.rdzv_backend)
+    rdzv_configs(config.rdzv_configs, user_keys, settings, config.rdzv_backend, config.rdzv_endpoint)
     os.environ.update(agent_env(settings.job_id, settings.node.slots if settings.node else None, settings.cpus))
     # torch >= 2.4 lets workers reuse the rank-0 agent's rendezvous TCPStore, without a per-round key prefix: after
     # a restart the new workers read the dead workers' gloo/NCCL keys and hang. A fresh store per round avoids it.
@@ -100,6 +102,9 @@ def _launch(args: argparse.Namespace) -> int:
     except SignalException as exc:
         print(f"{PROG}: stopped by {exc.sigval.name}", file=sys.stderr)
         return 128 + int(exc.sigval)
+    except PeerFailedError as exc:
+        print(f"{PROG}: job failed on another node: {exc}", file=sys.stderr)
+        return 1
     except RendezvousError as exc:
         print(f"{PROG}: rendezvous failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -2,7 +2,10 @@
 
 torch's ``launch_agent`` hard-codes ``LocalElasticAgent``; this builds the same rendezvous handler and
 ``WorkerSpec`` from a ``LaunchConfig`` and runs our agent instead. The rendezvous is closed on the way out
-(so other nodes stop too) unless the agent was stopped by a signal, as torch does.
+(so other nodes stop too) unless the agent was stopped by a signal, as torch does. When this node's workers
+failed with restarts exhausted, it first marks the job failed in the round's store
+(:meth:`ElasticZeroAgent.announce_failure`) and, after closing, waits a few seconds at most for the other nodes
+to see it — it may be the node hosting the embedded store.
 """
 
 from __future__ import annotations
@@ -65,8 +68,13 @@ def launch(
         shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
     )
     close_rendezvous = True
+    failed = False
     try:
-        return agent.run(), agent
+        result = agent.run()
+        failed = result is not None and result.is_failed()
+        if failed:  # restarts exhausted: tell the other nodes at once (they may sit in the exit barrier)
+            agent.announce_failure(result)
+        return result, agent
     except SignalException:
         close_rendezvous = False  # closing would end the run for every node; a signalled node just leaves
         raise
@@ -74,3 +82,5 @@ def launch(
         agent.remove_health_file()
         if close_rendezvous:
             spec.rdzv_handler.shutdown()
+        if failed:  # this node may host the store: stay until the others saw the failure (bounded)
+            agent.await_peers_informed()

@@ -39,6 +39,10 @@ RDZV_DEFAULTS = {"keep_alive_interval": "1", "keep_alive_max_attempt": "4", "las
 IDENTITY_FLAGS = ("--node-rank", "--node-rank-env", "--node-host", "--node-host-env")
 
 
+#: backends whose embedded c10d TCPStore honours ``is_host`` (torch's c10d and our elasticzero handler)
+STORE_HOSTING_BACKENDS = frozenset({"c10d", "elasticzero"})
+
+
 @dataclass(frozen=True)
 class AgentSettings:
     """What the agent needs beyond torch's LaunchConfig."""
@@ -49,6 +53,7 @@ class AgentSettings:
     cpus: list[list[int]] | None  # per-local-rank cores with --bind-cores-to-rank
     health_file: str | None
     rdzv_defaults: bool
+    first_host: str | None = None  # the host of --node-table's row 0 (the front-end's default endpoint host)
 
 
 def add_agent_flags(parser: argparse.ArgumentParser) -> None:
@@ -148,6 +153,7 @@ def resolve(
         job_id=args.rdzv_id,
         node_rank=node_rank,
         node=node,
+        first_host=table[0].host if table else None,
         cpus=cpus,
         health_file=args.health_file,
         rdzv_defaults=not args.torch_rdzv_defaults,
@@ -187,8 +193,20 @@ def _torch_env_fallbacks(args: argparse.Namespace, env: Mapping[str, str]) -> No
                 setattr(args, dest, value)
 
 
-def rdzv_configs(configs: dict[str, object], user_keys: set[str], settings: AgentSettings, backend: str) -> None:
-    """Adjust torch's rendezvous config in place: our defaults, the node-rank hint, no phantom ``timeout``."""
+def rdzv_configs(
+    configs: dict[str, object],
+    user_keys: set[str],
+    settings: AgentSettings,
+    backend: str,
+    endpoint: str = "",
+) -> None:
+    """Adjust torch's rendezvous config in place: our defaults, the node-rank hint, ``is_host``, no phantom ``timeout``.
+
+    ``is_host``: when the endpoint host is the node table's first host (``elasticzero-launch``'s default), node 0
+    hosts the embedded c10d store — ``is_host=true`` there, ``false`` elsewhere — instead of torch's guess from
+    this machine's hostname and addresses (which fails e.g. for a hostfile of IPs on an image mapping the hostname
+    to 127.0.1.1: no node matches, every agent is a client). A user-set ``is_host`` wins.
+    """
     if backend == "static":
         return
     if "timeout" not in user_keys:
@@ -198,3 +216,29 @@ def rdzv_configs(configs: dict[str, object], user_keys: set[str], settings: Agen
             configs.setdefault(key, value)
     if settings.node_rank is not None:
         configs["node_rank_hint"] = settings.node_rank
+    if (
+        backend in STORE_HOSTING_BACKENDS
+        and "is_host" not in user_keys
+        and settings.node_rank is not None
+        and settings.first_host is not None
+        and _endpoint_host(endpoint) == _bare_host(settings.first_host)
+    ):
+        configs["is_host"] = settings.node_rank == 0
+
+
+def _bare_host(host: str) -> str:
+    """``user@host`` → ``host``; IPv6 brackets dropped."""
+    return host.rsplit("@", 1)[-1].strip("[]")
+
+
+def _endpoint_host(endpoint: str) -> str | None:
+    """The host of a ``[tcp://]host[:port]`` endpoint (None for other URLs such as ``etcd://…``, or none)."""
+    if endpoint.lower().startswith("tcp://"):  # the elasticzero handler's explicit c10d spelling
+        endpoint = endpoint[len("tcp://") :]
+    if not endpoint or "://" in endpoint:
+        return None
+    if endpoint.startswith("["):  # [v6]:port
+        return endpoint[1 : endpoint.find("]")] if "]" in endpoint else None
+    if endpoint.count(":") > 1:  # bare IPv6 without a port
+        return endpoint
+    return endpoint.split(":", 1)[0] or None

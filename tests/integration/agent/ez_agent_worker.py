@@ -4,7 +4,8 @@ Writes ``OUT_DIR/report.<pid>.json`` (rank, world size, env, allowed cpus) after
 ``loop=1`` keep all-reducing every 0.1 s until ``OUT_DIR/stop`` exists (all ranks stop together);
 ``idle=1`` wait for ``OUT_DIR/stop`` without any collective;
 ``fail_rank=R fail_code=C`` rank R exits with C after the first all_reduce (via torch's ``@record`` when
-``record=1``, raising so an error file is written); ``grandchild=1`` start a ``sleep`` in its own session first.
+``record=1``, raising so an error file is written), ``fail_delay=S`` seconds later, writing ``OUT_DIR/failed_at.R``
+(wall-clock time) just before; ``grandchild=1`` start a ``sleep`` in its own session first.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def main() -> None:
     os.replace(tmp, out / f"report.{os.getpid()}.json")
     print(f"hello from rank {rank}", flush=True)
     if "fail_rank" in opts and int(opts["fail_rank"]) == rank:
+        time.sleep(float(opts.get("fail_delay", "0")))
+        (out / f"failed_at.{rank}").write_text(str(time.time()))
         if opts.get("record") == "1":
             raise RuntimeError(f"deliberate failure of rank {rank}")
         sys.exit(int(opts.get("fail_code", "3")))

@@ -109,3 +109,56 @@ def test_deepspeed_underscore_spellings() -> None:
     ns = parse("--node_table", TABLE, "--node_host", "hostB", "--bind_cores_to_rank")
     s = settle(ns)
     assert (s.node_rank, s.cpus) == (1, [[0, 1], [2, 3], [4, 5]])
+
+
+def _table_settings(node_rank: int, first_host: str = "10.0.0.1") -> AgentSettings:
+    return AgentSettings("j", node_rank, None, None, None, True, first_host=first_host)
+
+
+@pytest.mark.parametrize("backend", ["c10d", "elasticzero"])
+def test_is_host_from_node_table_when_endpoint_is_first_host(backend: str) -> None:
+    for node_rank, expected in ((0, True), (1, False), (2, False)):
+        cfg: dict[str, object] = {}
+        rdzv_configs(cfg, set(), _table_settings(node_rank), backend, "10.0.0.1:29400")
+        assert cfg["is_host"] is expected
+    cfg = {}
+    rdzv_configs(cfg, set(), _table_settings(0, first_host="me@10.0.0.1"), backend, "10.0.0.1")  # no port, user@
+    assert cfg["is_host"] is True
+    cfg = {}
+    rdzv_configs(cfg, set(), _table_settings(1, first_host="fe80::1"), backend, "[fe80::1]:29400")
+    assert cfg["is_host"] is False
+    cfg = {}
+    rdzv_configs(cfg, set(), _table_settings(0), backend, "tcp://10.0.0.1:29400")
+    assert cfg["is_host"] is True
+
+
+def test_is_host_left_alone() -> None:
+    cases = [
+        ({"is_host": "true"}, {"is_host"}, _table_settings(1), "c10d", "10.0.0.1:29400"),  # the user's value wins
+        ({}, set(), _table_settings(0), "c10d", "10.0.0.9:29400"),  # endpoint elsewhere: torch's heuristic
+        ({}, set(), _table_settings(0), "elasticzero", "etcd://10.0.0.1:2379"),  # etcd: no embedded store
+        ({}, set(), _table_settings(0), "etcd-v2", "10.0.0.1:2379"),
+        ({}, set(), _settings(0), "c10d", "10.0.0.1:29400"),  # no node table
+        ({}, set(), AgentSettings("j", None, None, None, None, True, "10.0.0.1"), "c10d", "10.0.0.1:29400"),
+    ]
+    for cfg, user_keys, settings, backend, endpoint in cases:
+        before = cfg.get("is_host")
+        rdzv_configs(cfg, user_keys, settings, backend, endpoint)
+        assert cfg.get("is_host") == before, (settings, backend, endpoint)
+
+
+def test_is_host_through_resolve_and_torch_config() -> None:
+    """End to end through the parser, resolve and torch's config_from_args, as cli._launch does."""
+    from torch.distributed.run import _parse_rendezvous_config, config_from_args
+
+    table = '[["10.0.0.1",[0]],["10.0.0.2",[0]]]'
+    for node_rank, user_conf, expected in ((0, "", True), (1, "", False), (1, "is_host=1", "1")):
+        argv = ["--node-table", table, "--node-rank", str(node_rank), "--rdzv-backend", "c10d"]
+        argv += ["--rdzv-endpoint", "10.0.0.1:29400", "--rdzv-conf", user_conf]
+        ns = parse(*argv)
+        settings = settle(ns)
+        config, _, _ = config_from_args(ns)
+        rdzv_configs(
+            config.rdzv_configs, set(_parse_rendezvous_config(user_conf)), settings, "c10d", config.rdzv_endpoint
+        )
+        assert config.rdzv_configs["is_host"] == expected

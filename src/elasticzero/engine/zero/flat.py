@@ -13,11 +13,13 @@ rank's shard back to parameter names (:func:`local_pieces`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from elasticzero.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,19 @@ def layout_buckets(
         buckets.append(b)
         global_offset += b.padded_numel
     return buckets
+
+
+def _device_of(params: Iterable[torch.Tensor]) -> torch.device:
+    """The one device all ``params`` live on (flat buffers are allocated there); :class:`UsageError` if they span
+    several devices or there are none."""
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        found = ", ".join(sorted(str(d) for d in devices)) or "none"
+        raise UsageError(
+            f"the parameters a flat buffer serves must share one device, found: {found}; move the module to one "
+            "device (module.to(device)) before wrapping it"
+        )
+    return devices.pop()
 
 
 def flatten_into(bucket: FlatBucket, out: torch.Tensor, tensors: Sequence[torch.Tensor] | None = None) -> None:

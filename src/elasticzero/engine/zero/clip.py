@@ -12,9 +12,11 @@ import torch.distributed as dist
 from elasticzero.engine.zero import comm
 
 
-def local_norm_term(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """This rank's contribution: ``max |g|`` for the inf-norm, else ``sum |g|^p`` (fp32, 0-dim)."""
-    acc = torch.zeros((), dtype=torch.float32)
+def local_norm_term(
+    grads: Sequence[torch.Tensor], norm_type: float, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """This rank's contribution: ``max |g|`` for the inf-norm, else ``sum |g|^p`` (fp32, 0-dim, on ``device``)."""
+    acc = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
         g32 = g.detach().float()
         if math.isinf(norm_type):
@@ -26,10 +28,15 @@ def local_norm_term(grads: Sequence[torch.Tensor], norm_type: float) -> torch.Te
 
 
 def global_grad_norm(
-    grads: Sequence[torch.Tensor], norm_type: float, group: Any, stats: comm.CommStats | None = None
+    grads: Sequence[torch.Tensor],
+    norm_type: float,
+    group: Any,
+    stats: comm.CommStats | None = None,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """The norm of all ranks' shards together: one scalar all-reduce (MAX for inf, else SUM)."""
-    term = local_norm_term(grads, norm_type)
+    """The norm of all ranks' shards together: one scalar all-reduce (MAX for inf, else SUM) on ``device`` (the
+    gradients' device: nccl reduces only CUDA tensors)."""
+    term = local_norm_term(grads, norm_type, device)
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
     comm.all_reduce(term, group, op=op, stats=stats, tag="norm")
     return term if math.isinf(norm_type) else term ** (1.0 / norm_type)
@@ -42,9 +49,12 @@ def clip_(grads: Sequence[torch.Tensor], max_norm: float, total_norm: torch.Tens
         g.mul_(coef.to(g.dtype))
 
 
-def unscale_and_check_(grads: Sequence[torch.Tensor], inv_scale: float) -> torch.Tensor:
-    """Multiply ``grads`` by ``inv_scale`` in place; 0-dim fp32 tensor, 1.0 if any local inf/NaN else 0.0."""
-    found = torch.zeros((), dtype=torch.float32)
+def unscale_and_check_(
+    grads: Sequence[torch.Tensor], inv_scale: float, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Multiply ``grads`` by ``inv_scale`` in place; 0-dim fp32 tensor on ``device``, 1.0 if any local inf/NaN else
+    0.0."""
+    found = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
         g.mul_(inv_scale)
         found = torch.maximum(found, (~torch.isfinite(g)).any().float())

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_map
 from elasticzero.engine.bucketer import DEFAULT_BUCKET_BYTES, GradBucketer, phase
 from elasticzero.engine.precision import PrecisionPolicy, as_policy
 from elasticzero.engine.zero import clip, comm
-from elasticzero.engine.zero.flat import FlatBucket, ParamSlot
+from elasticzero.engine.zero.flat import FlatBucket, ParamSlot, _device_of
 from elasticzero.engine.zero.memory import storage_report
 from elasticzero.errors import UsageError
 
@@ -47,6 +47,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         buckets: the :class:`~elasticzero.engine.zero.flat.FlatBucket` layouts; ``bucket.local_pieces()`` maps this
             rank's shard back to parameter slices.
         comm_stats: :class:`~elasticzero.engine.zero.comm.CommStats` of this optimizer's collectives.
+        device: the device of the trainable parameters (all on one, else ``UsageError``); every flat buffer, master
+            shard and scalar (norm, found_inf) is allocated there.
         optim: the wrapped optimizer (its ``param_groups`` and ``state`` *are* this object's).
     """
 
@@ -85,6 +87,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise UsageError(f"{type(self).__name__}: the module has no trainable parameters")
+        # before any collective: every flat buffer, master and scalar is allocated on this device
+        self.device: torch.device = _device_of(p for _, p in named)
         self._group_of, group_options = _assign_groups(named, param_groups)
         if sync_module_states:
             self._broadcast_module()
@@ -222,7 +226,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         One scalar all-reduce. Same formula as ``torch.nn.utils.clip_grad_norm_``.
         """
         grads = self.grad_shards()
-        total = clip.global_grad_norm(grads, float(norm_type), self.process_group, self.comm_stats)
+        total = clip.global_grad_norm(grads, float(norm_type), self.process_group, self.comm_stats, self.device)
         clip.clip_(grads, max_norm, total)
         return total
 
@@ -230,7 +234,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def unscale_(self, inv_scale: float) -> torch.Tensor:
         """Loss-scaler protocol: multiply this rank's gradient shards by ``inv_scale``; return a 0-dim fp32 tensor,
         1.0 if a local inf/NaN was found, else 0.0 (the scaler agrees on it over ``process_group``)."""
-        return clip.unscale_and_check_(self.grad_shards(), inv_scale)
+        return clip.unscale_and_check_(self.grad_shards(), inv_scale, self.device)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients without communicating until the first backward outside the context.
@@ -250,7 +254,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         full: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for b, m in zip(self.buckets, self.masters, strict=True):
-                out = torch.empty(b.padded_numel, dtype=torch.float32)
+                out = torch.empty(b.padded_numel, dtype=torch.float32, device=m.device)
                 comm.all_gather(out, m.detach(), self.process_group, stats=self.comm_stats, tag="state_dict")
                 for p, off in zip(b.params, b.offsets, strict=True):
                     full[id(p)] = out[off : off + p.numel()].view(p.shape).clone()

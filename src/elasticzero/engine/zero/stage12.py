@@ -22,7 +22,7 @@ class _ReplicatedParamsZero(ZeroOptimizer):
 
     def _materialize(self, bucket: FlatBucket) -> nn.Parameter:
         lo, hi = bucket.shard_range()
-        fp32 = torch.empty(bucket.padded_numel, dtype=torch.float32)
+        fp32 = torch.empty(bucket.padded_numel, dtype=torch.float32, device=self.device)
         flatten_into(bucket, fp32)
         if self.policy.param_dtype == torch.float32:
             compute, master = fp32, nn.Parameter(fp32[lo:hi])

@@ -174,10 +174,10 @@ class ZeroStage3(ZeroOptimizer):
 
     def _materialize(self, bucket: FlatBucket) -> nn.Parameter:
         lo, hi = bucket.shard_range()
-        fp32 = torch.empty(bucket.padded_numel, dtype=torch.float32)
+        fp32 = torch.empty(bucket.padded_numel, dtype=torch.float32, device=self.device)
         flatten_into(bucket, fp32)
         master = nn.Parameter(fp32[lo:hi].clone())
-        full = torch.empty(bucket.padded_numel, dtype=self.policy.param_dtype)
+        full = torch.empty(bucket.padded_numel, dtype=self.policy.param_dtype, device=self.device)
         view_params_into(bucket, full)
         full.untyped_storage().resize_(0)
         bucket.extra.update(full=full, gathered=False, work=None)

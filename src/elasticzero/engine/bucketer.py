@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elasticzero.engine.zero import comm
-from elasticzero.engine.zero.flat import FlatBucket, build_buckets
+from elasticzero.engine.zero.flat import FlatBucket, _device_of, build_buckets
 from elasticzero.errors import UsageError
 
 Op = Literal["all_reduce", "reduce_scatter"]
@@ -112,6 +112,7 @@ class GradBucketer:
                 elem_size=lambda p: torch.empty((), dtype=reduce_dtype).element_size(),
             )
         self.buckets: list[FlatBucket] = list(buckets)
+        self._devices: dict[int, torch.device] = {b.index: _device_of(b.params) for b in self.buckets}
         self.flush_order: list[int] = [b.index for b in reversed(self.buckets)]
         self.on_reduced = on_reduced if on_reduced is not None else self._write_mean_grads
         self.on_ready = on_ready
@@ -155,10 +156,10 @@ class GradBucketer:
             self.buffer(b)
 
     def buffer(self, bucket: FlatBucket) -> torch.Tensor:
-        """The bucket's flat gradient buffer (allocated zeroed on first use)."""
+        """The bucket's flat gradient buffer (allocated zeroed on first use, on its parameters' device)."""
         buf = self._buffers.get(bucket.index)
         if buf is None:
-            buf = torch.zeros(bucket.padded_numel, dtype=self.reduce_dtype)
+            buf = torch.zeros(bucket.padded_numel, dtype=self.reduce_dtype, device=self._devices[bucket.index])
             self._buffers[bucket.index] = buf
         return buf
 
@@ -255,7 +256,7 @@ class GradBucketer:
             work = comm.all_reduce(buf, self.process_group, stats=self.comm_stats, async_op=True)
             out = buf
         else:
-            out = torch.empty(bucket.shard_numel, dtype=buf.dtype)
+            out = torch.empty(bucket.shard_numel, dtype=buf.dtype, device=buf.device)
             work = comm.reduce_scatter(out, buf, self.process_group, stats=self.comm_stats, async_op=True)
         self._inflight.append((bucket, out, work))
 

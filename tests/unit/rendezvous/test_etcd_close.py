@@ -85,3 +85,22 @@ def test_member_key_is_registered_again_after_a_lost_lease(etcd: EtcdCluster) ->
     assert len(members) == 2
     assert a.shutdown() and b.shutdown()
     assert _keys(etcd, "relost") == ""
+
+
+def test_a_second_round_0_with_other_nodes_is_ordered_again(etcd: EtcdCluster) -> None:
+    """The rank cache is keyed by (round, participants): round 0 of a wiped run is not round 0 of the old one."""
+
+    def handler(addr: str, hint: int | None) -> ElasticZeroRendezvousHandler:
+        conf = dict(CONF) if hint is None else {**CONF, "node_rank_hint": str(hint)}
+        return create_rdzv_handler(RendezvousParameters("elasticzero", etcd.endpoint(), "again", 2, 2, addr, **conf))
+
+    h1, h2 = handler("127.0.0.1", 1), handler("127.0.0.2", 0)
+    assert [i.rank for i in _join([h1, h2])] == [1, 0]
+    h2._stop_heartbeats()
+    etcd.etcdctl("del", "--prefix", "/elasticzero/again/")  # the run's keys are gone (operator, or wiped)
+    h3 = handler("127.0.0.3", None)
+    second = _join([h1, h3])
+    assert [i.rank for i in second] == [0, 1]  # a stale cache would give h1 its old rank 1 as well
+    assert h1.shutdown() and h3.shutdown()
+    if h2._ez_release is not None:
+        h2._ez_release()

@@ -287,12 +287,16 @@ def _unscale_grads(grads: Iterable[torch.Tensor], inv_scale: float) -> torch.Ten
 
 
 def _agree(local: torch.Tensor | float | bool, group: Any) -> bool:
-    """MAX of the local inf/NaN flag over ``group`` when torch.distributed runs; every rank gets the same answer."""
+    """MAX of the local inf/NaN flag over ``group`` when torch.distributed runs; every rank gets the same answer.
+
+    The flag may live on a GPU (a ZeRO optimizer's ``unscale_`` returns it on its parameters' device): nccl reduces it
+    there (a CPU flag goes to the current CUDA device), other backends on the CPU; ``.item()`` (the one host sync)
+    comes after the reduction."""
     flag = torch.as_tensor(local, dtype=torch.float32).reshape(())
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         device = torch.device("cpu")
         if "nccl" in str(dist.get_backend(group)).lower():
-            device = torch.device("cuda", torch.cuda.current_device())
+            device = flag.device if flag.is_cuda else torch.device("cuda", torch.cuda.current_device())
         flag = flag.to(device).clone()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item() > 0)

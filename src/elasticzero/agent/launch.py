@@ -20,7 +20,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port
 
-from elasticzero.agent.agent import ElasticZeroAgent
+from elasticzero.agent.agent import ElasticZeroAgent, PeerFailedError
 
 
 def launch(
@@ -77,6 +77,11 @@ def launch(
         return result, agent
     except SignalException:
         close_rendezvous = False  # closing would end the run for every node; a signalled node just leaves
+        raise
+    except PeerFailedError:
+        # the failing node closes the rendezvous itself, and it may host the store and leave as soon as we saw
+        # its mark: closing again would only meet a dead store
+        close_rendezvous = False
         raise
     finally:
         agent.remove_health_file()

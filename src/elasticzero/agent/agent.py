@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import (
@@ -51,6 +52,8 @@ logger = logging.getLogger(__name__)
 JOB_FAILED_KEY = "elasticzero/agent/job_failed"
 #: counter of nodes that know the job failed (the failing ones and those that saw the key)
 FAILED_SEEN_KEY = "elasticzero/agent/job_failed_seen"
+#: set by the last node to count itself in FAILED_SEEN_KEY
+ALL_SEEN_KEY = "elasticzero/agent/job_failed_all_seen"
 #: how long a failing node waits, at most, for the others to see its failure before it exits (it may host the store)
 FAILURE_LINGER_S = 10.0
 #: poll period of the exit barrier
@@ -117,7 +120,7 @@ class ElasticZeroAgent(LocalElasticAgent):
         if store is None or not store.check([JOB_FAILED_KEY]):
             return
         cause = store.get(JOB_FAILED_KEY).decode(errors="replace")
-        store.add(FAILED_SEEN_KEY, 1)
+        self._count_failure_seen()
         raise PeerFailedError(f"the rendezvous was closed by another node, whose workers failed: {cause}")
 
     def _exit_barrier(self) -> None:
@@ -186,28 +189,31 @@ class ElasticZeroAgent(LocalElasticAgent):
         group_rank = self._worker_group.group_rank
         try:
             store.set(JOB_FAILED_KEY, f"node {group_rank}: {line}")
-            store.add(FAILED_SEEN_KEY, 1)
+            self._count_failure_seen()
         except Exception:
             logger.exception("could not mark the job failed in the rendezvous store")
+
+    def _count_failure_seen(self) -> None:
+        """Count this node as knowing the job failed; the last one sets :data:`ALL_SEEN_KEY`."""
+        store = self._store
+        if store is not None and store.add(FAILED_SEEN_KEY, 1) >= (self._worker_group.group_world_size or 1):
+            store.set(ALL_SEEN_KEY, "1")
 
     def await_peers_informed(self, timeout: float = FAILURE_LINGER_S) -> float:
         """After :meth:`announce_failure`: wait (at most ``timeout`` s) until every node of the round saw it.
 
-        This node may host the embedded store; leaving at once could take the failure key with it. Returns the
-        seconds waited.
+        This node may host the embedded store; leaving at once could take the failure key with it. One blocking
+        store wait (the store pushes the key to us, so a peer that hosts the store and leaves right after is no
+        problem). Returns the seconds waited.
         """
         store = self._store
         start = time.monotonic()
         if store is None:
             return 0.0
-        world = self._worker_group.group_world_size or 1
         try:
-            while time.monotonic() - start < timeout:
-                if store.add(FAILED_SEEN_KEY, 0) >= world:
-                    break
-                time.sleep(0.1)
-        except Exception as exc:  # the store's host saw the mark and left (it exits at once), or died
-            logger.info("stopped waiting for the other nodes to see the failure (store gone: %s)", exc)
+            store.wait([ALL_SEEN_KEY], timedelta(seconds=timeout))
+        except Exception as exc:  # timed out (a node never looked), or the store's host left / died
+            logger.info("stopped waiting for the other nodes to see the failure: %s", exc)
         return time.monotonic() - start
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:

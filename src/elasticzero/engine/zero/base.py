@@ -138,6 +138,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _make_bucketer(self) -> GradBucketer:
         raise NotImplementedError
 
+    def _reduce_scatter_bucketer(self, **overrides: Any) -> GradBucketer:
+        """The gradient bucketer every stage uses: reduce-scatter over this optimizer's buckets into
+        ``_on_reduced``; ``overrides`` carry each stage's own choices (buffer keeping, launch timing)."""
+        return GradBucketer(
+            op="reduce_scatter",
+            process_group=self.process_group,
+            reduce_dtype=self.policy.reduce_dtype,
+            buckets=self.buckets,
+            on_reduced=self._on_reduced,
+            max_inflight=self.max_inflight,
+            comm_stats=self.comm_stats,
+            timers=self.timers,
+            **overrides,
+        )
+
+    def _on_reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
+        raise NotImplementedError
+
     def _gather_params(self) -> None:
         """Bring the updated masters back into the module's parameters (stages 1/2: all-gather)."""
 

@@ -26,17 +26,7 @@ class ZeroStage2(_ReplicatedParamsZero):
     stage = 2
 
     def _make_bucketer(self) -> GradBucketer:
-        return GradBucketer(
-            op="reduce_scatter",
-            process_group=self.process_group,
-            reduce_dtype=self.policy.reduce_dtype,
-            buckets=self.buckets,
-            on_reduced=self._on_reduced,
-            keep_buffers=False,
-            max_inflight=self.max_inflight,
-            comm_stats=self.comm_stats,
-            timers=self.timers,
-        )
+        return self._reduce_scatter_bucketer(keep_buffers=False)
 
     def _on_reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
         master = self.masters[bucket.index]

@@ -191,17 +191,9 @@ class ZeroStage3(ZeroOptimizer):
             self._users[b.index] = 0
 
     def _make_bucketer(self) -> GradBucketer:
-        return GradBucketer(
-            op="reduce_scatter",
-            process_group=self.process_group,
-            reduce_dtype=self.policy.reduce_dtype,
-            buckets=self.buckets,
-            on_reduced=self._on_reduced,
+        return self._reduce_scatter_bucketer(
             on_ready=self._on_ready,
             keep_buffers=False,
-            max_inflight=self.max_inflight,
-            comm_stats=self.comm_stats,
-            timers=self.timers,
             launch_in_backward=False,  # all-gathers run during backward: keep the collective order rank-independent
         )
 

@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     def error(message: str) -> None:  # argparse's default prints usage and exits; we want one line + exit 2
         raise UsageError(message)
 
-    parser.error = error  # type: ignore[method-assign]
+    parser.error = error  # type: ignore[method-assign,assignment]
     return parser
 
 

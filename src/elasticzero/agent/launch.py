@@ -65,7 +65,7 @@ def launch(
         health_file=health_file,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
-        shutdown_timeout=config.shutdown_timeout,  # type: ignore[arg-type]
+        shutdown_timeout=config.shutdown_timeout,
     )
     close_rendezvous = True
     failed = False

@@ -42,7 +42,8 @@ class ElasticZeroLogsSpecs(DefaultLogsSpecs):
             stem = _unique_stem(run_dir, f"rank{env.get('RANK', local_rank)}.attempt{attempt}")
             tee = tees[local_rank]
             redirect = redirs[local_rank] | tee
-            hidden = bool(self._local_ranks_filter) and local_rank not in self._local_ranks_filter
+            filt = self._local_ranks_filter
+            hidden = bool(filt and local_rank not in filt)
             for std, name, files, tee_files in (
                 (Std.OUT, "stdout", dest.stdouts, dest.tee_stdouts),
                 (Std.ERR, "stderr", dest.stderrs, dest.tee_stderrs),

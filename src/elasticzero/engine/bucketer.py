@@ -94,7 +94,7 @@ class GradBucketer:
         if op not in ("all_reduce", "reduce_scatter"):
             raise UsageError(f"GradBucketer op must be 'all_reduce' or 'reduce_scatter', not {op!r}")
         self.op: Op = op
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self._group = comm.WeakGroup(process_group, "GradBucketer")
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
         self.reduce_dtype = reduce_dtype
@@ -139,6 +139,11 @@ class GradBucketer:
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self._slot]
         if keep_buffers:
             self.allocate_buffers()
+
+    @property
+    def process_group(self) -> Any:
+        """The data-parallel group (held weakly: a :class:`UsageError` once it was destroyed)."""
+        return self._group()
 
     # -- public ------------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -194,6 +199,7 @@ class GradBucketer:
                 self._launch_ready()
                 while self._inflight:
                     self._complete_oldest()
+                comm.settle()
             self._ready.clear()
             self._next = 0
             self.last_launch_order, self._launched = self._launched, []

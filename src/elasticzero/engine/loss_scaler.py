@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elasticzero.engine.zero import comm
 from elasticzero.errors import ElasticZeroError, UsageError
 
 __all__ = ["LossScaleUnderflowError", "LossScaler"]
@@ -88,13 +89,19 @@ class LossScaler:
         self.hysteresis = int(hysteresis)
         self.consecutive_hysteresis = consecutive_hysteresis
         self.min_scale = float(min_scale)
-        self.process_group = process_group
+        # held weakly (see comm.WeakGroup); None = the default group, looked up at each use
+        self._group = None if process_group is None else comm.WeakGroup(process_group, "LossScaler")
         self._scale = float(init_scale)
         self._growth_tracker = 0  # consecutive clean steps since the last overflow or growth
         self._hysteresis_left = self.hysteresis
         self.skipped_steps = 0
         # id(optimizer) -> {"found_inf": bool, "stepped": bool}; cleared by update()
         self._per_optimizer: dict[int, dict[str, bool]] = {}
+
+    @property
+    def process_group(self) -> Any:
+        """The group given at construction (None: the default group); a :class:`UsageError` once destroyed."""
+        return None if self._group is None else self._group()
 
     # ---------------------------------------------------------------- GradScaler-shaped API
     def get_scale(self) -> float:
@@ -298,5 +305,5 @@ def _agree(local: torch.Tensor | float | bool, group: Any) -> bool:
         if "nccl" in str(dist.get_backend(group)).lower():
             device = flag.device if flag.is_cuda else torch.device("cuda", torch.cuda.current_device())
         flag = flag.to(device).clone()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        comm.all_reduce(flag, group, op=dist.ReduceOp.MAX, tag="found_inf")
     return bool(flag.item() > 0)

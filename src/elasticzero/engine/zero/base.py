@@ -75,7 +75,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not dist.is_initialized():
             raise UsageError(f"{type(self).__name__} needs torch.distributed initialised (init_process_group)")
         self.module = module
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self._group = comm.WeakGroup(process_group, type(self).__name__)
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
         self.policy = as_policy(precision)
@@ -119,6 +119,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._register_state_dict_hooks()
 
     # -- stage hooks (overridden) --------------------------------------------------------------------------------
+    @property
+    def process_group(self) -> Any:
+        """The data-parallel group (held weakly: a :class:`UsageError` once it was destroyed)."""
+        return self._group()
+
     def _build_buckets(self, named: list[tuple[str, nn.Parameter]]) -> list[FlatBucket]:
         from elasticzero.engine.zero.flat import build_buckets
 

@@ -14,12 +14,18 @@ tags between two :meth:`CommStats.snapshot` calls.
 
 from __future__ import annotations
 
+import sys
+import time
+import weakref
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from elasticzero.errors import UsageError
 
 
 @dataclass
@@ -60,10 +66,107 @@ GLOBAL_COMM_STATS = CommStats()
 """Counts every collective issued by any elasticzero ZeRO optimizer or :class:`GradBucketer` in this process."""
 
 
+class WeakGroup:
+    """A weak reference to a process group (the default group when ``group`` is None), resolved at each use.
+
+    Engine objects keep their group through this, never as a strong reference: a live optimizer must not keep a
+    destroyed group — and its gloo worker threads — alive past ``dist.destroy_process_group()``. Kept alive, those
+    threads drop their last references to the tensors of the final collectives after the script returns and may
+    need the GIL while the interpreter finalizes, which aborts the process ("terminate called without an active
+    exception", exit -6). With a weak reference, ``destroy_process_group()`` joins them before it returns.
+    """
+
+    __slots__ = ("_owner", "_ref")
+
+    def __init__(self, group: Any, owner: str) -> None:
+        pg = group if group is not None else dist.group.WORLD
+        if pg is None:
+            raise UsageError(f"{owner} needs torch.distributed initialised (init_process_group)")
+        self._ref = weakref.ref(pg)
+        self._owner = owner
+
+    def __call__(self) -> Any:
+        """The group; a :class:`UsageError` once it was destroyed."""
+        pg = self._ref()
+        if pg is None:
+            raise UsageError(
+                f"the process group of this {self._owner} was destroyed (destroy_process_group); "
+                f"build a new {self._owner} for the new group"
+            )
+        return pg
+
+
 def _record(stats: CommStats | None, op: str, tag: str, tensor: torch.Tensor) -> None:
     GLOBAL_COMM_STATS.record(op, tag, tensor)
     if stats is not None and stats is not GLOBAL_COMM_STATS:
         stats.record(op, tag, tensor)
+
+
+class PendingWork:
+    """An asynchronous collective issued through this module; :meth:`wait` completes it.
+
+    Holds the ``torch.distributed`` work and the aliases of the tensors handed to it. After the wait the work is
+    dropped and the aliases go to the settle list (see :func:`settle`).
+    """
+
+    __slots__ = ("_aliases", "_work")
+
+    def __init__(self, work: Any, aliases: tuple[torch.Tensor, ...]) -> None:
+        self._work = work
+        self._aliases = aliases
+
+    def wait(self) -> None:
+        """Block until the collective completed (idempotent)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            _SETTLING.extend(self._aliases)
+            self._aliases = ()
+
+
+# Aliases of tensors whose collective completed but whose backend thread may still hold them. Why: a gloo worker
+# releases its work a moment *after* completing it; each release of a tensor the Python side also knows needs the
+# GIL (torch >= 2.10 refcounts the PyObject from C++, and the work's thread-local state holds Python objects too).
+# If the script ends in that moment — an optimizer's step is often the last collective — the worker asks for the GIL
+# while the interpreter finalizes, is ended by pthread_exit inside a noexcept destructor, and the process aborts
+# ("terminate called without an active exception", exit -6). Collectives get fresh aliases known only to this
+# module, so "the backend let go" is observable: the alias's refcount falls to the references held here.
+_SETTLING: list[torch.Tensor] = []
+_SETTLE_TIMEOUT_S = 10.0
+
+
+def settle(timeout: float = _SETTLE_TIMEOUT_S) -> None:
+    """Return once the backend's threads have let go of every tensor of every collective waited for so far.
+
+    Called by the engine at the end of each phase that issued collectives (a bucketer's end of backward, a ZeRO
+    ``step``), so no backend thread is still releasing engine tensors when control returns to the training script —
+    which may end right then. Collectives still in flight are not waited for. Normally returns at once; polls
+    (releasing the GIL) for at most ``timeout`` seconds, then stops tracking what is left rather than hang.
+    """
+    deadline = 0.0
+    while _SETTLING:
+        # references to the alias: the list slot and getrefcount's argument; a backend holder adds one
+        if sys.getrefcount(_SETTLING[-1]) <= 2:
+            _SETTLING.pop()
+            continue
+        now = time.monotonic()
+        if not deadline:
+            deadline = now + timeout
+        elif now > deadline:
+            _SETTLING.clear()
+            return
+        time.sleep(1e-4)
+
+
+def _issue(fn: Callable[..., Any], tensors: tuple[torch.Tensor, ...], async_op: bool, **kwargs: Any) -> Any:
+    aliases = tuple(t.detach() for t in tensors)
+    pending = PendingWork(fn(*aliases, async_op=True, **kwargs), aliases)
+    del aliases  # from here on only the pending work (then the settle list) refers to them
+    if async_op:
+        return pending
+    pending.wait()
+    settle()
+    return None
 
 
 def reduce_scatter(
@@ -74,10 +177,10 @@ def reduce_scatter(
     stats: CommStats | None = None,
     tag: str = "grad",
     async_op: bool = False,
-) -> Any:
+) -> PendingWork | None:
     """Sum ``input`` (``world_size * output.numel()`` elements) over ranks; this rank's chunk lands in ``output``."""
     _record(stats, "reduce_scatter", tag, input)
-    return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _issue(_reduce_scatter, (output, input), async_op, op=dist.ReduceOp.SUM, group=group)
 
 
 def all_gather(
@@ -88,10 +191,10 @@ def all_gather(
     stats: CommStats | None = None,
     tag: str = "param",
     async_op: bool = False,
-) -> Any:
+) -> PendingWork | None:
     """Concatenate every rank's ``input`` into ``output`` (``input`` may be this rank's chunk of ``output``)."""
     _record(stats, "all_gather", tag, output)
-    return _all_gather(output, input, group=group, async_op=async_op)
+    return _issue(_all_gather, (output, input), async_op, group=group)
 
 
 def all_reduce(
@@ -102,13 +205,15 @@ def all_reduce(
     stats: CommStats | None = None,
     tag: str = "grad",
     async_op: bool = False,
-) -> Any:
+) -> PendingWork | None:
     """Reduce ``tensor`` in place over ranks with ``op`` (SUM by default)."""
     _record(stats, "all_reduce", tag, tensor)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _issue(dist.all_reduce, (tensor,), async_op, op=op, group=group)
 
 
-def broadcast(tensor: torch.Tensor, src_group_rank: int, group: Any, *, stats: CommStats | None = None) -> None:
+def broadcast(
+    tensor: torch.Tensor, src_group_rank: int, group: Any, *, stats: CommStats | None = None, tag: str = "init"
+) -> None:
     """Copy ``tensor`` from group rank ``src_group_rank`` to every rank (tag ``"init"``)."""
-    _record(stats, "broadcast", "init", tensor)
-    dist.broadcast(tensor, group=group, group_src=src_group_rank)
+    _record(stats, "broadcast", tag, tensor)
+    _issue(dist.broadcast, (tensor,), False, group=group, group_src=src_group_rank)

@@ -65,4 +65,5 @@ class _ReplicatedParamsZero(ZeroOptimizer):
                     chunk.copy_(m)
                 works.append(comm.all_gather(compute, chunk, self.process_group, stats=self.comm_stats, async_op=True))
             for w in works:
-                w.wait()
+                w.wait()  # type: ignore[union-attr]
+        comm.settle()

@@ -280,6 +280,8 @@ class ZeroStage3(ZeroOptimizer):
             for b in self.buckets:  # prefetched but unused
                 if self._users[b.index] == 0:
                     self._free(b)
+        if unit == "":
+            comm.settle()  # the script may end after a forward (evaluation): see comm.settle
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             fired = [False]
@@ -316,6 +318,7 @@ class ZeroStage3(ZeroOptimizer):
         for b in self.buckets:
             if self._users[b.index] == 0:
                 self._free(b)
+        comm.settle()
 
     # -- module state dict: refused (the module holds freed views) ----------------------------------------------
     def _register_state_dict_hooks(self) -> None:

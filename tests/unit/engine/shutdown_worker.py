@@ -1,0 +1,75 @@
+"""One rank of the shutdown test: train with every engine piece, destroy the process group, report threads.
+
+Run as ``python shutdown_worker.py OUT`` with MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set. Writes ``OUT.rank<r>``
+(JSON): the process's thread count before ``init_process_group`` and after ``destroy_process_group`` while every
+engine object is still alive, and the error each object gives when used after the destroy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch._dynamo  # imported after init_process_group it would capture the default group (see main)
+import torch.distributed as dist
+from torch import nn
+
+import elasticzero
+from elasticzero.engine.zero import comm
+from elasticzero.errors import UsageError
+
+
+def threads() -> int:
+    """Threads of this process (gloo adds its worker and transport threads while a group is alive)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def main(out: str) -> None:
+    # torch 2.13 modules imported lazily (torch._dynamo, on the first optimizer) bind the default group in default
+    # arguments when imported after init_process_group and keep it alive; imported first, they bind None.
+    torch.set_num_threads(1)
+    before = threads()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])  # an explicit group, passed to the scaler and one optimizer
+    torch.manual_seed(0)
+    keep = []
+    unsettled = []  # tensors a backend thread may still hold after each step (must be none)
+    for stage in (1, 2, 3):
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)])
+        pg = group if stage == 2 else None
+        opt = getattr(elasticzero, f"ZeroStage{stage}")(model, torch.optim.AdamW, lr=1e-3, process_group=pg)
+        for _ in range(2):
+            model(torch.randn(4, 64)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            unsettled.append(len(comm._SETTLING))
+        keep.append(opt)
+    ddp_like = nn.Linear(64, 64)
+    bucketer = elasticzero.GradBucketer(ddp_like.parameters())
+    ddp_like(torch.randn(4, 64)).sum().backward()
+    unsettled.append(len(comm._SETTLING))
+    scaler = elasticzero.LossScaler(process_group=group)
+    del group, pg
+    live = threads()
+    dist.destroy_process_group()
+    after = threads()
+    errors = {}
+    for name, obj in [("stage1", keep[0]), ("stage2", keep[1]), ("stage3", keep[2]), ("bucketer", bucketer)]:
+        try:
+            obj.process_group  # noqa: B018 - the property is what is tested
+        except UsageError as e:
+            errors[name] = str(e)
+    try:
+        scaler.process_group  # noqa: B018
+    except UsageError as e:
+        errors["scaler"] = str(e)
+    with open(f"{out}.rank{rank}", "w") as f:
+        report = {"unsettled": unsettled, "before_init": before, "live": live, "after_destroy": after}
+        json.dump({**report, "errors": errors}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -44,7 +44,7 @@ _IGNORED_TOP: dict[str, str] = {
     "zero_allow_untested_optimizer": "every torch.optim optimizer is allowed",
     "zero_force_ds_cpu_optimizer": "DeepSpeed's CPU Adam is not used",
     "dataloader_drop_last": "applies to DeepSpeed's own data loader only",
-    "checkpoint": "checkpoints are elasticzero.checkpoint (DCP) and reshard on load",
+    "checkpoint": "DeepSpeed checkpoint options do not apply: save weights with opt.full_state_dict()",
     "aio": "NVMe offload I/O (offload is not supported)",
     "seq_parallel_communication_data_type": "sequence parallelism is not used",
 }
@@ -131,7 +131,8 @@ _ZERO_IGNORED: dict[str, str] = {
         "use opt.full_state_dict() to save full weights",
     ),
     **dict.fromkeys(
-        ("elastic_checkpoint", "load_from_fp32_weights"), "checkpoints are DCP (masters are fp32 and reshard)"
+        ("elastic_checkpoint", "load_from_fp32_weights"),
+        "no DeepSpeed checkpoints: opt.load_full_state_dict() loads fp32 weights at any world size",
     ),
 }
 _ZERO_CONDITIONAL: dict[str, _Check] = {

@@ -221,7 +221,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if meta is not None and (meta["world_size"], meta["rank"]) != (self.world_size, self.rank):
             raise UsageError(
                 f"optimizer state was saved by rank {meta['rank']} of {meta['world_size']}, this is rank "
-                f"{self.rank} of {self.world_size}; reshard through a checkpoint (DCP) instead"
+                f"{self.rank} of {self.world_size}; optimizer state does not reshard to another world size yet: "
+                "move the weights with opt.full_state_dict() / opt.load_full_state_dict()"
             )
         if meta is not None and meta["partition"] != {n: (s.global_offset, s.numel) for n, s in self.partition.items()}:
             raise UsageError("optimizer state was saved with a different bucket layout (bucket_bytes or model differ)")

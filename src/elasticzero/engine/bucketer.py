@@ -122,11 +122,12 @@ class GradBucketer:
         self.launch_in_backward = launch_in_backward
         self.comm_stats = comm_stats
         self.timers = timers
-        self._slot: dict[nn.Parameter, tuple[FlatBucket, int]] = {}
+        self._slot: dict[nn.Parameter, tuple[FlatBucket, int]] = {}  # param -> (bucket, position in it)
         for b in self.buckets:
-            for p, off in zip(b.params, b.offsets, strict=True):
-                self._slot[p] = (b, off)
+            for pos, p in enumerate(b.params):
+                self._slot[p] = (b, pos)
         self._buffers: dict[int, torch.Tensor] = {}
+        self._unwritten: dict[int, set[int]] = {}  # transient buffers: slots not yet written (uninitialised)
         self._arrived: dict[int, set[int]] = {b.index: set() for b in self.buckets}
         self._ready: set[int] = set()
         self._next = 0  # position in flush_order of the next bucket to launch
@@ -166,7 +167,38 @@ class GradBucketer:
         if buf is None:
             buf = torch.zeros(bucket.padded_numel, dtype=self.reduce_dtype, device=self._devices[bucket.index])
             self._buffers[bucket.index] = buf
+        self._zero_unwritten(bucket, buf)
         return buf
+
+    def _accumulate(self, bucket: FlatBucket, pos: int, grad: torch.Tensor) -> None:
+        """Add ``grad / world_size`` into the bucket slot of parameter ``pos``.
+
+        A transient buffer (``keep_buffers=False``) is allocated uninitialised and each slot's first gradient is
+        written, not added: no zero-fill pass and no read of the buffer; slots left unwritten are zeroed before
+        the buffer is reduced or handed out (:meth:`buffer`).
+        """
+        idx, off, n = bucket.index, bucket.offsets[pos], bucket.params[pos].numel()
+        buf = self._buffers.get(idx)
+        if buf is None and not self.keep_buffers:
+            buf = torch.empty(bucket.padded_numel, dtype=self.reduce_dtype, device=self._devices[idx])
+            buf[bucket.numel :].zero_()
+            self._buffers[idx] = buf
+            self._unwritten[idx] = set(range(len(bucket.params)))
+        elif buf is None:
+            buf = self.buffer(bucket)
+        unwritten = self._unwritten.get(idx)
+        with torch.no_grad():
+            if unwritten is not None and pos in unwritten:
+                unwritten.discard(pos)
+                torch.mul(grad.reshape(-1), 1.0 / self.world_size, out=buf[off : off + n])
+            else:
+                buf[off : off + n].add_(grad.reshape(-1), alpha=1.0 / self.world_size)
+
+    def _zero_unwritten(self, bucket: FlatBucket, buf: torch.Tensor) -> None:
+        unwritten = self._unwritten.pop(bucket.index, None)
+        for pos in unwritten or ():
+            off = bucket.offsets[pos]
+            buf[off : off + bucket.params[pos].numel()].zero_()
 
     def held_buffers(self) -> list[torch.Tensor]:
         """The bucket buffers currently allocated (for memory accounting)."""
@@ -179,6 +211,7 @@ class GradBucketer:
                 buf.zero_()
         else:
             self._buffers.clear()
+            self._unwritten.clear()
         for s in self._arrived.values():
             s.clear()
 
@@ -216,12 +249,11 @@ class GradBucketer:
 
     # -- internals ---------------------------------------------------------------------------------------------
     def _hook(self, p: torch.Tensor) -> None:
-        bucket, off = self._slot[p]  # type: ignore[index]
+        bucket, pos = self._slot[p]  # type: ignore[index]
         grad = p.grad
         if grad is None:
             return
-        with torch.no_grad():
-            self.buffer(bucket)[off : off + p.numel()].add_(grad.reshape(-1), alpha=1.0 / self.world_size)
+        self._accumulate(bucket, pos, grad)
         p.grad = None
         if not self._callback_queued:
             self._callback_queued = True
@@ -237,10 +269,9 @@ class GradBucketer:
     def _add_leftover_grads(self, bucket: FlatBucket) -> None:
         """Parameters that got no gradient in this backward contribute what ``p.grad`` holds (zeros if None)."""
         arrived = self._arrived[bucket.index]
-        for p, off in zip(bucket.params, bucket.offsets, strict=True):
+        for pos, p in enumerate(bucket.params):
             if id(p) not in arrived and p.grad is not None:
-                with torch.no_grad():
-                    self.buffer(bucket)[off : off + p.numel()].add_(p.grad.reshape(-1), alpha=1.0 / self.world_size)
+                self._accumulate(bucket, pos, p.grad)
                 p.grad = None
 
     def _mark_ready(self, bucket: FlatBucket) -> None:
@@ -272,6 +303,7 @@ class GradBucketer:
         self.on_reduced(bucket, out)
         if not self.keep_buffers:
             self._buffers.pop(bucket.index, None)
+            self._unwritten.pop(bucket.index, None)
 
     def _write_mean_grads(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
         if self.op != "all_reduce":

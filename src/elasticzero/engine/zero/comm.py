@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -155,6 +156,12 @@ def settle(timeout: float = _SETTLE_TIMEOUT_S) -> None:
         if not deadline:
             deadline = now + timeout
         elif now > deadline:
+            warnings.warn(
+                f"elasticzero: {len(_SETTLING)} collective tensor(s) still held by the backend after {timeout:.0f} s; "
+                "no longer waiting for them",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             _SETTLING.clear()
             return
         time.sleep(1e-4)

@@ -1,8 +1,12 @@
-"""Small builders for the etcd semantics tests: a client, a lease, a store, a backend on a real cluster."""
+"""Small builders for the etcd semantics tests: a client, a lease, a store, a backend on a real cluster; joining."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from datetime import timedelta
+
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
 from cluster.etcd_server import EtcdCluster
 from elasticzero.rendezvous.endpoint import parse_endpoint
@@ -26,3 +30,19 @@ def store_for(client: EtcdClient, lease: KeptLease, run: str = "run", timeout: f
 def backend_for(client: EtcdClient, run: str = "run") -> EtcdRendezvousBackend:
     """A state backend on ``/elasticzero/<run>/state``."""
     return EtcdRendezvousBackend(client, f"/elasticzero/{run}/state")
+
+
+def join_all(handlers: Sequence[RendezvousHandler], timeout: float = 60.0) -> list[RendezvousInfo]:
+    """``next_rendezvous()`` on every handler at once (one thread each); their infos in handler order."""
+    infos: dict[int, RendezvousInfo] = {}
+
+    def join(i: int) -> None:
+        infos[i] = handlers[i].next_rendezvous()
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert sorted(infos) == list(range(len(handlers)))
+    return [infos[i] for i in range(len(handlers))]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousInfo, RendezvousParameters
+from rdzv_etcd_parts import join_all
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
 
 from cluster.etcd_server import EtcdCluster
 from elasticzero.rendezvous.etcd_store import EtcdStore
@@ -26,28 +26,13 @@ def _handlers(etcd: EtcdCluster, run_id: str, n: int = 2) -> list[ElasticZeroRen
     ]
 
 
-def _join(handlers: list[ElasticZeroRendezvousHandler]) -> list[RendezvousInfo]:
-    infos: dict[int, RendezvousInfo] = {}
-
-    def join(i: int) -> None:
-        infos[i] = handlers[i].next_rendezvous()
-
-    threads = [threading.Thread(target=join, args=(i,)) for i in range(len(handlers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert sorted(infos) == list(range(len(handlers)))
-    return [infos[i] for i in range(len(handlers))]
-
-
 def _keys(etcd: EtcdCluster, run_id: str) -> str:
     return etcd.etcdctl("get", "--prefix", "--keys-only", f"/elasticzero/{run_id}/").strip()
 
 
 def test_closed_by_one_agent_is_seen_by_the_other_then_nothing_is_left(etcd: EtcdCluster) -> None:
     a, b = _handlers(etcd, "closed")
-    assert [i.world_size for i in _join([a, b])] == [2, 2]
+    assert [i.world_size for i in join_all([a, b])] == [2, 2]
     assert a.shutdown()  # node A gave up (restarts exhausted): it closes the rendezvous and exits
     assert "/elasticzero/closed/state" in _keys(etcd, "closed")  # B is still there: the closed state is kept
     start = time.monotonic()
@@ -65,7 +50,7 @@ def test_a_run_abandoned_by_dead_agents_is_wiped_by_the_next_agent(etcd: EtcdClu
     (a,) = _handlers(etcd, "abandoned", n=1)
     try:
         assert "stale" not in etcd.etcdctl("get", "--prefix", "/elasticzero/abandoned/")
-        assert _join([a])[0].world_size == 1
+        assert join_all([a])[0].world_size == 1
     finally:
         assert a.shutdown()
     assert _keys(etcd, "abandoned") == ""
@@ -74,7 +59,7 @@ def test_a_run_abandoned_by_dead_agents_is_wiped_by_the_next_agent(etcd: EtcdClu
 def test_member_key_is_registered_again_after_a_lost_lease(etcd: EtcdCluster) -> None:
     """A lease lost in an outage must not make the agent look gone (the next agent would wipe a live run)."""
     a, b = _handlers(etcd, "relost")
-    _join([a, b])
+    join_all([a, b])
     store = a._store
     assert isinstance(store, EtcdStore)
     old = store._lease.id
@@ -95,11 +80,11 @@ def test_a_second_round_0_with_other_nodes_is_ordered_again(etcd: EtcdCluster) -
         return create_rdzv_handler(RendezvousParameters("elasticzero", etcd.endpoint(), "again", 2, 2, addr, **conf))
 
     h1, h2 = handler("127.0.0.1", 1), handler("127.0.0.2", 0)
-    assert [i.rank for i in _join([h1, h2])] == [1, 0]
+    assert [i.rank for i in join_all([h1, h2])] == [1, 0]
     h2._stop_heartbeats()
     etcd.etcdctl("del", "--prefix", "/elasticzero/again/")  # the run's keys are gone (operator, or wiped)
     h3 = handler("127.0.0.3", None)
-    second = _join([h1, h3])
+    second = join_all([h1, h3])
     assert [i.rank for i in second] == [0, 1]  # a stale cache would give h1 its old rank 1 as well
     assert h1.shutdown() and h3.shutdown()
     if h2._ez_release is not None:

@@ -2,30 +2,14 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
+from rdzv_etcd_parts import join_all
+from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from cluster.etcd_server import EtcdCluster
-from elasticzero.rendezvous.handler import ElasticZeroRendezvousHandler, create_rdzv_handler
+from elasticzero.rendezvous.handler import create_rdzv_handler
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(90)]
-
-
-def _join_all(handlers: list[ElasticZeroRendezvousHandler]) -> list[RendezvousInfo]:
-    infos: list[RendezvousInfo | None] = [None] * len(handlers)
-
-    def join(i: int) -> None:
-        infos[i] = handlers[i].next_rendezvous()
-
-    threads = [threading.Thread(target=join, args=(i,)) for i in range(len(handlers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert all(info is not None for info in infos)
-    return [info for info in infos if info is not None]
 
 
 def test_hints_order_ranks_and_rank0_is_the_master(etcd: EtcdCluster) -> None:
@@ -35,7 +19,7 @@ def test_hints_order_ranks_and_rank0_is_the_master(etcd: EtcdCluster) -> None:
         conf = {} if hint is None else {"node_rank_hint": str(hint)}
         params = RendezvousParameters("elasticzero", etcd.endpoint(), "hints", 3, 3, local_addr=addr, **conf)
         handlers.append(create_rdzv_handler(params))
-    infos = _join_all(handlers)
+    infos = join_all(handlers)
     # torch alone would rank by address (.1, .2, .3); the hints put .3 first, .1 second, the unhinted .2 last.
     assert [i.rank for i in infos] == [1, 2, 0]
     assert {i.world_size for i in infos} == {3}

@@ -2,30 +2,14 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
+from rdzv_etcd_parts import join_all
 from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
 
 from cluster.etcd_server import EtcdCluster
-from elasticzero.rendezvous.handler import ElasticZeroRendezvousHandler, create_rdzv_handler
+from elasticzero.rendezvous.handler import create_rdzv_handler
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]
-
-
-def _join(handlers: list[ElasticZeroRendezvousHandler]) -> list[RendezvousInfo]:
-    infos: dict[int, RendezvousInfo] = {}
-
-    def join(i: int) -> None:
-        infos[i] = handlers[i].next_rendezvous()
-
-    threads = [threading.Thread(target=join, args=(i,)) for i in range(len(handlers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    assert sorted(infos) == list(range(len(handlers)))
-    return [infos[i] for i in range(len(handlers))]
 
 
 def _master(info: RendezvousInfo) -> tuple[str, int]:
@@ -38,14 +22,14 @@ def test_survivors_follow_the_new_rank0_master(etcd: EtcdCluster) -> None:
         create_rdzv_handler(RendezvousParameters("elasticzero", etcd.endpoint(), "rerdzv", 2, 3, local_addr=a, **conf))
         for a in ("127.0.0.1", "127.0.0.2", "127.0.0.3")
     ]
-    first = _join(handlers)
+    first = join_all(handlers, timeout=90)
     assert [i.rank for i in first] == [0, 1, 2]
     assert {_master(i) for i in first} == {_master(first[0])}
     assert _master(first[0])[0] == "127.0.0.1"
 
     dead, survivors = handlers[0], handlers[1:]
     dead._stop_heartbeats()  # the rank-0 node "dies": no more heartbeats, never rejoins
-    second = _join(survivors)
+    second = join_all(survivors, timeout=90)
     assert [i.world_size for i in second] == [2, 2]
     assert [i.rank for i in second] == [0, 1]
     masters = {_master(i) for i in second}

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
@@ -20,6 +21,18 @@ def client_for(cluster: EtcdCluster, retry_timeout: float = 10.0, **kw: object) 
     """A client on every member of ``cluster``."""
     spec = parse_endpoint(cluster.endpoint())
     return EtcdClient(EtcdSettings(hosts=spec.hosts, tls=spec.tls, retry_timeout=retry_timeout, **kw))  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def leased_client(cluster: EtcdCluster, ttl: int = 10) -> Iterator[tuple[EtcdClient, KeptLease]]:
+    """A client on ``cluster`` and a kept-alive lease of ``ttl`` seconds; lease released, client closed on exit."""
+    client = client_for(cluster)
+    lease = KeptLease(client, ttl)
+    try:
+        yield client, lease
+    finally:
+        lease.release()
+        client.close()
 
 
 def store_for(client: EtcdClient, lease: KeptLease, run: str = "run", timeout: float = 5.0) -> EtcdStore:

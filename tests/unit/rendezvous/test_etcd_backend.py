@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from rdzv_etcd_parts import backend_for, client_for, store_for
+from rdzv_etcd_parts import backend_for, client_for, leased_client, store_for
 
 from cluster.etcd_server import EtcdCluster
 from elasticzero.rendezvous.etcd_client import EtcdConnectionError
@@ -15,20 +15,13 @@ pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
 
 def test_get_state_of_a_fresh_run_is_none(etcd_any: EtcdCluster) -> None:
-    client = client_for(etcd_any)
-    lease = KeptLease(client, 10)
-    try:
+    with leased_client(etcd_any) as (client, _lease):
         assert backend_for(client).get_state() is None
-    finally:
-        lease.release()
-        client.close()
 
 
 def test_create_if_absent_then_cas(etcd_any: EtcdCluster) -> None:
-    client = client_for(etcd_any)
-    lease = KeptLease(client, 10)
-    a, b = backend_for(client), backend_for(client)
-    try:
+    with leased_client(etcd_any) as (client, _lease):
+        a, b = backend_for(client), backend_for(client)
         state, token, ok = a.set_state(b"one") or (b"", 0, False)
         assert (state, ok) == (b"one", True)
         # A second create-if-absent loses and gets the existing state and its token.
@@ -39,23 +32,15 @@ def test_create_if_absent_then_cas(etcd_any: EtcdCluster) -> None:
         # The stale token loses; the caller learns the current state and token.
         assert a.set_state(b"three", token) == (b"two", token2, False)
         assert a.get_state() == (b"two", token2)
-    finally:
-        lease.release()
-        client.close()
 
 
 def test_cas_against_a_vanished_state_returns_none(etcd: EtcdCluster) -> None:
-    client = client_for(etcd)
-    lease = KeptLease(client, 10)
-    backend = backend_for(client)
-    try:
+    with leased_client(etcd) as (client, _lease):
+        backend = backend_for(client)
         _, token, _ = backend.set_state(b"x") or (b"", 0, False)
         etcd.etcdctl("del", "/elasticzero/run/state")
         assert backend.set_state(b"y", token) is None
         assert backend.set_state(b"y", "not-an-etcd-token") is None
-    finally:
-        lease.release()
-        client.close()
 
 
 def test_state_outlives_the_writers_lease(etcd: EtcdCluster) -> None:
@@ -73,33 +58,26 @@ def test_state_outlives_the_writers_lease(etcd: EtcdCluster) -> None:
 
 
 def test_lost_lease_is_renewed_on_write(etcd: EtcdCluster) -> None:
-    client = client_for(etcd)
-    lease = KeptLease(client, 10)
-    store = store_for(client, lease)
-    try:
+    with leased_client(etcd) as (client, lease):
+        store = store_for(client, lease)
         old = lease.id
         client.revoke(old)
         store.set("k", "after-loss")
         assert lease.id != old
         assert store.get("k") == b"after-loss"
-    finally:
-        lease.release()
-        client.close()
 
 
 def test_renew_callbacks_that_failed_are_run_again_by_the_keep_alive_thread(etcd: EtcdCluster) -> None:
     """A member key that could not be re-registered right after a renewal is registered by a later keep-alive."""
-    client = client_for(etcd)
-    lease = KeptLease(client, 2)
-    calls: list[int] = []
+    with leased_client(etcd, ttl=2) as (client, lease):
+        calls: list[int] = []
 
-    def flaky(lease_id: int) -> None:
-        calls.append(lease_id)
-        if len(calls) == 1:
-            raise EtcdConnectionError("etcd flapped")
+        def flaky(lease_id: int) -> None:
+            calls.append(lease_id)
+            if len(calls) == 1:
+                raise EtcdConnectionError("etcd flapped")
 
-    lease.on_renew(flaky)
-    try:
+        lease.on_renew(flaky)
         old = lease.id
         client.revoke(old)
         with pytest.raises(EtcdConnectionError):
@@ -112,6 +90,3 @@ def test_renew_callbacks_that_failed_are_run_again_by_the_keep_alive_thread(etcd
         assert calls[:2] == [new, new]
         time.sleep(1.5)  # done once it succeeded: no further calls
         assert len(calls) == 2
-    finally:
-        lease.release()
-        client.close()

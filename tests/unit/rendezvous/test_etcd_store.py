@@ -9,11 +9,9 @@ from datetime import timedelta
 import grpc
 import pytest
 import torch.distributed as dist
-from rdzv_etcd_parts import client_for, store_for
+from rdzv_etcd_parts import leased_client, store_for
 
 from cluster.etcd_server import EtcdCluster
-from elasticzero.rendezvous.etcd_client import EtcdClient
-from elasticzero.rendezvous.etcd_lease import KeptLease
 from elasticzero.rendezvous.etcd_store import EtcdStore
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
@@ -21,11 +19,8 @@ pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 
 @pytest.fixture
 def store(etcd_any: EtcdCluster) -> object:
-    client = client_for(etcd_any)
-    lease = KeptLease(client, 10)
-    yield store_for(client, lease)
-    lease.release()
-    client.close()
+    with leased_client(etcd_any) as (client, lease):
+        yield store_for(client, lease)
 
 
 def _second(store: EtcdStore) -> EtcdStore:
@@ -97,17 +92,12 @@ def test_wait_times_out_with_dist_store_error(store: EtcdStore) -> None:
 
 
 def test_get_honours_the_store_timeout(etcd: EtcdCluster) -> None:
-    client: EtcdClient = client_for(etcd)
-    lease = KeptLease(client, 10)
-    try:
+    with leased_client(etcd) as (client, lease):
         short = store_for(client, lease, timeout=1)
         t0 = time.monotonic()
         with pytest.raises(dist.DistStoreError):
             short.get("missing")
         assert time.monotonic() - t0 < 4
-    finally:
-        lease.release()
-        client.close()
 
 
 def test_multi_get_waits_for_the_last_of_several_keys(store: EtcdStore) -> None:

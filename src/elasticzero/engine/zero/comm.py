@@ -170,7 +170,8 @@ def settle(timeout: float = _SETTLE_TIMEOUT_S) -> None:
 RING_ON_GLOO = os.environ.get("ELASTICZERO_GLOO_RING", "1") != "0"
 """Reduce-scatter and all-gather of CPU tensors over gloo run as point-to-point rings (:mod:`.ring`: 2-3x faster
 than gloo's own); ``ELASTICZERO_GLOO_RING=0`` uses gloo's collectives instead."""
-_gloo_groups: dict[str, bool] = {}
+# group -> "the ring applies"; keyed by the group object (weakly): a group name can come back after a re-init
+_gloo_groups: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def _use_ring(tensor: torch.Tensor, group: Any) -> Any:
@@ -180,14 +181,14 @@ def _use_ring(tensor: torch.Tensor, group: Any) -> Any:
     pg = group if group is not None else dist.group.WORLD
     if pg is None:
         return None
-    name = pg.group_name
-    ok = _gloo_groups.get(name)
+    ok = _gloo_groups.get(pg)
     if ok is None:
-        ok = _gloo_groups[name] = "gloo" in str(dist.get_backend(pg)).lower() and dist.get_world_size(pg) > 1
+        ok = _gloo_groups[pg] = "gloo" in str(dist.get_backend(pg)).lower() and dist.get_world_size(pg) > 1
     return pg if ok else None
 
 
-def _run_ring(work: ring.RingWork, async_op: bool) -> ring.RingWork | None:
+def _finish(work: Any, async_op: bool) -> Any:
+    """The work itself when asynchronous; otherwise wait for it, settle, and return None."""
     if async_op:
         return work
     work.wait()
@@ -199,11 +200,7 @@ def _issue(fn: Callable[..., Any], tensors: tuple[torch.Tensor, ...], async_op: 
     aliases = tuple(t.detach() for t in tensors)
     pending = PendingWork(fn(*aliases, async_op=True, **kwargs), aliases)
     del aliases  # from here on only the pending work (then the settle list) refers to them
-    if async_op:
-        return pending
-    pending.wait()
-    settle()
-    return None
+    return _finish(pending, async_op)
 
 
 def reduce_scatter(
@@ -219,7 +216,7 @@ def reduce_scatter(
     _record(stats, "reduce_scatter", tag, input)
     pg = _use_ring(input, group)
     if pg is not None:
-        return _run_ring(ring.reduce_scatter(output, input, pg, _SETTLING.extend), async_op)
+        return _finish(ring.reduce_scatter(output, input, pg, _SETTLING.extend), async_op)
     return _issue(_reduce_scatter, (output, input), async_op, op=dist.ReduceOp.SUM, group=group)
 
 
@@ -236,7 +233,7 @@ def all_gather(
     _record(stats, "all_gather", tag, output)
     pg = _use_ring(output, group)
     if pg is not None:
-        return _run_ring(ring.all_gather(output, input, pg, _SETTLING.extend), async_op)
+        return _finish(ring.all_gather(output, input, pg, _SETTLING.extend), async_op)
     return _issue(_all_gather, (output, input), async_op, group=group)
 
 

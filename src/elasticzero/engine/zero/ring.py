@@ -16,6 +16,7 @@ sequence, so rings on different groups do not interfere. Inputs are not modified
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -23,13 +24,14 @@ import torch
 import torch.distributed as dist
 
 _TAG_BASE = 1 << 20
-_tags: dict[str, int] = {}
+# group -> ring collectives issued on it; keyed by the group object (weakly), so a re-initialised group whose name
+# repeats starts again at 0 on every rank, old and new processes alike
+_tags: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 def _next_tag(group: Any) -> int:
-    name = group.group_name
-    n = _tags.get(name, 0)
-    _tags[name] = (n + 1) % _TAG_BASE
+    n = _tags.get(group, 0)
+    _tags[group] = (n + 1) % _TAG_BASE
     return _TAG_BASE + n
 
 

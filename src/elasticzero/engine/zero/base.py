@@ -90,6 +90,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # before any collective: every flat buffer, master and scalar is allocated on this device
         self.device: torch.device = _device_of(p for _, p in named)
         self._group_of, group_options = _assign_groups(named, param_groups)
+        self._compute_dtype = _compute_dtypes(module, self.policy)  # id(param) -> dtype of its compute copy
         if sync_module_states:
             self._broadcast_module()
         self.buckets: list[FlatBucket] = self._build_buckets(named)
@@ -115,6 +116,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._input_hook = module.register_forward_pre_hook(
                 _input_caster(self.policy.param_dtype), with_kwargs=True
             )
+        self._fp32_hooks = _keep_fp32_hooks(module, self.policy)
         self._own_module_state_dict = False  # set while full_state_dict/load_full_state_dict read the module
         self._register_state_dict_hooks()
 
@@ -133,9 +135,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             bucket_bytes=self.bucket_bytes,
             world_size=self.world_size,
             rank=self.rank,
-            key=lambda p: (self._group_of[p], p.dtype),
+            key=self._bucket_key,
             elem_size=lambda p: reduce_size,
         )
+
+    def _bucket_key(self, p: nn.Parameter) -> tuple[int, torch.dtype, torch.dtype]:
+        """Parameters share a bucket when they share (param group, dtype, compute dtype)."""
+        return self._group_of[p], p.dtype, self._compute_dtype[id(p)]
 
     def _materialize(self, bucket: FlatBucket) -> nn.Parameter:
         raise NotImplementedError
@@ -243,15 +249,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """This rank's fp32 gradient shards (one per bucket that has a gradient)."""
         return [m.grad for m in self.masters if m.grad is not None]
 
+    def grad_pieces(self) -> list[torch.Tensor]:
+        """This rank's gradient shards split at parameter boundaries (views; one per parameter slice it owns)."""
+        pieces = []
+        for b, m in zip(self.buckets, self.masters, strict=True):
+            if m.grad is not None:
+                pieces += [m.grad[off : off + end - start] for _, start, end, off in b.local_pieces()]
+        return pieces
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global gradient norm (all shards of all ranks) to ``max_norm``; returns the total norm.
 
-        One scalar all-reduce. Same formula as ``torch.nn.utils.clip_grad_norm_``.
+        One scalar all-reduce. Same formula and accuracy as ``torch.nn.utils.clip_grad_norm_`` (per-parameter norms,
+        then the norm of the norms, over this rank's slice of each parameter).
         """
-        grads = self.grad_shards()
-        total = clip.global_grad_norm(grads, float(norm_type), self.process_group, self.comm_stats, self.device)
-        clip.clip_(grads, max_norm, total)
+        total = clip.global_grad_norm(
+            self.grad_pieces(), float(norm_type), self.process_group, self.comm_stats, self.device
+        )
+        clip.clip_(self.grad_shards(), max_norm, total)
         return total
 
     @torch.no_grad()
@@ -360,11 +376,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _cast_frozen(self) -> None:
         dtype = self.policy.param_dtype
-        if dtype == torch.float32:
-            return
-        for p in self.module.parameters():
-            if not p.requires_grad and p.is_floating_point():
-                p.data = p.data.to(dtype)
+        for m in self.module.modules():
+            if self.policy.keeps_fp32(m):
+                continue
+            for p in m.parameters(recurse=False):
+                if not p.requires_grad and p.is_floating_point():
+                    p.data = p.data.to(dtype)
 
     def __repr__(self) -> str:
         return (
@@ -393,9 +410,42 @@ def _assign_groups(
     return group_of, options
 
 
-def _input_caster(dtype: torch.dtype) -> Callable[..., Any]:
+def _compute_dtypes(module: nn.Module, policy: PrecisionPolicy) -> dict[int, torch.dtype]:
+    """``id(param) -> compute dtype``: fp32 for parameters of modules the policy keeps in fp32 (a parameter shared
+    with such a module too), else ``param_dtype``."""
+    out: dict[int, torch.dtype] = {}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            if policy.keeps_fp32(m) or out.get(id(p)) == torch.float32:
+                out[id(p)] = torch.float32
+            else:
+                out[id(p)] = policy.param_dtype
+    return out
+
+
+def _keep_fp32_hooks(module: nn.Module, policy: PrecisionPolicy) -> list[Any]:
+    """Under a low-precision policy: every module the policy keeps in fp32 gets its floating-point inputs cast up to
+    fp32 and its floating-point outputs cast back down to ``param_dtype`` (handles, to remove them)."""
+    if policy.param_dtype == torch.float32:
+        return []
+    handles = []
+    down = _caster(policy.param_dtype)
+    for m in module.modules():
+        if isinstance(m, policy.fp32_modules):
+            handles.append(m.register_forward_pre_hook(_input_caster(torch.float32), with_kwargs=True))
+            handles.append(m.register_forward_hook(lambda mod, args, out: tree_map(down, out)))
+    return handles
+
+
+def _caster(dtype: torch.dtype) -> Callable[[Any], Any]:
     def cast(t: Any) -> Any:
         return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    return cast
+
+
+def _input_caster(dtype: torch.dtype) -> Callable[..., Any]:
+    cast = _caster(dtype)
 
     def hook(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         return tree_map(cast, args), tree_map(cast, kwargs)

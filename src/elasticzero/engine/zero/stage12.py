@@ -24,11 +24,12 @@ class _ReplicatedParamsZero(ZeroOptimizer):
         lo, hi = bucket.shard_range()
         fp32 = torch.empty(bucket.padded_numel, dtype=torch.float32, device=self.device)
         flatten_into(bucket, fp32)
-        if self.policy.param_dtype == torch.float32:
+        compute_dtype = bucket.key[2]  # type: ignore[index]
+        if compute_dtype == torch.float32:
             compute, master = fp32, nn.Parameter(fp32[lo:hi])
         else:
             master = nn.Parameter(fp32[lo:hi].clone())
-            compute = fp32.to(self.policy.param_dtype)
+            compute = fp32.to(compute_dtype)
         view_params_into(bucket, compute)
         bucket.extra["compute"] = compute
         return master

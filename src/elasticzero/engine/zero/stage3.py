@@ -159,13 +159,11 @@ class ZeroStage3(ZeroOptimizer):
         for u in units:
             by_key: dict[Any, list[tuple[str, nn.Parameter]]] = {}
             for name, p in owned[u]:
-                by_key.setdefault((self._group_of[p], p.dtype), []).append((name, p))
+                by_key.setdefault(self._bucket_key(p), []).append((name, p))
             for g in by_key.values():
                 groups.append(g)
                 group_units.append(u)
-        buckets = layout_buckets(
-            groups, world_size=self.world_size, rank=self.rank, key=lambda p: (self._group_of[p], p.dtype)
-        )
+        buckets = layout_buckets(groups, world_size=self.world_size, rank=self.rank, key=self._bucket_key)
         self._needed[""] = []  # the root is always hooked (it frees prefetched-but-unused buckets)
         for b, u in zip(buckets, group_units, strict=True):
             self._needed.setdefault(u, []).append(b.index)
@@ -177,7 +175,7 @@ class ZeroStage3(ZeroOptimizer):
         fp32 = torch.empty(bucket.padded_numel, dtype=torch.float32, device=self.device)
         flatten_into(bucket, fp32)
         master = nn.Parameter(fp32[lo:hi].clone())
-        full = torch.empty(bucket.padded_numel, dtype=self.policy.param_dtype, device=self.device)
+        full = torch.empty(bucket.padded_numel, dtype=bucket.key[2], device=self.device)  # type: ignore[index]
         view_params_into(bucket, full)
         full.untyped_storage().resize_(0)
         bucket.extra.update(full=full, gathered=False, work=None)
@@ -241,7 +239,7 @@ class ZeroStage3(ZeroOptimizer):
             nbytes = 0
             for i in self._needed[order[j]]:
                 b = self.buckets[i]
-                nbytes += b.padded_numel * self.policy.param_dtype.itemsize
+                nbytes += b.padded_numel * b.extra["full"].element_size()  # type: ignore[attr-defined]
                 self._gather(b)
             budget -= nbytes
             j += 1

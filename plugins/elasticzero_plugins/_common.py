@@ -23,16 +23,13 @@ import re
 from typing import TYPE_CHECKING
 
 from elasticzero.errors import UsageError
+from elasticzero.proc import JOB_ID_ENV, check_job_id
 
 if TYPE_CHECKING:
     from elasticzero.launch.plan import LaunchPlan
 
-#: every backend tags what it starts with this variable (value: the plan's job id), so cleanup is scoped to the job
-JOB_ID_VAR = "ELASTICZERO_JOB_ID"
-
 _HOST = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_JOB_ID = re.compile(r"[A-Za-z0-9_.:-]+")
 
 
 def check_host(host: str, backend: str) -> None:
@@ -40,7 +37,8 @@ def check_host(host: str, backend: str) -> None:
 
     Accepted: DNS-style names and IPv4 addresses (letters, digits, ``.``, ``-``, ``_``; no leading ``-``).
     Rejected: ``user@host`` (put the user in ~/.ssh/config) and IPv6 literals (``-w``/``-H``/``--nodelist``
-    lists give ``:`` its own meaning; use a name from /etc/hosts instead).
+    lists give ``:`` its own meaning; use a name from /etc/hosts instead). The hostfile refuses both already, with
+    the file and line (:mod:`elasticzero.launch.hostfile`); this check covers hosts from any other source.
     """
     if not _HOST.fullmatch(host):
         raise UsageError(
@@ -58,13 +56,12 @@ def check_plan(plan: LaunchPlan, backend: str) -> None:
     for name in plan.env:
         if not _ENV_NAME.fullmatch(name):
             raise UsageError(f"launcher {backend!r}: invalid environment variable name {name!r}")
-    if not _JOB_ID.fullmatch(plan.job_id):
-        raise UsageError(f"invalid job id {plan.job_id!r} (allowed: letters, digits, '.', ':', '-', '_')")
+    check_job_id(plan.job_id, f"launcher {backend!r}: job id")
 
 
 def job_env(plan: LaunchPlan) -> dict[str, str]:
-    """The environment every started process gets: the exported env plus the job tag."""
-    return {**plan.env, JOB_ID_VAR: plan.job_id}
+    """The environment every started process gets: the exported env plus the job tag (cleanup is scoped by it)."""
+    return {**plan.env, JOB_ID_ENV: plan.job_id}
 
 
 def per_rank(plan: LaunchPlan) -> bool:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-#: environment names elasticzero sets for the agent and every worker
-JOB_ID_ENV = "ELASTICZERO_JOB_ID"
+from elasticzero.proc import JOB_ID_ENV
+
+#: environment names elasticzero sets for the agent and every worker (and JOB_ID_ENV, see elasticzero.proc)
 AGENT_PID_ENV = "ELASTICZERO_AGENT_PID"
 CPUS_ENV = "ELASTICZERO_CPUS"  # ";"-separated core lists, one per local rank (set only with --bind-cores-to-rank)
 

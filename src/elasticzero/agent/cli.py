@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Sequence
 
 from elasticzero.errors import UsageError, cli_main
+from elasticzero.proc import check_job_id, exit_status, signal_exit_code
 
 PROG = "elasticzero-run"
 logger = logging.getLogger(__name__)
@@ -68,9 +69,9 @@ def _kill_job(argv: list[str]) -> int:
     parser.add_argument("--grace", type=float, default=5.0)
     parser.error = lambda message: (_ for _ in ()).throw(UsageError(message))  # type: ignore[method-assign]
     ns = parser.parse_args(argv)
-    if not ns.kill_job or ns.grace < 0:
-        raise UsageError("--kill-job needs a non-empty JOBID and --grace >= 0")
-    return kill_main(ns.kill_job, ns.grace)
+    if ns.grace < 0:
+        raise UsageError(f"--grace {ns.grace:g}: must be >= 0 seconds")
+    return kill_main(check_job_id(ns.kill_job, "--kill-job"), ns.grace)
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -85,7 +86,7 @@ def _launch(args: argparse.Namespace) -> int:
 
     settings = resolve(args)
     _standalone(args)
-    settings = dataclasses.replace(settings, job_id=args.rdzv_id)  # --standalone picks the id
+    settings = dataclasses.replace(settings, job_id=check_job_id(args.rdzv_id, "--rdzv-id"))  # --standalone picks it
     try:
         user_keys = set(_parse_rendezvous_config(args.rdzv_conf))
         config, cmd, cmd_args = config_from_args(args)
@@ -101,7 +102,7 @@ def _launch(args: argparse.Namespace) -> int:
         result, agent = launch(config, entrypoint, entry_args, health_file=settings.health_file)
     except SignalException as exc:
         print(f"{PROG}: stopped by {exc.sigval.name}", file=sys.stderr)
-        return 128 + int(exc.sigval)
+        return signal_exit_code(exc.sigval)
     except PeerFailedError as exc:
         print(f"{PROG}: job failed on another node: {exc}", file=sys.stderr)
         return 1
@@ -124,7 +125,7 @@ def _failed_exit(result: object, agent: object) -> int:
     if os.path.isfile(failure.error_file) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
         get_error_handler().dump_error_file(failure.error_file, failure.exitcode)
     code = failure.exitcode
-    return 128 - code if code < 0 else (code or 1)
+    return exit_status(code) or 1
 
 
 def _standalone(args: argparse.Namespace) -> None:

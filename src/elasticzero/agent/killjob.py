@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from elasticzero.agent.binding import JOB_ID_ENV
 from elasticzero.agent.proctree import own_lineage, processes_with_env, terminate_trees
+from elasticzero.proc import JOB_ID_ENV
 
 
 def kill_job(job_id: str, grace: float) -> int:

@@ -8,22 +8,12 @@ worker keeps this pid. Imports nothing heavy: it costs one small interpreter sta
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
 
 from elasticzero.agent.binding import AGENT_PID_ENV, cores_for_worker, worker_extra_env
-
-PR_SET_PDEATHSIG = 1
-
-
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
-    """Have the kernel send ``sig`` to this process when its parent dies (Linux only); ``False`` if unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+from elasticzero.proc import arm_parent_death_signal
 
 
 def main(argv: list[str]) -> int:
@@ -34,7 +24,7 @@ def main(argv: list[str]) -> int:
         print("elasticzero.agent.shim: usage: shim -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
     agent_pid = os.environ.get(AGENT_PID_ENV)
-    set_parent_death_signal()
+    arm_parent_death_signal(signal.SIGKILL)
     if agent_pid and os.getppid() != int(agent_pid):
         return 1  # the agent died before the death signal was armed: do not become an orphan
     cores = cores_for_worker(os.environ)

@@ -35,8 +35,8 @@ from elasticzero.launch.filters import apply_filters, select_first
 from elasticzero.launch.hostfile import ResourcePool, host_problem, is_loopback, normalize_host
 from elasticzero.launch.plan import MASK, AgentOptions, LaunchPlan, NodeSpec, is_secret
 from elasticzero.launch.resources import LOCALHOST, discover
+from elasticzero.proc import check_job_id
 
-_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _NNODES = re.compile(r"(\d+)(?::(\d+))?")
 #: backends that only ever start this machine's node
 SINGLE_NODE_BACKENDS = frozenset({"local"})
@@ -179,8 +179,8 @@ def build_plan(
         raise UsageError(f"missing training script; usage: {PROG} [flags] SCRIPT [ARGS…]")
     if args.module and args.no_python:
         raise UsageError("--module and --no-python cannot be combined")
-    if args.rdzv_id is not None and not _JOB_ID.fullmatch(args.rdzv_id):
-        raise UsageError(f"--rdzv-id {args.rdzv_id!r}: use letters, digits, '.', '_', '-' (at most 128)")
+    if args.rdzv_id is not None:
+        check_job_id(args.rdzv_id, "--rdzv-id")
     pool = select_pool(args, env, detect_gpus)
     nodes = tuple(NodeSpec(host, rank, slots) for rank, (host, slots) in enumerate(pool.items()))
     name = _launcher_name(args, len(nodes))

@@ -22,7 +22,6 @@ running, and only :meth:`stop_job` (which needs a live launcher) removes them.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from elasticzero.errors import UsageError
+from elasticzero.proc import exit_status, parent_death_preexec, signal_exit_code
 
 if TYPE_CHECKING:
     from elasticzero.launch.backend import Command, LauncherBackend
@@ -44,8 +44,6 @@ STOP_GRACE = 15.0
 #: seconds other commands may keep running after one failed, before they are stopped
 FAIL_GRACE = 30.0
 POLL = 0.1
-#: ``prctl`` option: signal sent to this process when its parent (thread) dies
-PR_SET_PDEATHSIG = 1
 #: signals that stop the job everywhere (SIGHUP: the terminal was closed)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
@@ -55,11 +53,6 @@ class StopsJob(Protocol):
     """A backend whose transport leaves remote processes running when terminated (pdsh)."""
 
     def stop_job(self, plan: LaunchPlan) -> None: ...
-
-
-def exit_code(returncode: int) -> int:
-    """A :class:`subprocess.Popen` return code as a shell would report it (``-N`` → ``128+N``)."""
-    return 128 - returncode if returncode < 0 else returncode
 
 
 def execute(plan: LaunchPlan, backend: LauncherBackend) -> int:
@@ -98,28 +91,6 @@ def write_pid_file(path: str) -> None:
         f.write(f"{os.getpid()}\n")
 
 
-def die_with_launcher(launcher_pid: int) -> Callable[[], None] | None:
-    """A ``preexec_fn`` arming ``PR_SET_PDEATHSIG=SIGTERM`` in the child, or ``None`` where that is unsupported.
-
-    ``prctl`` is looked up here, in the launcher, so the forked child only makes the call. After arming, the child
-    checks that its parent is still ``launcher_pid``: a launcher that died between ``fork`` and ``prctl`` would
-    never send the signal, so the child exits at once instead of running without an owner.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != launcher_pid:
-            os._exit(128 + signal.SIGTERM)
-
-    return preexec
-
-
 def _start(plan: LaunchPlan, cmd: Command) -> subprocess.Popen[bytes]:
     # the command's variables last and in their order (a transport may care: see elasticzero_plugins.mpich)
     env = {k: v for k, v in os.environ.items() if k not in cmd.env}
@@ -130,7 +101,7 @@ def _start(plan: LaunchPlan, cmd: Command) -> subprocess.Popen[bytes]:
         cwd=plan.cwd,
         start_new_session=True,
         stdin=subprocess.DEVNULL,
-        preexec_fn=die_with_launcher(os.getpid()),  # only prctl + getppid run in the child
+        preexec_fn=parent_death_preexec(signal.SIGTERM, os.getpid()),  # only prctl + getppid run in the child
     )
 
 
@@ -150,11 +121,11 @@ def _run(plan: LaunchPlan, backend: LauncherBackend, commands: list[Command], re
     while True:
         if received:
             _stop(plan, backend, procs)
-            return 128 + received[0]
+            return signal_exit_code(received[0])
         codes = [p.poll() for p in procs]
         for rc in codes:
             if rc not in (None, 0) and first_failure is None:
-                first_failure, failed_at = exit_code(rc), time.monotonic()
+                first_failure, failed_at = exit_status(rc), time.monotonic()
         if all(rc is not None for rc in codes):
             return first_failure or 0
         if first_failure is not None and time.monotonic() - failed_at > FAIL_GRACE:

@@ -5,14 +5,15 @@ Format (DeepSpeed's, stricter)::
     # comment
     worker-0 slots=4      # trailing comment
     10.0.0.7 slots=2
-    fe80::1%eth0 slots=2  # IPv6 literal, bare or bracketed: [fe80::1] slots=2
 
 Decisions, each reported as one :class:`~elasticzero.errors.UsageError` naming ``file:line`` and the fix:
 
 * every host line needs ``slots=N`` with N a positive integer; ``slots`` is the only key;
-* a host may appear once (compared case-insensitively; IPv6 literals compared after normalisation);
+* a host may appear once (compared case-insensitively);
 * host names are DNS-style names (letters, digits, ``.``, ``_``, ``-``; not starting with ``-`` so a name can never
-  become an option of ssh/pdsh/mpirun) or IP literals; IPv6 literals are stored in compressed form;
+  become an option of ssh/pdsh/mpirun) or IPv4 addresses;
+* IPv6 literals are refused: pdsh ``-w``, mpirun ``-H`` and Slurm node lists give ``:`` its own meaning, so no
+  shipped transport could reach such a host. The message says the fix: a name for it in ``/etc/hosts`` (or DNS);
 * ``user@host`` is rejected: the user belongs in ``~/.ssh/config`` (``Host worker-0`` / ``User alice``), which pdsh,
   ssh and mpirun all honour, and the host name must stay a plain name that every node can match itself against;
 * a file without any host line is an error.
@@ -97,6 +98,14 @@ def host_problem(host: str) -> str:
     return f"invalid host name {host!r}; use a DNS name (letters, digits, '.', '_', '-') or an IP address"
 
 
+def ipv6_problem(host: str) -> str:
+    """Why an IPv6 literal cannot be a launch host, with the fix (for error messages)."""
+    return (
+        f"IPv6 address {host!r} cannot be a host: pdsh -w, mpirun -H and Slurm node lists read ':' as a separator; "
+        "give it a name in /etc/hosts (or DNS) on every node, e.g. '<address> node-v6-1', and write that name here"
+    )
+
+
 def parse_hostfile(text: str, source: str) -> ResourcePool:
     """Parse hostfile ``text`` (read from ``source``, used in messages) into host → slot ids ``(0 … N-1)``."""
     pool: ResourcePool = {}
@@ -113,6 +122,8 @@ def parse_hostfile(text: str, source: str) -> ResourcePool:
         host = normalize_host(host_text)
         if host is None:
             raise UsageError(f"{where}: {host_problem(host_text)}")
+        if ":" in host:
+            raise UsageError(f"{where}: {ipv6_problem(host_text)}")
         slots = _parse_pairs(host_text, pairs, where)
         key = host_key(host)
         if key in first_line:

@@ -25,16 +25,16 @@ by every transport (hydra would otherwise report the bare signal number); signal
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from elasticzero.errors import UsageError, cli_main
+from elasticzero.proc import exit_status, parent_death_preexec
 
 PROG = "python -m elasticzero.launch.rankenv"
 FAMILIES: tuple[tuple[str, str, str, str, str | None], ...] = (
@@ -50,8 +50,6 @@ FAMILIES: tuple[tuple[str, str, str, str, str | None], ...] = (
     ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),
 )
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-#: ``prctl`` option: signal sent to this process when its parent dies
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -140,27 +138,6 @@ def torch_env(info: RankInfo, master_addr: str | None, master_port: int | None) 
     return env
 
 
-def die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """A ``preexec_fn``: the child gets SIGKILL when this wrapper dies (Linux ``PR_SET_PDEATHSIG``).
-
-    ``prctl`` is looked up here, before the fork. After arming, the child checks that its parent is still
-    ``parent_pid``: if the wrapper died between ``fork`` and ``prctl`` the signal will never come, so the child
-    exits at once instead of running on as an orphan.
-    """
-    try:
-        prctl: Callable[..., int] | None = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        prctl = None
-
-    def preexec() -> None:
-        if prctl is not None:
-            prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent_pid:
-            os._exit(128 + signal.SIGKILL)
-
-    return preexec
-
-
 def run_child(argv: list[str], env: dict[str, str]) -> int:
     """Run the program, forwarding signals; return its code, or ``128+signal`` when a signal killed it.
 
@@ -182,14 +159,15 @@ def run_child(argv: list[str], env: dict[str, str]) -> int:
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
-        started.append(subprocess.Popen(argv, env=env, preexec_fn=die_with_parent(os.getpid())))
+        # the child gets SIGKILL when this wrapper dies
+        started.append(subprocess.Popen(argv, env=env, preexec_fn=parent_death_preexec(signal.SIGKILL, os.getpid())))
         while held:
             forward(held.pop(0), None)
         rc = started[0].wait()
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-    return 128 - rc if rc < 0 else rc
+    return exit_status(rc)
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -19,9 +19,14 @@ def test_hosts_in_file_order_with_comments_and_blank_lines() -> None:
     assert pool["10.0.0.7"] == (0,)
 
 
-def test_ipv6_literals_bare_or_bracketed_are_normalised() -> None:
-    pool = parse_hostfile("fe80::0001 slots=2\n[2001:db8::1] slots=1\nfe80::2%eth0 slots=1\n", "hf")
-    assert list(pool) == ["fe80::1", "2001:db8::1", "fe80::2%eth0"]
+@pytest.mark.parametrize("host", ["::1", "[::1]", "fe80::0001", "[2001:db8::1]", "fe80::2%eth0", "::ffff:10.0.0.1"])
+def test_ipv6_literals_are_refused_with_the_fix(host: str) -> None:
+    """No shipped transport can reach an IPv6 literal (pdsh -w, mpirun -H, Slurm lists read ':'): refused up front."""
+    with pytest.raises(UsageError) as err:
+        parse_hostfile(f"w0 slots=1\n{host} slots=2\n", "/x/hostfile")
+    msg = str(err.value)
+    assert msg.startswith(f"/x/hostfile:2: IPv6 address {host!r} cannot be a host")
+    assert "give it a name in /etc/hosts" in msg and "\n" not in msg
 
 
 @pytest.mark.parametrize(
@@ -29,7 +34,6 @@ def test_ipv6_literals_bare_or_bracketed_are_normalised() -> None:
     [
         ("w0 slots=2\nw0 slots=2\n", 2, "duplicate host 'w0' (first at line 1)"),
         ("w0 slots=2\nW0 slots=1\n", 2, "duplicate host"),
-        ("fe80::1 slots=2\n[fe80::0:1] slots=1\n", 2, "duplicate host"),
         ("w0 slots=0\n", 1, "slots=0 must be a positive integer"),
         ("w0 slots=-2\n", 1, "slots=-2 must be a positive integer"),
         ("w0 slots=four\n", 1, "slots='four' is not a number"),

@@ -416,7 +416,7 @@ LOOPBACK_CASES = [
     ("localhost slots=1\nw1 slots=1\n", [], "the first host 'localhost'", "2 nodes"),
     ("LOCALHOST slots=1\nw1 slots=1\n", [], "the first host 'LOCALHOST'", "2 nodes"),
     ("127.0.1.1 slots=1\nw1 slots=1\n", [], "the first host '127.0.1.1'", "2 nodes"),
-    ("[::1] slots=1\nw1 slots=1\n", [], "the first host '::1'", "2 nodes"),
+    ("ip6-localhost slots=1\nw1 slots=1\n", [], "the first host 'ip6-localhost'", "2 nodes"),
     ("w0 slots=1\nw1 slots=1\nw2 slots=1\n", ["--master-addr", "localhost"], "--master-addr localhost", "3 nodes"),
     ("w0 slots=1\nw1 slots=1\n", ["--master_addr", "127.0.0.1"], "--master-addr 127.0.0.1", "2 nodes"),
     ("w0 slots=1\nw1 slots=1\n", ["--master-addr", "[::1]"], "--master-addr ::1", "2 nodes"),
@@ -517,12 +517,21 @@ def test_dry_run_with_save_pid_leaves_no_directory(
 def test_filters_match_host_names_case_insensitively(
     launch_env: Executions, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    hf = _hostfile(tmp_path / "hf", "Worker-0 slots=2\nworker-1 slots=2\n[FE80::0001] slots=1\n")
-    plan = _json(capsys, ["-H", hf, "-i", "worker-0@[fe80:0::1]", "--launcher", "fake", "--dry-run=json", "t.py"])
-    assert [(n["host"], n["slots"]) for n in plan["nodes"]] == [("Worker-0", [0, 1]), ("fe80::1", [0])]
+    hf = _hostfile(tmp_path / "hf", "Worker-0 slots=2\nworker-1 slots=2\nNode-2 slots=1\n")
+    plan = _json(capsys, ["-H", hf, "-i", "worker-0@node-2", "--launcher", "fake", "--dry-run=json", "t.py"])
+    assert [(n["host"], n["slots"]) for n in plan["nodes"]] == [("Worker-0", [0, 1]), ("Node-2", [0])]
     plan = _json(capsys, ["-H", hf, "-e", "WORKER-1@worker-0:0", "--launcher", "fake", "--dry-run=json", "t.py"])
-    assert [(n["host"], n["slots"]) for n in plan["nodes"]] == [("Worker-0", [1]), ("fe80::1", [0])]
+    assert [(n["host"], n["slots"]) for n in plan["nodes"]] == [("Worker-0", [1]), ("Node-2", [0])]
     assert plan["master_addr"] == "Worker-0"
+
+
+def test_ipv6_hostfile_host_is_refused_before_any_backend(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    hf = _hostfile(tmp_path / "hf", "::1 slots=2\n")
+    for launcher in ("local", "pdsh", "fake"):
+        msg = _error(capsys, ["-H", hf, "--launcher", launcher, "t.py"], launch_env)
+        assert msg.startswith(f"{hf}:1: IPv6 address '::1' cannot be a host") and "/etc/hosts" in msg
 
 
 def test_unbalanced_launcher_args_quote_is_a_usage_error(

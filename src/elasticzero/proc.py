@@ -1,0 +1,89 @@
+"""Process rules, one home each: the parent-death signal, the exit code of a signalled process, the job id.
+
+* **Parent-death signal.** A child started by the launcher, the per-rank wrapper or the agent asks the kernel (Linux
+  ``prctl(PR_SET_PDEATHSIG)``) for a signal when its parent dies, so no process outlives the one that owns it.
+  :func:`parent_death_preexec` is the ``preexec_fn`` form (the parent forks and the child arms itself, then exits
+  if the parent is already gone); :func:`arm_parent_death_signal` arms the calling process (the agent's exec shim,
+  whose setting survives ``execve``).
+* **Exit codes.** A process killed by signal N exits ``128+N``, as a shell reports it (:func:`signal_exit_code`,
+  :func:`exit_status` for ``Popen``/torch return codes, which are ``-N``).
+* **Job id.** Every process of a job carries ``ELASTICZERO_JOB_ID=<id>`` (:data:`JOB_ID_ENV`); cleanup
+  (``elasticzero-run --kill-job``) is scoped by it. :func:`check_job_id` is the one rule for a valid id.
+
+Standard library only: the exec shim imports this before every worker's program starts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import sys
+from collections.abc import Callable
+
+from elasticzero.errors import UsageError
+
+#: environment variable naming the job of every process elasticzero starts (agents, workers, per-rank wrappers)
+JOB_ID_ENV = "ELASTICZERO_JOB_ID"
+#: a job id: safe as an etcd key part, an environment value and a remote-shell word without quoting surprises
+JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+JOB_ID_RULE = "letters, digits, '.', '_', '-', starting with a letter or digit, at most 128 characters"
+
+#: ``prctl`` option: the signal this process gets when its parent (thread) dies
+PR_SET_PDEATHSIG = 1
+
+
+def check_job_id(job_id: str, source: str) -> str:
+    """``job_id`` if it is valid, else :class:`UsageError` naming ``source`` (a flag or file) and the rule."""
+    if not JOB_ID_PATTERN.fullmatch(job_id):
+        raise UsageError(f"{source} {job_id!r}: use {JOB_ID_RULE} in a job id")
+    return job_id
+
+
+def signal_exit_code(signum: int) -> int:
+    """The exit code of a process stopped by ``signum``, as a shell reports it: ``128+signum``."""
+    return 128 + int(signum)
+
+
+def exit_status(returncode: int) -> int:
+    """A ``Popen``/torch return code (``-N`` for death by signal N) as an exit code: ``128+N``, else unchanged."""
+    return signal_exit_code(-returncode) if returncode < 0 else returncode
+
+
+def _prctl() -> Callable[..., int] | None:
+    """libc's ``prctl``, or ``None`` where there is none (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+def arm_parent_death_signal(signum: int) -> bool:
+    """Have the kernel send ``signum`` to this process when its parent dies; ``False`` where unsupported.
+
+    The caller checks afterwards that its parent is still the one it expects: a parent that died before the call
+    never sends the signal.
+    """
+    prctl = _prctl()
+    return prctl is not None and prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
+
+
+def parent_death_preexec(signum: int, parent_pid: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` arming ``signum`` as the child's parent-death signal; ``None`` where unsupported.
+
+    ``prctl`` is looked up here, in the parent, so the forked child only makes the call. After arming, the child
+    checks that its parent is still ``parent_pid``: a parent that died between ``fork`` and ``prctl`` would never
+    send the signal, so the child exits at once with ``128+signum`` instead of running without an owner.
+    """
+    prctl = _prctl()
+    if prctl is None:
+        return None
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os._exit(signal_exit_code(signum))
+
+    return preexec

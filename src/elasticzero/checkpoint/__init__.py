@@ -1,1 +1,30 @@
-"""elasticzero.checkpoint."""
+"""Checkpoints on torch DCP that reshard: save at N ranks and ZeRO stage s, load at any M and stage s'.
+
+``Checkpointer`` (atomic commit, ``keep_last``, async save), ``FlatChunk`` (the element-range state-dict leaf the
+ZeRO stages use), the DCP planners and the ``elasticzero-checkpoint`` CLI. See ``docs/checkpointing.md``.
+Names resolve lazily (PEP 562) so that importing the package does not import torch.distributed.checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "Checkpointer": "elasticzero.checkpoint.checkpointer",
+    "FlatChunk": "elasticzero.checkpoint.chunks",
+    "Snapshot": "elasticzero.checkpoint.snapshot",
+    "DiskTier": "elasticzero.checkpoint.disk",
+    "ZeroSavePlanner": "elasticzero.checkpoint.planner",
+    "ZeroLoadPlanner": "elasticzero.checkpoint.planner",
+    "SafeFileSystemReader": "elasticzero.checkpoint.planner",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'elasticzero.checkpoint' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,161 @@
+"""``Checkpointer``: save and resume every stateful piece of a training job through torch DCP.
+
+::
+
+    ckpt = Checkpointer("ckpt/", keep_last=2, async_save=True)
+    state = {"model": ZeroCheckpointState(opt), "scaler": scaler, "sched": sched, "sampler": sampler}
+    start = ckpt.load_latest(state) or 0           # None: nothing committed yet
+    for step in range(start + 1, steps + 1):
+        ...
+        if step % save_every == 0:
+            ckpt.save(step, state)                 # blocks only to snapshot (async_save) or until committed
+    ckpt.close()
+
+``state`` maps names to ``Stateful`` objects (anything with ``state_dict()`` / ``load_state_dict()``) or to plain
+dicts (updated in place on load). A save is a snapshot (:mod:`~elasticzero.checkpoint.snapshot`) handed to a storage
+tier (:class:`~elasticzero.checkpoint.disk.DiskTier`); a load reads into fresh buffers, checks everything, and only
+then calls ``load_state_dict`` — a bad checkpoint raises one ``UsageError`` and leaves the job's state untouched.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from elasticzero.checkpoint.disk import DiskTier, PhaseHook
+from elasticzero.checkpoint.snapshot import Snapshot, Stager, fresh_like
+from elasticzero.errors import UsageError
+
+_INFO_DEPTH = 2
+
+
+class Checkpointer:
+    """Checkpoints of a training job in ``directory`` (see the module docstring and ``docs/checkpointing.md``).
+
+    Args:
+        directory: where ``step-N`` directories are committed (shared by all ranks: one file system).
+        keep_last: committed checkpoints to keep (>= 1; older ones are deleted after a new one is committed).
+        async_save: ``save`` returns once the state is snapshotted (copied to CPU staging buffers); the write and
+            commit run in a background thread over ``process_group``.
+        process_group: group for the checkpoint's own collectives. Default: a new gloo group over the default world,
+            created here (collective) — with ``async_save`` it must be a group training does not use.
+        verify_on_load: check every file's CRC-32 against the manifest before loading (ranks split the files).
+        phase_hook: ``f(phase, step)`` called at the commit protocol's phases (``"snapshot"`` and those of
+            :data:`~elasticzero.checkpoint.disk.PhaseHook`).
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        keep_last: int = 2,
+        async_save: bool = False,
+        process_group: Any = None,
+        verify_on_load: bool = True,
+        phase_hook: PhaseHook | None = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise UsageError("Checkpointer needs torch.distributed initialised (init_process_group)")
+        group = process_group if process_group is not None else dist.new_group(backend="gloo")
+        self.tier = DiskTier(directory, keep_last=keep_last, process_group=group, phase_hook=phase_hook)
+        self.async_save = async_save
+        self.verify_on_load = verify_on_load
+        self._hook = phase_hook or (lambda phase, step: None)
+        self._stager = Stager()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, "elasticzero-ckpt") if async_save else None
+        self._pending: concurrent.futures.Future[Path] | None = None
+
+    @property
+    def directory(self) -> Path:
+        return self.tier.root
+
+    def save(self, step: int, state: Mapping[str, Any]) -> None:
+        """Checkpoint ``state`` as step ``step`` (collective). With ``async_save`` it returns after the snapshot;
+        call :meth:`wait` (or the next save/load/close does) to learn that it committed."""
+        self.wait()
+        snap = self.snapshot(step, state)
+        self._hook("snapshot", step)
+        if self._executor is None:
+            self.tier.write(snap)
+        else:
+            self._pending = self._executor.submit(self.tier.write, snap)
+
+    def snapshot(self, step: int, state: Mapping[str, Any]) -> Snapshot:
+        """Copy ``state`` into staging buffers (not collective); tensors may change as soon as it returns."""
+        sds = {k: _state_dict_of(k, v) for k, v in state.items()}
+        info = {k: _scalars(v, _INFO_DEPTH) for k, v in sds.items()}
+        return self._stager.stage(step, sds, info)
+
+    def wait(self) -> None:
+        """Block until the background save (if any) committed; re-raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def latest_step(self) -> int | None:
+        """The newest committed step (collective: rank 0 decides)."""
+        self.wait()
+        return self.tier.latest()
+
+    def load_latest(self, state: Mapping[str, Any]) -> int | None:
+        """Load the newest committed checkpoint into ``state``; returns its step, or ``None`` (state untouched) if
+        there is none. Collective."""
+        step = self.latest_step()
+        if step is None:
+            return None
+        self.load(step, state)
+        return step
+
+    def load(self, step: int, state: Mapping[str, Any]) -> None:
+        """Load step ``step`` into ``state`` (collective): read into fresh buffers, check, then ``load_state_dict``."""
+        self.wait()
+        template = {k: fresh_like(_state_dict_of(k, v)) for k, v in state.items()}
+        self.tier.read(step, template, verify=self.verify_on_load)
+        for k, v in state.items():
+            if hasattr(v, "load_state_dict"):
+                v.load_state_dict(template[k])
+            else:
+                v.clear()
+                v.update(template[k])
+
+    def close(self) -> None:
+        """Finish the background save (re-raising its error) and stop the thread."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _state_dict_of(key: str, value: Any) -> dict[str, Any]:
+    if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
+        return value.state_dict()
+    if isinstance(value, dict):
+        return value
+    raise UsageError(
+        f"checkpoint state {key!r} is a {type(value).__name__}: pass an object with state_dict()/load_state_dict() "
+        "or a dict (updated in place on load); the step is the Checkpointer's own"
+    )
+
+
+def _scalars(tree: Any, depth: int) -> dict[str, Any]:
+    """JSON-able scalars of a state dict down to ``depth`` levels (for the manifest and ``inspect``)."""
+    out: dict[str, Any] = {}
+    if not isinstance(tree, Mapping) or depth == 0:
+        return out
+    for k, v in tree.items():
+        if isinstance(v, (bool, int, float, str)) or v is None:
+            out[str(k)] = v
+        elif isinstance(v, Mapping):
+            out.update({f"{k}.{kk}": vv for kk, vv in _scalars(v, depth - 1).items()})
+    return out

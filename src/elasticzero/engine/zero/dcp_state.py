@@ -1,0 +1,174 @@
+"""A ZeRO optimizer's model and optimizer state in a shape torch DCP reshards (N→M ranks, stage s→s').
+
+Every stage lays trainable parameters out in the same per-parameter flat index space: parameter ``name`` is a 1-D
+tensor of ``numel`` elements, and this rank owns one contiguous range of it (``bucket.local_pieces()``). So the state
+is expressed per parameter, as :class:`~elasticzero.checkpoint.chunks.FlatChunk` s at their offsets in the flattened
+parameter — independent of buckets, world size and stage. Layout of :meth:`ZeroCheckpointState.state_dict`::
+
+    {"params": {name: FlatChunk},                    # fp32 masters, this rank's range of each parameter
+     "module": {key: Tensor},                        # frozen parameters and buffers (replicated)
+     "optim":  {"state": {name: {"exp_avg": FlatChunk, "exp_avg_sq": FlatChunk, "step": Tensor, ...}},
+                "param_groups": {"0": {"lr": ..., "betas": ..., ...}, ...}},   # hyper-parameters, no "params"
+     "layout": {"format": 1, "stage": s, "world_size": n, "precision": "bfloat16", "optimizer": "AdamW",
+                "shapes": {name: [dims]}}}
+
+Optimizer state tensors shaped like a master shard become chunks; 0-dim ones (Adam's ``step``) are stored for every
+parameter of the bucket (replicated: all ranks agree); a new bucket takes them from its first parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from elasticzero.checkpoint.chunks import FlatChunk
+from elasticzero.errors import UsageError
+
+FORMAT = 1
+
+
+class ZeroCheckpointState:
+    """``Stateful`` view of a ZeRO optimizer (model included) for :class:`~elasticzero.checkpoint.Checkpointer` or
+    plain ``torch.distributed.checkpoint.save/load`` with the planners of :mod:`elasticzero.checkpoint.planner`.
+
+    ``state_dict()`` returns views of the live tensors (not copies); ``load_state_dict`` validates names and shapes
+    before touching anything, then copies into the masters, the optimizer state and the module, and (collective)
+    refreshes the module's parameters from the masters.
+    """
+
+    def __init__(self, opt: Any) -> None:
+        self.opt = opt
+
+    # -- save ---------------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        opt = self.opt
+        _init_optim_state(opt)
+        params: dict[str, FlatChunk] = {}
+        state: dict[str, dict[str, Any]] = {}
+        for b, m in zip(opt.buckets, opt.masters, strict=True):
+            inner = opt.optim.state.get(m, {})
+            for slot in b.slots():
+                state[slot.name] = {k: v for k, v in inner.items() if not _is_shard_state(v, m)}
+            for name, start, end, off in b.local_pieces():
+                numel = opt.partition[name].numel
+                params[name] = FlatChunk(m.detach()[off : off + end - start], start, numel)
+                for k, v in inner.items():
+                    if _is_shard_state(v, m):
+                        state[name][k] = FlatChunk(v[off : off + end - start], start, numel)
+        return {
+            "params": params,
+            "module": _unmanaged_module_state(opt),
+            "optim": {"state": state, "param_groups": _group_options(opt)},
+            "layout": self.layout(),
+        }
+
+    def layout(self) -> dict[str, Any]:
+        """What the checkpoint records about this optimizer (also shown by ``elasticzero-checkpoint inspect``)."""
+        opt = self.opt
+        return {
+            "format": FORMAT,
+            "stage": opt.stage,
+            "world_size": opt.world_size,
+            "precision": str(opt.policy.param_dtype).removeprefix("torch."),
+            "optimizer": type(opt.optim).__name__,
+            "numel": opt.numel,
+            "shapes": {n: list(s.shape) for n, s in opt.partition.items()},
+            "aliases": _tied_aliases(opt),
+        }
+
+    # -- load ---------------------------------------------------------------------------------------------------------
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        _check_layout(sd["layout"], self.layout())
+        groups = sd["optim"]["param_groups"]
+        here = len(self.opt.optim.param_groups)
+        if len(groups) != here:
+            raise UsageError(f"checkpoint has {len(groups)} optimizer parameter groups, this optimizer {here}")
+        with torch.no_grad():
+            self._copy_in(sd)
+        self.opt._gather_params()
+
+    def _copy_in(self, sd: dict[str, Any]) -> None:
+        opt, state = self.opt, sd["optim"]["state"]
+        for b, m in zip(opt.buckets, opt.masters, strict=True):
+            inner = opt.optim.state[m]
+            first = b.names[0]
+            for k, v in state[first].items():
+                if not isinstance(v, FlatChunk):
+                    inner[k] = v.clone() if torch.is_tensor(v) else v
+            for name, _start, end, off in b.local_pieces():
+                m[off : off + end - _start].copy_(sd["params"][name].tensor)
+                for k, v in state[name].items():
+                    if isinstance(v, FlatChunk):
+                        if k not in inner:
+                            inner[k] = torch.zeros_like(m)
+                        inner[k][off : off + end - _start].copy_(v.tensor)
+        for group, saved in zip(opt.optim.param_groups, sd["optim"]["param_groups"].values(), strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        live = _unmanaged_module_state(opt)
+        for k, v in sd["module"].items():
+            live[k].copy_(v)
+
+
+def _tied_aliases(opt: Any) -> dict[str, str]:
+    """``{alias: name}`` for module state-dict keys that are tied to a trainable parameter saved under ``name``."""
+    first = {id(p): n for b in opt.buckets for n, p in zip(b.names, b.params, strict=True)}
+    with opt._reading_module_state():
+        module_sd = opt.module.state_dict(keep_vars=True)
+    return {k: first[id(v)] for k, v in module_sd.items() if id(v) in first and first[id(v)] != k}
+
+
+def _is_shard_state(v: Any, master: torch.Tensor) -> bool:
+    return torch.is_tensor(v) and v.shape == master.shape and v.dim() == 1
+
+
+def _group_options(opt: Any) -> dict[str, dict[str, Any]]:
+    return {str(i): {k: v for k, v in g.items() if k != "params"} for i, g in enumerate(opt.optim.param_groups)}
+
+
+def _unmanaged_module_state(opt: Any) -> dict[str, torch.Tensor]:
+    """Frozen parameters and buffers of the module (tied aliases of trainable parameters excluded)."""
+    managed = {id(p) for b in opt.buckets for p in b.params}
+    with opt._reading_module_state():
+        module_sd = opt.module.state_dict(keep_vars=True)
+    return {k: v.detach() for k, v in module_sd.items() if id(v) not in managed}
+
+
+@torch.no_grad()
+def _init_optim_state(opt: Any) -> None:
+    """Create the wrapped optimizer's state if it has none yet (torch DCP's convention: one step with zero gradients
+    and lr 0), keeping the masters bit-identical and resetting ``step`` counters to 0, so the state equals a fresh one
+    for Adam/AdamW and has the tensors a load needs."""
+    inner = opt.optim
+    if all(inner.state.get(m) for m in opt.masters):
+        return
+    saved = [(m.detach().clone(), m.grad) for m in opt.masters]
+    lrs = [g["lr"] for g in inner.param_groups]
+    for m in opt.masters:
+        m.grad = torch.zeros_like(m)
+    for g in inner.param_groups:
+        g["lr"] = 0.0
+    inner.step()
+    for g, lr in zip(inner.param_groups, lrs, strict=True):
+        g["lr"] = lr
+    for m, (value, grad) in zip(opt.masters, saved, strict=True):
+        m.copy_(value)
+        m.grad = grad
+        for k, v in inner.state[m].items():
+            if k == "step":
+                inner.state[m][k] = torch.zeros_like(v) if torch.is_tensor(v) else 0
+
+
+def _check_layout(saved: dict[str, Any], here: dict[str, Any]) -> None:
+    if saved.get("format") != FORMAT:
+        raise UsageError(f"ZeRO state format {saved.get('format')!r} is not supported (this version reads {FORMAT})")
+    missing = sorted(set(here["shapes"]) - set(saved["shapes"]))
+    extra = sorted(set(saved["shapes"]) - set(here["shapes"]))
+    if missing or extra:
+        raise UsageError(
+            f"checkpoint is of another model: parameters only here {missing[:3]}, only in the checkpoint {extra[:3]}"
+        )
+    for name, shape in here["shapes"].items():
+        if list(saved["shapes"][name]) != shape:
+            there = saved["shapes"][name]
+            raise UsageError(f"checkpoint is of another model: {name} has shape {there} there, {shape} here")

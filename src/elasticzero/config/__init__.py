@@ -25,6 +25,11 @@ _LAZY = {
     "build_pieces": "elasticzero.config.build",
     "build_loss_scaler": "elasticzero.config.build",
     "EnginePieces": "elasticzero.config.build",
+    "ElasticityConfig": "elasticzero.config.schema",
+    "BatchPlan": "elasticzero.config.elastic",
+    "ElasticBatch": "elasticzero.config.elastic",
+    "elastic_batch": "elasticzero.config.elastic",
+    "check_world_range": "elasticzero.config.elastic",
 }
 
 __all__ = list(_LAZY)

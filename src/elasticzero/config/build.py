@@ -23,6 +23,7 @@ option only when set and taken by that stage).
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import logging
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from elasticzero.config.batch import check_batch_sizes, resolve_world_size
+from elasticzero.config.elastic import apply_batch_plan
 from elasticzero.config.load import load_config, optimizer_class
 from elasticzero.config.schema import EngineConfig, Precision
 from elasticzero.engine.accumulation import GradAccumulation
@@ -113,6 +115,9 @@ def build_pieces(
     if not isinstance(cfg, EngineConfig):
         cfg = load_config(cfg, overrides=overrides, strict=strict)
     world = _world_size(process_group)
+    if world is not None and cfg.elasticity.enabled:  # the plan for this world (the config may predate it)
+        cfg = copy.deepcopy(cfg)
+        apply_batch_plan(cfg, set(), world, "config")
     check_batch_sizes(cfg.train_batch_size, cfg.micro_batch_size, cfg.accumulation_steps, world, "config")
     policy = PrecisionPolicy.from_name(cfg.precision.dtype.value, cfg.precision.reduce_in_low_precision)
     timers = PhaseTimers(enabled=cfg.timers.enabled, synchronize=cfg.timers.synchronize)

@@ -59,7 +59,6 @@ _UNSUPPORTED_TOP: dict[str, str] = {
     "pipeline": "pipeline parallelism is not provided",
     "compile": "call torch.compile on the model yourself",
     "autotuning": "use elasticzero-launch --autotuning",
-    "elasticity": "elasticity comes from elasticzero-run/torchrun; set the batch sizes directly",
     "data_efficiency": "not provided",
     "curriculum_learning": "not provided",
     "compression_training": "not provided",
@@ -179,9 +178,10 @@ _MAPPED_TOP = {
     "zero_optimization",
     "wall_clock_breakdown",
     "communication_data_type",
+    "elasticity",
 }
-# only these say "DeepSpeed" (our own schema shares "optimizer" and "train_batch_size")
-_DEEPSPEED_ONLY_TOP = (_MAPPED_TOP - {"optimizer", "train_batch_size"}) | {
+# only these say "DeepSpeed" (our own schema shares "optimizer", "train_batch_size" and "elasticity")
+_DEEPSPEED_ONLY_TOP = (_MAPPED_TOP - {"optimizer", "train_batch_size", "elasticity"}) | {
     *_IGNORED_TOP,
     *_UNSUPPORTED_TOP,
     *_CONDITIONAL_TOP,
@@ -255,6 +255,9 @@ def map_deepspeed(
         out["timers"] = {"enabled": ds["wall_clock_breakdown"]}
         rep.mapped.append(("wall_clock_breakdown", "timers.enabled"))
 
+    if _map_elasticity(ds.get("elasticity"), out, rep, source):
+        _drop_non_elastic_batch_keys(ds, rep, source)
+        return out, rep
     train = _maybe_whole(ds.get("train_batch_size"), "train_batch_size", source)
     micro = _maybe_whole(ds.get("train_micro_batch_size_per_gpu"), "train_micro_batch_size_per_gpu", source)
     accum = _maybe_whole(ds.get("gradient_accumulation_steps"), "gradient_accumulation_steps", source)
@@ -338,6 +341,70 @@ def _map_precision(ds: Mapping[str, Any], out: dict[str, Any], rep: DeepSpeedRep
             rep.mapped.append(("communication_data_type", "precision.reduce_in_low_precision"))
     out["precision"] = precision
     return dtype
+
+
+_ELASTIC_MAPPED = {
+    "enabled": "enabled",
+    "max_train_batch_size": "max_train_batch_size",
+    "micro_batch_sizes": "micro_batch_sizes",
+    "min_gpus": "min_world_size",
+    "max_gpus": "max_world_size",
+    "prefer_larger_batch": "prefer_larger_batch",
+    "ignore_non_elastic_batch_info": "ignore_non_elastic_batch_info",
+}
+_DS_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _map_elasticity(block: Any, out: dict[str, Any], rep: DeepSpeedReport, source: str) -> bool:
+    """DeepSpeed's ``elasticity`` block -> ``elasticity`` (v0.1, and v0.2 without model parallelism); True if on."""
+    if block is None:
+        return False
+    if not isinstance(block, Mapping):
+        raise UsageError(f"{source}: elasticity must be a mapping, got {type(block).__name__}")
+    if not block.get("enabled", False):
+        rep.ignored.append(("elasticity", "elasticity.enabled is false"))
+        return False
+    try:
+        version = float(block.get("version", 0.2))  # DeepSpeed's default: its latest, 0.2
+    except (TypeError, ValueError):
+        raise UsageError(f"{source}: elasticity.version must be 0.1 or 0.2, got {block['version']!r}") from None
+    mapped: dict[str, Any] = {}
+    for key, value in block.items():
+        path = f"elasticity.{key}"
+        if key in _ELASTIC_MAPPED:
+            mapped[_ELASTIC_MAPPED[key]] = value
+            rep.mapped.append((path, f"elasticity.{_ELASTIC_MAPPED[key]}"))
+        elif key == "version":
+            if version in (0.1, 0.2):
+                rep.mapped.append((path, f"the v{version} choice of global batch"))
+            else:
+                rep.unsupported.append((path, "elasticity versions 0.1 and 0.2 only"))
+        elif key == "num_gpus_per_node":
+            if version == 0.2:
+                mapped["node_size"] = _whole(value, path, source)
+                rep.mapped.append((path, "elasticity.node_size (v0.2: world sizes are whole nodes)"))
+            else:
+                rep.ignored.append((path, "used by elasticity version 0.2 only"))
+        elif key == "model_parallel_size":
+            _classify(rep, path, _only(1, "model parallelism is not provided")(value), "harmless value")
+        elif key == "min_time":
+            rep.ignored.append((path, "a hint for the resource scheduler"))
+        else:
+            known = {*_ELASTIC_MAPPED, "version", "num_gpus_per_node", "model_parallel_size", "min_time"}
+            rep.unsupported.append((path, _unknown(key, known, "elasticity.")))
+    out["elasticity"] = mapped
+    return True
+
+
+def _drop_non_elastic_batch_keys(ds: Mapping[str, Any], rep: DeepSpeedReport, source: str) -> None:
+    """DeepSpeed's rule: with elasticity on, the top-level batch sizes are an error unless explicitly ignored."""
+    stated = [k for k in _DS_BATCH_KEYS if k in ds]
+    if stated and not ds["elasticity"].get("ignore_non_elastic_batch_info", False):
+        raise UsageError(
+            f"{source}: {', '.join(stated)} cannot be set with elasticity.enabled (the elasticity block decides the "
+            "batch sizes): remove it, or set elasticity.ignore_non_elastic_batch_info: true"
+        )
+    rep.ignored += [(k, "elasticity decides the batch sizes (ignore_non_elastic_batch_info)") for k in stated]
 
 
 def _map_zero(zero: Any, out: dict[str, Any], rep: DeepSpeedReport, source: str, dtype: str) -> None:

@@ -28,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from elasticzero.config.batch import check_batch_sizes, resolve_world_size
 from elasticzero.config.deepspeed import DeepSpeedReport, looks_like_deepspeed, map_deepspeed
+from elasticzero.config.elastic import BATCH_KEYS, apply_batch_plan, elastic_batch
 from elasticzero.config.schema import EngineConfig, Precision
 from elasticzero.errors import UsageError
 
@@ -152,6 +153,7 @@ def config_from_dict(
             raise UsageError(_type_error(exc, "overrides")) from None
     cfg = OmegaConf.to_object(merged)
     assert isinstance(cfg, EngineConfig)
+    apply_batch_plan(cfg, _stated_batch_keys(data, overrides), resolve_world_size(world_size), source)
     validate(cfg, source=source, world_size=world_size)
     return cfg
 
@@ -183,6 +185,8 @@ def validate(cfg: EngineConfig, *, source: str = "<config>", world_size: int | N
     need(cfg.micro_batch_size >= 1, "micro_batch_size", "must be >= 1", cfg.micro_batch_size)
     tbs = cfg.train_batch_size
     need(tbs is None or tbs >= 1, "train_batch_size", "must be >= 1", tbs)
+    if cfg.elasticity.enabled:
+        elastic_batch(cfg, source)  # checks the block and that some world size has a plan
     cls = optimizer_class(cfg.optimizer.type, source)
     _check_optimizer_params(cls, cfg.optimizer.params, source)
     check_batch_sizes(
@@ -210,6 +214,15 @@ def optimizer_class(name: str, source: str = "<config>") -> type:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+def _stated_batch_keys(data: Mapping[str, Any], overrides: Sequence[str]) -> set[str]:
+    """Batch keys the user stated. An override of the global or micro batch re-derives the file's accumulation."""
+    named = {o.split("=", 1)[0].strip() for o in overrides} & set(BATCH_KEYS)
+    stated = (set(data) & set(BATCH_KEYS)) | named
+    if named & {"train_batch_size", "micro_batch_size"} and "accumulation_steps" not in named:
+        stated.discard("accumulation_steps")
+    return stated
+
+
 def _read(source: Source) -> tuple[dict[str, Any], str]:
     if isinstance(source, Mapping):
         return dict(source), "<dict>"

@@ -21,6 +21,7 @@ from enum import Enum
 from typing import Any
 
 __all__ = [
+    "ElasticityConfig",
     "EngineConfig",
     "LossScaleConfig",
     "OptimizerConfig",
@@ -92,6 +93,21 @@ class TimersConfig:
 
 
 @dataclass
+class ElasticityConfig:
+    """A global batch that stays constant across world sizes (DeepSpeed's ``elasticity`` block; see
+    :mod:`elasticzero.config.elastic`). When enabled, the batch sizes come from here, not from the top-level keys."""
+
+    enabled: bool = False
+    max_train_batch_size: int | None = None  # the global batch chosen is at most this
+    micro_batch_sizes: list[int] = field(default_factory=list)  # allowed micro batches per rank, largest preferred
+    min_world_size: int = 1  # DeepSpeed: min_gpus
+    max_world_size: int | None = None  # DeepSpeed: max_gpus; None = no limit
+    node_size: int = 1  # world sizes are whole nodes of this many ranks (DeepSpeed v0.2: num_gpus_per_node)
+    prefer_larger_batch: bool = True  # between equally elastic candidates, take the larger global batch
+    ignore_non_elastic_batch_info: bool = False  # drop top-level batch sizes instead of refusing them
+
+
+@dataclass
 class EngineConfig:
     """Every engine setting; the root of a native config file."""
 
@@ -103,3 +119,4 @@ class EngineConfig:
     accumulation_steps: int = 1  # micro-batches per optimizer step
     micro_batch_size: int = 1  # samples per rank per micro-batch
     train_batch_size: int | None = None  # global batch; if set, must equal micro * accumulation * world
+    elasticity: ElasticityConfig = field(default_factory=ElasticityConfig)

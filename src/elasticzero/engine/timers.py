@@ -22,7 +22,7 @@ the phase that queued it.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +53,8 @@ class PhaseTimers:
         """``enabled=False`` makes :meth:`phase`, :meth:`start`, :meth:`stop` and :meth:`count` no-ops."""
         self.enabled = enabled
         self.synchronize = synchronize
+        #: called by :meth:`count` after each step; a true result asks the loop to stop (see ``elasticzero.autotune``)
+        self.on_count: Callable[[PhaseTimers], bool] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -108,11 +110,12 @@ class PhaseTimers:
         self._last = now
         return elapsed
 
-    def count(self, samples: int = 0, tokens: int = 0) -> None:
-        """Add processed samples/tokens for the throughput figures."""
+    def count(self, samples: int = 0, tokens: int = 0) -> bool:
+        """Add processed samples/tokens for the throughput figures (once per step); True asks the loop to stop."""
         if self.enabled:
             self.samples += samples
             self.tokens += tokens
+        return self.on_count is not None and bool(self.on_count(self))
 
     def _sync(self) -> None:
         if self.synchronize:

@@ -1,0 +1,274 @@
+"""``elasticzero-autotune`` and ``elasticzero-launch --autotuning tune|run``.
+
+::
+
+    elasticzero-autotune [launcher flags] [--tuning FILE] [--results-dir DIR] [--fresh] [--run] SCRIPT --config C …
+
+The launcher flags are ``elasticzero-launch``'s (the pool comes from its discovery and filters). The tuning block is
+``autotuning:`` in the config file the script gets (``--config`` by default; ``--deepspeed_config`` is found too),
+or ``--tuning FILE``. :func:`prepare` checks everything and decides the whole search before anything starts;
+bad input is one line and exit code 2. ``--run`` (``--autotuning run``) then launches the script with the best
+config, autotuning off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from elasticzero.autotune.autotuner import Autotuner, Setup, TuningResult
+from elasticzero.autotune.dialect import apply_point, base_of, check_expressible, is_deepspeed, split_tuning
+from elasticzero.autotune.experiment import find_flag
+from elasticzero.autotune.resources import ResourceManager
+from elasticzero.autotune.runner import TrialLauncher, ssh_argv
+from elasticzero.autotune.space import Point, expand, parse_tuning
+from elasticzero.errors import UsageError, cli_main
+
+__all__ = ["main", "prepare", "run_from_launch"]
+
+PROG = "elasticzero-autotune"
+CONFIG_FLAGS = ("--config", "--deepspeed_config", "--deepspeed-config")
+DEFAULT_BASE_PORT = 29500
+
+#: launcher flags (dest, flag, kind) passed on to every experiment's elasticzero-launch
+PASSTHROUGH = (
+    ("launcher", "--launcher", "value"),
+    ("launcher_args", "--launcher-args", "value"),
+    ("launcher_opt", "--launcher-opt", "list"),
+    ("ssh_port", "--ssh-port", "value"),
+    ("no_ssh_check", "--no-ssh-check", "flag"),
+    ("force_multi", "--force-multi", "flag"),
+    ("per_rank", "--per-rank", "flag"),
+    ("export", "--export", "list"),
+    ("export_prefix", "--export-prefix", "list"),
+    ("rdzv_backend", "--rdzv-backend", "value"),
+    ("rdzv_conf", "--rdzv-conf", "value"),
+    ("monitor_interval", "--monitor-interval", "value"),
+    ("redirects", "--redirects", "value"),
+    ("tee", "--tee", "value"),
+    ("bind_cores_to_rank", "--bind-cores-to-rank", "flag"),
+    ("module", "--module", "flag"),
+    ("no_python", "--no-python", "flag"),
+)
+#: launcher flags that make no sense for a tuner that starts its own experiments, with the fix
+REFUSED = {
+    "no_ssh": "--no-ssh: the tuner starts every experiment itself; drop it",
+    "node_rank": "--node-rank: the tuner starts every experiment itself; drop it",
+    "save_pid": "--save-pid is not supported with autotuning",
+    "nnodes": "--nnodes: experiments are not elastic; set autotuning.nodes instead",
+    "rdzv_id": "--job-id: every experiment gets its own job id",
+    "master_addr": "--master-addr: each experiment's rendezvous runs on its reservation's first host",
+    "log_dir": "--log-dir: per-rank logs go to each experiment's ranks/ directory",
+}
+
+
+def add_tuning_flags(parser: argparse.ArgumentParser) -> None:
+    """``elasticzero-autotune``'s own flags, on top of the launcher's."""
+    g = parser.add_argument_group("autotuning")
+    g.add_argument("--tuning", metavar="FILE", help="tuning block file (default: 'autotuning' in the config)")
+    g.add_argument("--results-dir", "--results_dir", metavar="DIR", help="where results go (autotuning_results)")
+    g.add_argument("--fresh", action="store_true", help="start over: move the journal aside instead of resuming")
+    g.add_argument("--run", action="store_true", help="after tuning, train with the best config (autotuning off)")
+    g.add_argument("--config-flag", "--config_flag", metavar="FLAG", help="the script's config flag (--config)")
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    from elasticzero.launch.args import build_parser, split_entry
+
+    parser = build_parser()
+    parser.prog = PROG
+    parser.usage = f"{PROG} [launcher flags] [autotuning flags] SCRIPT [SCRIPT_ARGS…]"
+    add_tuning_flags(parser)
+    flags, entry = split_entry(parser, argv)
+    return parser.parse_args(flags), entry
+
+
+def passthrough(args: argparse.Namespace) -> list[str]:
+    """The user's launcher flags every experiment (and the final run) gets, rebuilt from the parsed flags."""
+    out: list[str] = []
+    for dest, flag, kind in PASSTHROUGH:
+        value = getattr(args, dest, None)
+        if kind == "flag" and value:
+            out.append(flag)
+        elif kind == "list":
+            for v in value or ():
+                out += [flag, v]
+        elif kind == "value" and value not in (None, ""):
+            out.append(f"{flag}={value}")
+    return out
+
+
+def _refuse(args: argparse.Namespace) -> None:
+    for dest, why in REFUSED.items():
+        if getattr(args, dest, None) not in (None, False, ""):
+            raise UsageError(why)
+    if getattr(args, "dry_run", None):
+        raise UsageError("--dry-run: not supported with autotuning yet; the summary lists every experiment")
+
+
+def _config_flag(entry: Sequence[str], named: str | None) -> tuple[str, str]:
+    flags = (named,) if named else CONFIG_FLAGS
+    for flag in flags:
+        path = find_flag(entry[1:], flag)
+        if path is not None:
+            return flag, path
+    raise UsageError(
+        f"the script arguments have no {' / '.join(flags)} FILE: autotuning writes each trial's config there; "
+        "pass the config file to the script, or name its flag with --config-flag"
+    )
+
+
+def prepare(args: argparse.Namespace, entry: Sequence[str], env: Mapping[str, str], cwd: str) -> Setup:
+    """Check everything and decide the search (pure apart from reading the config and discovering the pool)."""
+    from elasticzero.config.load import read_file
+    from elasticzero.launch.cli import select_pool
+
+    if not entry:
+        raise UsageError(f"missing training script; usage: {PROG} [flags] SCRIPT [ARGS…]")
+    _refuse(args)
+    flag, config_path = _config_flag(entry, getattr(args, "config_flag", None))
+    config_file = Path(cwd, config_path)
+    config, block = split_tuning(read_file(config_file))
+    where = f"{config_path}: autotuning"
+    if getattr(args, "tuning", None):
+        block, where = read_file(Path(cwd, args.tuning)), args.tuning
+    spec = parse_tuning(block, where)
+    deepspeed = is_deepspeed(config)
+    check_expressible(spec, deepspeed, where)
+    manager = ResourceManager.from_pool(select_pool(args, env), spec.share_hosts)
+    request = manager.default_request(spec.nodes, spec.slots_per_node)
+    manager.check(request)
+    world = request.nodes * request.slots_per_node
+    base = base_of(config, deepspeed, world, str(config_path))
+    points, skipped = expand(spec, base, world)
+    glob = spec.train_batch_size or base.train_batch_size or base.micro_batch * base.accumulation * world
+    results = Path(cwd, getattr(args, "results_dir", None) or spec.results_dir)
+    setup = Setup(
+        spec=spec,
+        points=points,
+        skipped=skipped,
+        base_config=config,
+        deepspeed=deepspeed,
+        config_suffix=".yaml" if config_file.suffix.lower() in (".yaml", ".yml") else ".json",
+        entry=tuple(entry),
+        config_flag=flag,
+        request=request,
+        manager=manager,
+        launch_flags=passthrough(args),
+        base_port=args.master_port or DEFAULT_BASE_PORT,
+        results_dir=results,
+        train_batch_size=glob,
+        fresh=bool(getattr(args, "fresh", False)),
+    )
+    setup.invalid = invalid_points(setup, world, str(config_path))
+    if len(setup.invalid) == len(points):
+        raise UsageError(
+            f"every point of the search space gives an invalid config: {next(iter(setup.invalid.values()))}"
+        )
+    setup.experiment(_first_candidate(setup))  # arg_mappings must resolve before anything starts
+    return setup
+
+
+def _first_candidate(setup: Setup) -> Any:
+    from elasticzero.autotune.tuners import Candidate
+
+    return Candidate(next(p for p in setup.points if p not in setup.invalid), setup.spec.measure_steps)
+
+
+def invalid_points(setup: Setup, world: int, source: str) -> dict[Point, str]:
+    """Points whose trial config the engine's loader rejects — only when the user's own config loads cleanly
+    (a config for another framework is not the engine's to judge)."""
+    from elasticzero.config.load import load_config
+
+    def problem(config: Mapping[str, Any]) -> str | None:
+        try:
+            load_config(dict(config), world_size=world, strict=False)
+        except UsageError as exc:
+            return str(exc)
+        return None
+
+    if problem(setup.base_config) is not None:
+        return {}
+    found = {}
+    for p in setup.points:
+        why = problem(apply_point(setup.base_config, p, setup.deepspeed, setup.train_batch_size))
+        if why:
+            found[p] = why.replace("<dict>", source)
+    return found
+
+
+def tune(args: argparse.Namespace, entry: Sequence[str], run_after: bool) -> int:
+    """Tune (and with ``run_after`` train with the best config); the exit code."""
+    from elasticzero.autotune.output import best_command, summary_lines, write_outputs
+
+    setup = prepare(args, entry, os.environ, os.getcwd())
+    setup.results_dir.mkdir(parents=True, exist_ok=True)
+    for key, why in setup.spec.ignored:
+        print(f"{PROG}: note: autotuning.{key} is ignored: {why}", file=sys.stderr)
+    launcher = TrialLauncher(sys.executable, setup.launch_flags, os.getcwd(), os.environ, ssh_argv(args.ssh_port))
+    result = Autotuner(setup, launcher).run()
+    paths = write_outputs(setup, result, _final_flags(args))
+    print("\n".join(summary_lines(setup, result)))
+    return _after(setup, result, paths, args, run_after, best_command)
+
+
+def _final_flags(args: argparse.Namespace) -> list[str]:
+    """The launcher flags of the final run: the user's discovery flags plus the passed-on ones."""
+    out = []
+    for dest, flag in (("hostfile", "--hostfile"), ("include", "--include"), ("exclude", "--exclude")):
+        if getattr(args, dest, None):
+            out.append(f"{flag}={getattr(args, dest)}")
+    for dest, flag in (
+        ("num_nodes", "--num-nodes"),
+        ("num_gpus", "--nproc-per-node"),
+        ("master_port", "--master-port"),
+    ):
+        if getattr(args, dest, None):
+            out.append(f"{flag}={getattr(args, dest)}")
+    return [*out, *passthrough(args)]
+
+
+def _after(setup: Setup, result: TuningResult, paths: dict, args: argparse.Namespace, run_after: bool, cmd) -> int:
+    if result.best is None:
+        print(f"{PROG}: no experiment succeeded; see {setup.results_dir / 'summary.txt'}", file=sys.stderr)
+        return 1
+    print(f"{PROG}: best config: {paths.get('best_json', paths['best_yaml'])}")
+    print(f"{PROG}: run it with: {paths['command'].read_text().strip()}")
+    if "plot" not in paths:
+        print(f"{PROG}: note: no plot (install matplotlib: pip install 'elasticzero[plot]')", file=sys.stderr)
+    if not run_after:
+        return 0
+    from elasticzero.launch.cli import main as launch_main
+
+    config = paths.get("best_json", paths["best_yaml"])
+    argv = cmd(setup, _final_flags(args), result.best[2].entry, config)[1:]
+    print(f"{PROG}: training with the best config (autotuning off)", flush=True)
+    return launch_main(argv)
+
+
+def run_from_launch(args: argparse.Namespace, entry: Sequence[str], mode: str) -> int:
+    """``elasticzero-launch --autotuning tune|run``: the launcher's parsed flags, the script, the mode."""
+    for dest in ("tuning", "results_dir", "fresh", "run", "config_flag"):
+        setattr(args, dest, getattr(args, dest, None))
+    return tune(args, entry, run_after=mode == "run")
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    try:
+        args, entry = parse(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    return tune(args, entry, run_after=args.run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console script ``elasticzero-autotune``: the exit code (2 on bad input, nothing started)."""
+    return cli_main(PROG, _run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

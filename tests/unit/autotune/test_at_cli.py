@@ -1,0 +1,94 @@
+"""``elasticzero-autotune`` bad input: one ``elasticzero-autotune: error: …`` line, exit code 2, nothing started.
+
+Every case runs ``main()`` in-process on localhost's pool; a launch would need ``subprocess.Popen``, which is
+replaced by a function that fails the test, so "nothing launched" is checked, not assumed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from elasticzero.autotune import cli
+
+NATIVE = """zero: {stage: 1}
+micro_batch_size: 1
+accumulation_steps: 4
+train_batch_size: 8
+optimizer: {type: SGD, params: {lr: 0.1}}
+"""
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError(f"something was launched: {a}")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+
+
+def _run(tmp_path: Path, monkeypatch, capsys, tuning: str, extra: list[str] | None = None) -> tuple[int, str]:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.yaml").write_text(NATIVE + tuning)
+    argv = ["--nproc-per-node", "2", *(extra or []), "train.py", "--config", "cfg.yaml"]
+    code = cli.main(argv)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("tuning", "extra", "message"),
+    [
+        ("autotuning: {metrc: latency}\n", [], "cfg.yaml: autotuning: unknown key 'metrc'"),
+        ("autotuning: {space: {}}\n", [], "empty search space"),
+        ("autotuning: {metric: speed}\n", [], "unknown metric 'speed'"),
+        ("autotuning: {nodes: 2}\n", [], r"needs 2 node(s) x 2 slot(s) but the pool has localhost:2"),
+        ("autotuning: {slots_per_node: 4}\n", [], r"needs 1 node(s) x 4 slot(s)"),
+        ("autotuning: {space: {micro_batch: [3]}}\n", [], "no usable point at global batch 8"),
+        ("autotuning: {arg_mappings: {nope: --x}}\n", [], "config key 'nope' is not set"),
+        ("", ["--no-ssh"], "--no-ssh: the tuner starts every experiment itself"),
+        ("", ["--job-id", "x"], "--job-id: every experiment gets its own job id"),
+        ("", ["--tuning", "missing.yaml"], "missing.yaml: cannot read config"),
+        ("", ["--config-flag=--cfg"], "the script arguments have no --cfg FILE"),
+        ("autotuning: {space: {stage: [7]}}\n", [], "ZeRO stage must be 0, 1, 2 or 3"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(tmp_path, monkeypatch, capsys, no_launch, tuning, extra, message) -> None:
+    code, err = _run(tmp_path, monkeypatch, capsys, tuning, extra)
+    assert code == 2
+    assert err.startswith("elasticzero-autotune: error: ") and err.count("\n") == 1 and message in err
+    assert not (tmp_path / "autotuning_results").exists()
+
+
+def test_invalid_trial_configs_are_left_out(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.yaml").write_text(NATIVE + "autotuning: {space: {stage: [1, 2], bucket_bytes: [1024]}}\n")
+    args, entry = cli.parse(["--nproc-per-node", "2", "train.py", "--config", "cfg.yaml"])
+    setup = cli.prepare(args, entry, {}, str(tmp_path))
+    assert [p.name for p in setup.points] == ["z1_mb1_ga4_bkt1024", "z2_mb1_ga4_bkt1024"] and not setup.invalid
+    assert setup.request.nodes == 1 and setup.request.slots_per_node == 2 and setup.config_suffix == ".yaml"
+    assert setup.results_dir == tmp_path / "autotuning_results" and setup.config_flag == "--config"
+
+
+def test_passthrough_rebuilds_launcher_flags() -> None:
+    args, entry = cli.parse(
+        ["--launcher", "pdsh", "--launcher-args", "-l me", "--export", "A", "--bind-cores-to-rank", "-m", "pkg.train"]
+    )
+    assert cli.passthrough(args) == [
+        "--launcher=pdsh",
+        "--launcher-args=-l me",
+        "--export",
+        "A",
+        "--bind-cores-to-rank",
+        "--module",
+    ]
+    assert entry == ["pkg.train"]
+
+
+def test_deepspeed_migrants_flag_is_found(tmp_path) -> None:
+    (tmp_path / "ds.json").write_text('{"train_batch_size": 8, "zero_optimization": {"stage": 2}}')
+    args, entry = cli.parse(["--nproc-per-node", "2", "train.py", "--deepspeed", "--deepspeed_config", "ds.json"])
+    setup = cli.prepare(args, entry, {}, str(tmp_path))
+    assert setup.deepspeed and setup.config_flag == "--deepspeed_config" and setup.config_suffix == ".json"
+    assert [p.name for p in setup.points] == ["z2_mb4_ga1"]

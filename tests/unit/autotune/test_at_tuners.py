@@ -1,0 +1,191 @@
+"""Outcome classification, the trial contract, the measuring window and the tuners (pure, no processes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from elasticzero import autotune
+from elasticzero.autotune.contract import METRICS_ENV, TrialReport, read_report
+from elasticzero.autotune.metrics import get_metric
+from elasticzero.autotune.outcome import Outcome, classify
+from elasticzero.autotune.space import Base, expand, parse_tuning
+from elasticzero.autotune.tuners import Candidate, ModelBasedTuner, best, make_tuner, pruned_by_oom, stalled
+from elasticzero.autotune.window import MeasureWindow
+from elasticzero.engine.timers import PhaseTimers
+
+THR = get_metric("throughput")
+
+# ------------------------------------------------------------------------------------------------ outcome
+
+
+@pytest.mark.parametrize(
+    ("code", "report", "timed_out", "status", "reason"),
+    [
+        (0, TrialReport("ok", {"throughput": 5.0}), False, "ok", ""),
+        (1, TrialReport("oom", {}, "CUDA out of memory"), False, "oom", "CUDA out of memory"),
+        (0, TrialReport("error", {}, "bad"), False, "error", "bad"),
+        (1, TrialReport("ok", {"throughput": 5.0}), False, "error", "exit code 1 after reporting ok"),
+        (0, "no report written", False, "error", "exited 0 without writing its report"),
+        (7, "no report written", False, "error", "exit code 7 without a report"),
+        (137, "no report written", True, "timeout", "no result within 30 s"),
+        (137, TrialReport("ok", {"throughput": 5.0}), True, "ok", "reported ok, then hung"),
+        (0, TrialReport("ok", {"latency": 5.0}), False, "error", "the report has no metric 'throughput'"),
+    ],
+)
+def test_classify(code: int, report, timed_out: bool, status: str, reason: str) -> None:
+    out = classify(code, report, timed_out, THR, 1.0, 30.0)
+    assert out.status == status and reason in out.reason
+    assert Outcome.from_json(json.loads(json.dumps(out.to_json()))) == out
+
+
+# ------------------------------------------------------------------------------------------------ contract
+
+
+def test_report_is_atomic_json_and_rank0_only_for_ok(tmp_path, monkeypatch) -> None:
+    target = tmp_path / "m.json"
+    monkeypatch.setenv(METRICS_ENV, str(target))
+    monkeypatch.setenv("RANK", "1")
+    assert autotune.report("ok", {"throughput": 1.0}) is None and not target.exists()
+    assert autotune.report("oom", message="boom") == target  # any rank may report a failure
+    assert read_report(target) == TrialReport("oom", {}, "boom")
+    monkeypatch.setenv("RANK", "0")
+    autotune.report("ok", {"throughput": 2, "latency": 0.5})
+    assert json.loads(target.read_text()) == {
+        "status": "ok",
+        "metrics": {"latency": 0.5, "throughput": 2.0},
+        "message": "",
+    }
+    assert [p.name for p in tmp_path.iterdir()] == ["m.json"]  # no temp file left behind
+    with pytest.raises(ValueError, match="not finite"):
+        autotune.report("ok", {"throughput": float("inf")})
+    with pytest.raises(ValueError, match="status must be one of"):
+        autotune.report("fine")
+    monkeypatch.delenv(METRICS_ENV)
+    assert autotune.report("ok", {"throughput": 1.0}) is None  # not tuning: a no-op
+
+
+def test_read_report_reasons(tmp_path) -> None:
+    assert "no report written" in read_report(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{")
+    assert "unreadable report" in read_report(tmp_path / "bad.json")
+    (tmp_path / "s.json").write_text('{"status": "great"}')
+    assert "'status' must be one of ok, oom, error" in read_report(tmp_path / "s.json")
+
+
+@pytest.mark.parametrize(
+    ("exc", "status"),
+    [(torch.OutOfMemoryError("CUDA out of memory"), "oom"), (MemoryError(), "oom"), (ValueError("x"), "error")],
+)
+def test_trial_turns_exceptions_into_reports(tmp_path, monkeypatch, exc: BaseException, status: str) -> None:
+    monkeypatch.setenv(METRICS_ENV, str(tmp_path / "m.json"))
+    with pytest.raises(type(exc)), autotune.trial():
+        raise exc
+    assert read_report(tmp_path / "m.json").status == status
+
+
+# ------------------------------------------------------------------------------------------------ window
+
+
+def test_measure_window_reports_and_stops(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(METRICS_ENV, str(tmp_path / "m.json"))
+    monkeypatch.setenv("ELASTICZERO_AUTOTUNE_WARMUP_STEPS", "2")
+    monkeypatch.setenv("ELASTICZERO_AUTOTUNE_MEASURE_STEPS", "3")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    timers = PhaseTimers()
+    window = autotune.measure(timers, flops_per_sample=10.0)
+    assert isinstance(window, MeasureWindow) and timers.enabled
+    stops = []
+    for _ in range(6):
+        with timers.phase("step"):
+            sum(range(1000))
+        stops.append(timers.count(samples=4))
+    assert stops == [False, False, False, False, True, True]  # 2 warm-up + 3 measured, then stop
+    rep = read_report(tmp_path / "m.json")
+    assert rep.status == "ok" and rep.metrics["steps"] == 3.0
+    m = rep.metrics
+    assert m["throughput"] == pytest.approx(3 * 4 * 2 / (3 * m["latency"]))  # every rank's samples
+    assert m["flops"] == pytest.approx(m["throughput"] * 10.0) and m["memory"] > 0
+    monkeypatch.delenv(METRICS_ENV)
+    assert autotune.measure(PhaseTimers()) is None
+
+
+# ------------------------------------------------------------------------------------------------ tuners
+
+
+BASE = Base(1, 1, 8, 8)
+
+
+def _points(space: dict):
+    return expand(parse_tuning({"space": space}, "x"), BASE, 1)[0]
+
+
+def _ok(value: float, stdev: float = 0.0, steps: int = 10) -> Outcome:
+    return Outcome("ok", {"throughput": value, "throughput_stdev": stdev, "steps": steps})
+
+
+def test_grid_and_random() -> None:
+    points = _points({"stage": [1, 2], "micro_batch": [1, 2, 4, 8]})
+    grid = make_tuner(parse_tuning({"tuner": "grid"}, "x"))
+    assert [c.point for c in grid.propose(points, [])] == points
+    done = [(Candidate(points[0], 10), _ok(1.0))]
+    assert points[0] not in [c.point for c in grid.propose(points, done)]
+    rnd = make_tuner(parse_tuning({"tuner": "random", "seed": 3}, "x"))
+    first = rnd.propose(points, [])
+    assert len(first) == 2 and first == rnd.propose(points, [])  # a quarter, reproducible from the seed
+    assert make_tuner(parse_tuning({"tuner": "random", "seed": 4, "max_trials": 8}, "x")).propose(points, []) != []
+
+
+def test_oom_prunes_larger_micro_batches_and_lower_stages() -> None:
+    points = _points({"stage": [1, 2, 3], "micro_batch": [1, 2, 4, 8], "precision": ["fp32", "bf16"]})
+    oom = next(p for p in points if (p.stage, p.micro_batch, p.precision) == (2, 4, "fp32"))
+    pruned = pruned_by_oom(points, [(Candidate(oom, 3), Outcome("oom"))])
+    names = sorted(p.name for p in pruned)
+    assert names == ["z1_mb4_ga2_fp32", "z1_mb8_ga1_fp32", "z2_mb8_ga1_fp32"]  # not stage 3, not bf16
+
+
+def test_model_based_probes_high_stage_first_then_halves() -> None:
+    spec = parse_tuning(
+        {"space": {"stage": [1, 2], "micro_batch": [1, 2, 4]}, "min_steps": 2, "measure_steps": 18, "eta": 3}, "x"
+    )
+    points = _points({"stage": [1, 2], "micro_batch": [1, 2, 4]})
+    tuner = ModelBasedTuner(spec)
+    first = tuner.propose(points, [])
+    assert [(c.point.stage, c.point.micro_batch, c.steps) for c in first] == [
+        (2, 1, 2),
+        (2, 2, 2),
+        (2, 4, 2),
+        (1, 1, 2),
+        (1, 2, 2),
+        (1, 4, 2),
+    ]
+    hist = [(first[0], _ok(10.0)), (first[1], Outcome("oom"))]  # OOM at z2 mb2: z2 mb4, z1 mb2, z1 mb4 are out
+    assert [(c.point.stage, c.point.micro_batch) for c in tuner.propose(points, hist)] == [(1, 1)]
+    hist.append((Candidate(first[3].point, 2), _ok(20.0)))
+    assert tuner.propose(points, hist) == []  # one clear winner after round 0
+    assert best([(c, o) for c, o in hist], THR)[0].point.stage == 1
+
+
+def test_successive_halving_keeps_noisy_ties() -> None:
+    spec = parse_tuning({"space": {"micro_batch": [1, 2, 4, 8]}, "min_steps": 2, "measure_steps": 6, "eta": 3}, "x")
+    points = _points({"micro_batch": [1, 2, 4, 8]})
+    tuner = ModelBasedTuner(spec)
+    r0 = tuner.propose(points, [])
+    values = {1: (100.0, 1.0), 2: (99.0, 30.0), 4: (50.0, 1.0), 8: (10.0, 1.0)}  # mb2 is within noise of mb1
+    hist = [(c, _ok(*values[c.point.micro_batch], steps=2)) for c in r0]
+    r1 = tuner.propose(points, hist)
+    assert sorted(c.point.micro_batch for c in r1) == [1, 2] and {c.steps for c in r1} == {6}
+    hist += [(r1[0], _ok(90.0, steps=6)), (r1[1], _ok(95.0, steps=6))]
+    assert tuner.propose(points, hist) == []
+    assert best(hist, THR)[0] == r1[1]  # the longest measurement decides, not round 0's figures
+
+
+def test_early_stopping() -> None:
+    p = _points({"micro_batch": [1]})[0]
+    hist = [(Candidate(p, 1), _ok(v)) for v in (10.0, 20.0, 20.1, 19.0, 5.0)]
+    assert stalled(hist, THR, patience=3, noise=0.01) and not stalled(hist, THR, patience=4, noise=0.01)
+    assert not stalled(hist, THR, patience=None, noise=0.01)
+    assert not stalled([(Candidate(p, 1), Outcome("oom"))] * 5, THR, patience=2, noise=0.01)  # no best yet

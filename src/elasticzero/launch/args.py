@@ -25,7 +25,6 @@ DEFAULT_MASTER_PORT = 29500
 
 #: DeepSpeed flags without an elasticzero equivalent, with what to do instead
 UNSUPPORTED = {
-    "--autotuning": "autotuning is not part of elasticzero-launch yet; run the job without it",
     "--elastic_training": "use --nnodes MIN:MAX for an elastic job",
     "--min_elastic_nodes": "use --nnodes MIN:MAX for an elastic job",
     "--max_elastic_nodes": "use --nnodes MIN:MAX for an elastic job",
@@ -139,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--tee", metavar="SPEC", help="torchrun --tee")
     a.add_argument("--bind-cores-to-rank", "--bind_cores_to_rank", action="store_true", help="pin cores per rank")
     a.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name (python -m)")
+    a.add_argument(
+        "--autotuning", choices=["tune", "run"], help="tune the ZeRO config first (run: then train with the best)"
+    )
     a.add_argument("--no-python", "--no_python", action="store_true", help="SCRIPT is a program, not Python")
     a.add_argument(
         "--no-local-rank", "--no_local_rank", action="store_true", help="accepted; --local_rank is never passed"

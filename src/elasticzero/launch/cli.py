@@ -272,6 +272,10 @@ def _run(argv: Sequence[str] | None) -> int:
         args, entry = parse_args(sys.argv[1:] if argv is None else argv)
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
+    if args.autotuning:  # docs/autotuning.md; lazy: a plain launch never loads the tuner
+        from elasticzero.autotune.cli import run_from_launch
+
+        return run_from_launch(args, entry, args.autotuning)
     plan = build_plan(args, entry, os.environ, os.getcwd())
     pid_dir = _made_pid_dir(args, plan)
     try:

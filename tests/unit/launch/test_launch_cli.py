@@ -301,7 +301,7 @@ BAD_FLAG_CASES = [
     (["--num-gpus", "x"], "argument --num-gpus/--num_gpus/"),
     (["--bogus"], "unknown option '--bogus'; see elasticzero-launch --help"),
     (["--num_gpu", "1"], "unknown option '--num_gpu'"),
-    (["--autotuning", "run"], "--autotuning is not supported"),
+    (["--autotuning", "best"], "argument --autotuning: invalid choice: 'best'"),
     (["--min_elastic_nodes", "1"], "--min_elastic_nodes is not supported: use --nnodes MIN:MAX"),
     (["--launcher", "bogus"], "unknown --launcher 'bogus'; available: "),
     (["--no-ssh"], "--no-ssh needs --node-rank R"),

@@ -1,20 +1,7 @@
-"""Pieces shared by the shipped backends: input validation, job tagging and the per-rank argv.
+"""Pieces shared by the shipped backends: input validation, job tagging, the per-rank option and argv.
 
-Backend options read from :attr:`LaunchPlan.options` (set by ``elasticzero-launch``):
-
-``per_rank`` (bool)
-    the scheduler owns every rank (openmpi, mpich, mvapich, slurm): ranks start ``elasticzero.launch.rankenv``
-    directly, no agent.
-``ssh_port`` (int), ``ssh_check`` (bool, default true)
-    pdsh: the ssh port and the passwordless-ssh preflight (``--no-ssh-check`` turns it off).
-``node_rank`` (int)
-    no-ssh: which node of the plan this machine is.
-``mpiexec`` (str)
-    mpich / mvapich-hydra: the hydra binary (default ``mpiexec.hydra`` / ``mpiexec``).
-``mvapich_launcher`` (str)
-    mvapich: ``mpirun_rsh`` (default) or ``hydra``.
-``save_pid`` (str)
-    :func:`elasticzero.launch.execute.execute` writes the launcher pid there and removes it at exit.
+Each backend declares its options on its class (:attr:`elasticzero.launch.backend.LauncherBackend.options`);
+:data:`PER_RANK` is the one shared by the MPI and Slurm backends.
 """
 
 from __future__ import annotations
@@ -23,6 +10,7 @@ import re
 from typing import TYPE_CHECKING
 
 from elasticzero.errors import UsageError
+from elasticzero.launch.backend import BackendOption
 from elasticzero.proc import JOB_ID_ENV, check_job_id
 
 if TYPE_CHECKING:
@@ -64,6 +52,12 @@ def job_env(plan: LaunchPlan) -> dict[str, str]:
     return {**plan.env, JOB_ID_ENV: plan.job_id}
 
 
+#: the scheduler owns every rank (openmpi, mpich, mvapich, slurm): ranks start ``rankenv`` directly, no agent
+PER_RANK = BackendOption(
+    "per_rank", bool, False, "the scheduler starts every rank directly (no agent)", flag="--per-rank"
+)
+
+
 def per_rank(plan: LaunchPlan) -> bool:
     """Whether the plan asks for per-rank mode (the scheduler starts every rank)."""
     return bool(plan.options.get("per_rank", False))
@@ -96,9 +90,3 @@ def rankenv_argv(plan: LaunchPlan, *, node_host_env: str | None = None) -> list[
     if a.no_python:
         argv.append("--no-python")
     return [*argv, "--", *plan.entry]
-
-
-def no_per_rank(plan: LaunchPlan, backend: str) -> None:
-    """Reject per-rank mode for a backend that always starts one agent per node."""
-    if per_rank(plan):
-        raise UsageError(f"--per-rank is not supported by launcher {backend!r} (use openmpi, mpich or slurm)")

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from elasticzero.errors import UsageError
 from elasticzero.launch.backend import Command, LauncherBackend
-from elasticzero_plugins._common import check_plan, job_env, no_per_rank
+from elasticzero_plugins._common import check_plan, job_env
 
 if TYPE_CHECKING:
     from elasticzero.launch.plan import LaunchPlan
@@ -18,8 +18,8 @@ class LocalBackend(LauncherBackend):
     name = "local"
 
     def commands(self, plan: LaunchPlan) -> list[Command]:
+        plan = self.with_options(plan)
         check_plan(plan, self.name)
-        no_per_rank(plan, self.name)
         if len(plan.nodes) != 1:
             raise UsageError(
                 f"launcher 'local' runs one node, but the plan has {len(plan.nodes)}; "

@@ -8,10 +8,10 @@ from ``PMI_RANK``. Per-rank mode: ``-hosts h1:k,h2:k -n N`` starting ``rankenv``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
-from elasticzero.launch.backend import Command, LauncherBackend
-from elasticzero_plugins._common import check_plan, job_env, per_rank, rankenv_argv
+from elasticzero.launch.backend import BackendOption, Command, LauncherBackend
+from elasticzero_plugins._common import PER_RANK, check_plan, job_env, per_rank, rankenv_argv
 
 if TYPE_CHECKING:
     from elasticzero.launch.plan import LaunchPlan
@@ -41,8 +41,9 @@ class MPICHBackend(LauncherBackend):
     """One hydra ``mpiexec`` starting one agent per host (or every rank, in per-rank mode)."""
 
     name = "mpich"
-    default_mpiexec: ClassVar[str] = "mpiexec.hydra"
     required_programs = ("mpiexec.hydra",)
+    options = (PER_RANK, BackendOption("mpiexec", str, "mpiexec.hydra", "the hydra mpiexec program to run"))
 
     def commands(self, plan: LaunchPlan) -> list[Command]:
-        return [hydra_command(plan, str(plan.options.get("mpiexec", self.default_mpiexec)), self.name)]
+        plan = self.with_options(plan)
+        return [hydra_command(plan, plan.options["mpiexec"], self.name)]

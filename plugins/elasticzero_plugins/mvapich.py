@@ -27,8 +27,8 @@ import shutil
 from typing import TYPE_CHECKING
 
 from elasticzero.errors import UsageError
-from elasticzero.launch.backend import Command, LauncherBackend
-from elasticzero_plugins._common import check_plan, job_env, per_rank, rankenv_argv
+from elasticzero.launch.backend import BackendOption, Command, LauncherBackend
+from elasticzero_plugins._common import PER_RANK, check_plan, job_env, per_rank, rankenv_argv
 from elasticzero_plugins.mpich import hydra_command
 
 if TYPE_CHECKING:
@@ -39,6 +39,13 @@ class MVAPICHBackend(LauncherBackend):
     """``mpirun_rsh`` (default) or hydra ``mpiexec`` starting one agent per host, or every rank."""
 
     name = "mvapich"
+    options = (
+        PER_RANK,
+        BackendOption(
+            "mvapich_launcher", str, "mpirun_rsh", "which MVAPICH2 starter to use", choices=("mpirun_rsh", "hydra")
+        ),
+        BackendOption("mpiexec", str, "mpiexec", "the hydra mpiexec program (mvapich_launcher=hydra)"),
+    )
 
     def check_available(self) -> None:
         """Needs ``mpirun_rsh`` or a hydra ``mpiexec``/``mpiexec.hydra`` on PATH."""
@@ -46,11 +53,9 @@ class MVAPICHBackend(LauncherBackend):
             raise UsageError("launcher 'mvapich' needs 'mpirun_rsh' (or MVAPICH2's hydra 'mpiexec') on PATH")
 
     def commands(self, plan: LaunchPlan) -> list[Command]:
-        flavour = plan.options.get("mvapich_launcher", "mpirun_rsh")
-        if flavour == "hydra":
-            return [hydra_command(plan, str(plan.options.get("mpiexec", "mpiexec")), self.name)]
-        if flavour != "mpirun_rsh":
-            raise UsageError(f"mvapich_launcher must be 'mpirun_rsh' or 'hydra', not {flavour!r}")
+        plan = self.with_options(plan)
+        if plan.options["mvapich_launcher"] == "hydra":
+            return [hydra_command(plan, plan.options["mpiexec"], self.name)]
         check_plan(plan, self.name)
         if per_rank(plan):
             hosts = [n.host for n in plan.nodes for _ in n.slots]

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from elasticzero.errors import UsageError
-from elasticzero.launch.backend import Command, LauncherBackend
-from elasticzero_plugins._common import check_plan, job_env, no_per_rank
+from elasticzero.launch.backend import BackendOption, Command, LauncherBackend
+from elasticzero_plugins._common import check_plan, job_env
 
 if TYPE_CHECKING:
     from elasticzero.launch.plan import LaunchPlan
@@ -20,17 +20,14 @@ class NoSSHBackend(LauncherBackend):
     """This node's agent only; node identity from ``--node-rank``."""
 
     name = "no-ssh"
+    options = (BackendOption("node_rank", int, None, "this node's rank in the hostfile order", flag="--node-rank"),)
 
     def commands(self, plan: LaunchPlan) -> list[Command]:
+        plan = self.with_options(plan)
         check_plan(plan, self.name)
-        no_per_rank(plan, self.name)
-        rank = plan.options.get("node_rank")
-        if rank is None:
+        r = plan.options["node_rank"]
+        if r is None:
             raise UsageError("--no-ssh needs --node-rank R (this node's rank in the hostfile order)")
-        try:
-            r = int(rank)
-        except (TypeError, ValueError):
-            raise UsageError(f"--node-rank must be an integer, not {rank!r}") from None
         if not 0 <= r < len(plan.nodes):
             raise UsageError(f"--node-rank {r} is out of range: the plan has nodes 0..{len(plan.nodes) - 1}")
         argv = plan.agent_argv(["--node-rank", str(r)])

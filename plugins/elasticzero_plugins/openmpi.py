@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from elasticzero.launch.backend import Command, LauncherBackend
-from elasticzero_plugins._common import check_plan, job_env, per_rank, rankenv_argv
+from elasticzero_plugins._common import PER_RANK, check_plan, job_env, per_rank, rankenv_argv
 
 if TYPE_CHECKING:
     from elasticzero.launch.plan import LaunchPlan
@@ -24,8 +24,10 @@ class OpenMPIBackend(LauncherBackend):
 
     name = "openmpi"
     required_programs = (MPIRUN,)
+    options = (PER_RANK,)
 
     def commands(self, plan: LaunchPlan) -> list[Command]:
+        plan = self.with_options(plan)
         check_plan(plan, self.name)
         env = job_env(plan)
         argv = [MPIRUN, "--allow-run-as-root", "--bind-to", "none", "-wdir", plan.cwd]

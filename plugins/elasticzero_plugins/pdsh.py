@@ -3,10 +3,25 @@
 Exit code: ``-S`` makes pdsh return the *largest* remote exit code (ssh's 255 for an unreachable host), i.e. the
 largest of the agents' codes, not necessarily the code of the rank that failed first.
 
-ssh runs one string through the remote login shell, so this is the one place elasticzero builds a shell string:
-``export K=V; …; cd DIR && exec ARGV`` with every value and argv element passed through :func:`shlex.quote`.
-pdsh itself rewrites ``%h``/``%n``/``%u``/``%%`` anywhere in that string (ssh mode included), so every ``%`` of
-user data is doubled and the only live sequence is the agent's ``--node-host %h``.
+Environment values never travel in a command line (any user can read ``/proc/*/cmdline`` on both machines).
+pdsh does not forward its stdin (verified with pdsh 2.34: the remote side reads nothing), so :meth:`PdshBackend.stage`
+first runs one ``ssh HOST 'umask 077 && mkdir DIR && cat > DIR/env'`` per host, in parallel, with the
+``export K='V'`` lines on ssh's *stdin*; ``DIR`` is ``${TMPDIR:-/tmp}/elasticzero-env-<job id>-<nonce>.<host>``
+(a fresh 0700 directory: ``mkdir`` fails on anything already there, symlinks included). The pdsh remote command
+then reads the file into the shell, deletes it and its directory, and only then applies it::
+
+    ezd="${TMPDIR:-/tmp}"/elasticzero-env-JOB-NONCE.%h && eze=$(cat -- "$ezd/env") && rm -f -- "$ezd/env"
+      && rmdir -- "$ezd" && eval "$eze" && cd DIR && exec PYTHON -u -m elasticzero.agent.cli … --node-host %h …
+
+``export`` and ``eval`` are shell builtins, so the values only ever sit in shell memory and in the agent's own
+environment (readable by the same user only), and they arrive byte-for-byte (``shlex.quote`` per value; newlines,
+quotes, ``%`` and ``$(…)`` included). A run that does not succeed ends with :meth:`PdshBackend.unstage` removing
+any file a host did not consume.
+
+ssh runs one string through the remote login shell, so this is the one place elasticzero builds a shell string,
+with every path and argv element passed through :func:`shlex.quote`. pdsh itself rewrites ``%h``/``%n``/``%u``/``%%``
+anywhere in that string (ssh mode included), so every ``%`` of user data is doubled and the only live sequences are
+the host's ``%h`` in the agent's ``--node-host %h`` and in the env directory's name.
 
 pdsh does not stop remote processes when it is terminated; :meth:`PdshBackend.stop_job` kills this job's
 processes on every host over ssh (same ssh options as the launch), scoped by the job id the processes carry in
@@ -20,30 +35,56 @@ import shlex
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from elasticzero.errors import UsageError
-from elasticzero.launch.backend import Command, LauncherBackend
-from elasticzero_plugins._common import check_plan, job_env, no_per_rank
+from elasticzero.launch.backend import BackendOption, Command, LauncherBackend
+from elasticzero_plugins._common import check_plan, job_env
 
 if TYPE_CHECKING:
     from elasticzero.launch.plan import LaunchPlan
 
 SSH_CHECK_TIMEOUT = 20.0
 STOP_TIMEOUT = 30.0
+STAGE_TIMEOUT = 60.0
+#: the per-host directory that carries the exported environment: ``<prefix><job id>-<nonce>.<host>``
+ENV_DIR_PREFIX = "elasticzero-env-"
 
 
-def remote_command(env: dict[str, str], cwd: str, argv: list[str], *, host_placeholder: str | None = None) -> str:
+def env_dir(plan: LaunchPlan, host: str) -> str:
+    """Shell text setting ``$ezd`` to this plan's env directory on ``host`` (expanded by the remote shell)."""
+    return f'ezd="${{TMPDIR:-/tmp}}"/{shlex.quote(f"{ENV_DIR_PREFIX}{plan.job_id}-{plan.nonce}.{host}")}'
+
+
+def env_payload(env: dict[str, str]) -> bytes:
+    """The env file: one ``export K=<shlex-quoted value>`` line per variable (byte-exact, surrogates kept)."""
+    text = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
+    return text.encode("utf-8", "surrogateescape")
+
+
+def stage_script(plan: LaunchPlan, host: str) -> str:
+    """Remote shell text writing ssh's stdin into a fresh private env directory (fails if anything is there)."""
+    return f'umask 077 && {env_dir(plan, host)} && mkdir -- "$ezd" && cat > "$ezd/env"'
+
+
+def unstage_script(plan: LaunchPlan, host: str) -> str:
+    """Remote shell text removing the env file and directory if the agent did not (always exits 0)."""
+    return f'{env_dir(plan, host)}; rm -f -- "$ezd/env"; rmdir -- "$ezd" 2>/dev/null; exit 0'
+
+
+def remote_command(load_env: str, cwd: str, argv: list[str], *, host_placeholder: str | None = None) -> str:
     """The string the remote shell runs, escaped for pdsh's ``%`` substitution.
 
-    ``host_placeholder``, if given, is an argv element replaced by pdsh's ``%h`` (the host's ``-w`` name).
+    ``load_env`` is shell text setting ``$ezd`` (:func:`env_dir`); the file there is read, deleted, then applied.
+    ``host_placeholder``, if given, is replaced by pdsh's ``%h`` (the host's ``-w`` name) everywhere.
     """
-    parts = [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+    load = f'{load_env} && eze=$(cat -- "$ezd/env") && rm -f -- "$ezd/env" && rmdir -- "$ezd" && eval "$eze"'
     run = "exec " + " ".join(shlex.quote(a) for a in argv)
-    text = "; ".join([*parts, f"cd {shlex.quote(cwd)} && {run}"]).replace("%", "%%")
+    text = f"{load} && cd {shlex.quote(cwd)} && {run}".replace("%", "%%")
     if host_placeholder is not None:
-        if text.count(host_placeholder) != 1:
+        if text.count(host_placeholder) != load_env.count(host_placeholder) + argv.count(host_placeholder):
             raise UsageError("internal error: host placeholder collided with user data; retry the launch")
         text = text.replace(host_placeholder, "%h")
     return text
@@ -90,51 +131,53 @@ class PdshBackend(LauncherBackend):
 
     name = "pdsh"
     required_programs = ("pdsh", "ssh")
+    options = (
+        BackendOption("ssh_port", int, None, "ssh port (launch, preflight and cleanup)", flag="--ssh-port"),
+        BackendOption("ssh_check", bool, True, "check passwordless ssh to every host first", flag="--no-ssh-check"),
+    )
 
     def commands(self, plan: LaunchPlan) -> list[Command]:
+        plan = self.with_options(plan)
         check_plan(plan, self.name)
-        no_per_rank(plan, self.name)
         placeholder = f"EZHOST{uuid.uuid4().hex}"
-        remote = remote_command(
-            job_env(plan), plan.cwd, plan.agent_argv(["--node-host", placeholder]), host_placeholder=placeholder
-        )
+        argv = plan.agent_argv(["--node-host", placeholder])
+        remote = remote_command(env_dir(plan, placeholder), plan.cwd, argv, host_placeholder=placeholder)
         hosts = ",".join(n.host for n in plan.nodes)
-        argv = ["pdsh", "-R", "ssh", "-S", "-f", str(max(32, len(plan.nodes))), "-w", hosts]
-        argv += [*plan.launcher_args, remote]
-        return [Command(argv=tuple(argv), env={"PDSH_SSH_ARGS_APPEND": ssh_args_append(plan)})]
+        pdsh = ["pdsh", "-R", "ssh", "-S", "-f", str(max(32, len(plan.nodes))), "-w", hosts]
+        pdsh += [*plan.launcher_args, remote]
+        return [Command(argv=tuple(pdsh), env={"PDSH_SSH_ARGS_APPEND": ssh_args_append(plan)})]
 
     def preflight(self, plan: LaunchPlan) -> None:
         """Check passwordless ssh (``BatchMode=yes``) to every host, unless ``ssh_check`` is false."""
-        if not plan.options.get("ssh_check", True):
+        plan = self.with_options(plan)
+        if not plan.options["ssh_check"]:
             return
         check_plan(plan, self.name)
-
-        def probe(host: str) -> str | None:
-            try:
-                p = subprocess.run(
-                    [*ssh_base(plan), host, "true"],
-                    capture_output=True,
-                    text=True,
-                    timeout=SSH_CHECK_TIMEOUT,
-                    stdin=subprocess.DEVNULL,
-                    check=False,
-                )
-            except subprocess.TimeoutExpired:
-                return f"no answer within {SSH_CHECK_TIMEOUT:.0f} s"
-            if p.returncode == 0:
-                return None
-            tail = (p.stderr.strip().splitlines() or [f"exit code {p.returncode}"])[-1]
-            return tail
-
-        hosts = [n.host for n in plan.nodes]
-        with ThreadPoolExecutor(max_workers=min(16, len(hosts))) as pool:
-            results = list(pool.map(probe, hosts))
-        for host, err in zip(hosts, results, strict=True):
+        for host, err in on_hosts(plan, lambda _host: "true", SSH_CHECK_TIMEOUT).items():
             if err is not None:
                 raise UsageError(
                     f"passwordless ssh to {host!r} failed ({err}); set up key-based login "
                     "or pass --no-ssh-check to skip this check"
                 )
+
+    def stage(self, plan: LaunchPlan) -> None:
+        """Write the exported environment into a private file on every host, over ssh's stdin (see module doc)."""
+        plan = self.with_options(plan)
+        payload = env_payload(job_env(plan))
+        failed = {h: e for h, e in on_hosts(plan, lambda h: stage_script(plan, h), STAGE_TIMEOUT, payload).items() if e}
+        if failed:
+            host, err = next(iter(failed.items()))
+            raise UsageError(
+                f"cannot deliver the environment to {host!r} over ssh ({err}); nothing was started "
+                f"({len(failed)} of {len(plan.nodes)} host(s) failed)"
+            )
+
+    def unstage(self, plan: LaunchPlan) -> None:
+        """Remove every host's env file the agent did not consume (a host that cannot be reached is named)."""
+        plan = self.with_options(plan)
+        for host, err in on_hosts(plan, lambda h: unstage_script(plan, h), STOP_TIMEOUT).items():
+            if err is not None:
+                _report(f"could not remove the job's env file on {host}: {err} ({unstage_script(plan, host)})")
 
     def stop_job(self, plan: LaunchPlan) -> None:
         """Kill this job's processes on every host: ``ssh HOST elasticzero-run --kill-job JOB`` in parallel.
@@ -148,38 +191,47 @@ class PdshBackend(LauncherBackend):
             shlex.quote(a) for a in [plan.agent.python, "-m", "elasticzero.agent.cli", "--kill-job", plan.job_id]
         )
         try:
-            base = ssh_base(plan)
+            results = on_hosts(plan, lambda _host: remote, STOP_TIMEOUT)
         except UsageError as exc:
             _report(f"cannot stop job {plan.job_id} on any host: {exc}")
             return
-
-        def kill(host: str) -> str | None:
-            try:
-                p = subprocess.run(
-                    [*base, host, remote],
-                    capture_output=True,
-                    text=True,
-                    errors="replace",
-                    timeout=STOP_TIMEOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                    check=False,
-                )
-            except subprocess.TimeoutExpired:
-                return f"no answer within {STOP_TIMEOUT:.0f} s"
-            except OSError as exc:
-                return f"cannot run ssh: {exc}"
-            if p.returncode == 0:
-                return None
-            tail = (p.stderr.strip().splitlines() or [""])[-1]
-            return f"exit code {p.returncode}" + (f": {tail}" if tail else "")
-
-        hosts = [n.host for n in plan.nodes]
-        with ThreadPoolExecutor(max_workers=min(16, len(hosts))) as pool:
-            results = list(pool.map(kill, hosts))
-        for host, err in zip(hosts, results, strict=True):
+        for host, err in results.items():
             if err is not None:
                 _report(f"could not stop job {plan.job_id} on {host}: {err} (run elasticzero-run --kill-job there)")
+
+
+def on_hosts(
+    plan: LaunchPlan, remote: Callable[[str], str], timeout: float, stdin: bytes = b""
+) -> dict[str, str | None]:
+    """Run ``ssh HOST remote(HOST)`` on every host in parallel (launch ssh options, own session): host → error.
+
+    ``stdin`` is what each ssh reads (the remote command's stdin); the error is ``None`` on success, else ssh's
+    last stderr line with the exit code, or the timeout.
+    """
+    base = ssh_base(plan)
+
+    def run(host: str) -> str | None:
+        try:
+            p = subprocess.run(
+                [*base, host, remote(host)],
+                input=stdin,
+                capture_output=True,
+                timeout=timeout,
+                start_new_session=True,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            return f"no answer within {timeout:.0f} s"
+        except OSError as exc:
+            return f"cannot run ssh: {exc}"
+        if p.returncode == 0:
+            return None
+        tail = (p.stderr.decode(errors="replace").strip().splitlines() or [""])[-1]
+        return f"exit code {p.returncode}" + (f": {tail}" if tail else "")
+
+    hosts = [n.host for n in plan.nodes]
+    with ThreadPoolExecutor(max_workers=min(16, len(hosts))) as pool:
+        return dict(zip(hosts, pool.map(run, hosts), strict=True))
 
 
 def _report(message: str) -> None:

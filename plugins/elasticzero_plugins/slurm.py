@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from elasticzero.launch.backend import Command, LauncherBackend
-from elasticzero_plugins._common import check_plan, job_env, per_rank, rankenv_argv, uniform_slots
+from elasticzero_plugins._common import PER_RANK, check_plan, job_env, per_rank, rankenv_argv, uniform_slots
 
 if TYPE_CHECKING:
     from elasticzero.launch.plan import LaunchPlan
@@ -97,8 +97,10 @@ class SlurmBackend(LauncherBackend):
 
     name = "slurm"
     required_programs = ("srun",)
+    options = (PER_RANK,)
 
     def commands(self, plan: LaunchPlan) -> list[Command]:
+        plan = self.with_options(plan)
         check_plan(plan, self.name)
         n = len(plan.nodes)
         argv = ["srun", f"--nodelist={','.join(x.host for x in plan.nodes)}", f"--nodes={n}"]

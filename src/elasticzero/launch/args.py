@@ -36,10 +36,16 @@ UNSUPPORTED = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser that raises :class:`UsageError` instead of exiting."""
+    """An ArgumentParser that raises :class:`UsageError` instead of exiting; ``--help`` lists backend options."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(f"{message}; see {PROG} --help")
+
+    def format_help(self) -> str:
+        """argparse's help, then each installed backend's options (loaded only when help is shown)."""
+        from elasticzero.launch.backend import available_launchers, options_help
+
+        return f"{super().format_help()}\n{options_help(available_launchers())}\n"
 
 
 def _positive_int(text: str) -> int:
@@ -99,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     l_ = p.add_argument_group("launcher")
     l_.add_argument("--launcher", metavar="NAME", help="backend: pdsh (multi-node default), local (single node), …")
     l_.add_argument("--launcher-args", "--launcher_args", default="", metavar="ARGS", help="raw args for the backend")
+    l_.add_argument(
+        "--launcher-opt",
+        "--launcher_opt",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a backend option (repeatable; the options of each backend are listed below)",
+    )
     l_.add_argument("--ssh-port", "--ssh_port", type=_port, metavar="PORT", help="ssh port for pdsh/ssh")
     l_.add_argument("--no-ssh-check", "--no_ssh_check", action="store_true", help="skip the passwordless-ssh check")
     l_.add_argument("--no-ssh", "--no_ssh", action="store_true", help="per-node mode: run this on every node")

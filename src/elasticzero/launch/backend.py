@@ -12,16 +12,24 @@ Rules every backend follows:
 * environment crosses by *name* where the transport allows it (``mpirun -x NAME``, ``-genvlist``, srun's inherited
   environment), so values are never quoted;
 * each node's agent learns which node it is from the plan's node table (see
-  :meth:`LaunchPlan.agent_argv`), never from the order a transport happens to pick.
+  :meth:`LaunchPlan.agent_argv`), never from the order a transport happens to pick;
+* environment *values* never appear in any process's argv, on any host (pdsh delivers them over ssh's stdin
+  into a private file, see :meth:`LauncherBackend.stage`).
+
+Options: a backend declares what it accepts in :attr:`LauncherBackend.options` (torchx ``runopts`` style: name,
+type, default, help). ``elasticzero-launch`` sets them with flags (``--ssh-port``, ``--per-rank``, …) or
+``--launcher-opt KEY=VALUE``, and :meth:`LauncherBackend.resolve_options` checks them against the declaration:
+a plan's ``options`` holds every declared option, typed, plus :data:`LAUNCHER_OPTIONS`.
 """
 
 from __future__ import annotations
 
 import shutil
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from elasticzero.errors import UsageError
 
@@ -44,6 +52,66 @@ class Command:
     host: str | None = None
 
 
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+@dataclass(frozen=True)
+class BackendOption:
+    """One option a backend accepts: ``name``, value ``type`` (bool, int, float or str), ``default``, ``help``.
+
+    ``default=None`` means "unset" (the value is then ``None`` or of ``type``); ``choices`` limits the values.
+    ``flag`` names the ``elasticzero-launch`` flag that also sets it, for messages and ``--help``.
+    """
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple[Any, ...] = ()
+    flag: str | None = None
+
+    def parse(self, value: object, backend: str) -> Any:
+        """``value`` (a string from the command line, or an already typed value) as this option's type."""
+        if value is None and self.default is None:
+            return None
+        if isinstance(value, str) and self.type is not str:
+            value = self._from_text(value, backend)
+        ok = isinstance(value, self.type) and not (self.type is not bool and isinstance(value, bool))
+        if self.type is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise self._error(backend, value, f"expected {self.type.__name__}")
+        if self.choices and value not in self.choices:
+            raise self._error(backend, value, "expected one of " + ", ".join(map(str, self.choices)))
+        return value
+
+    def _from_text(self, text: str, backend: str) -> Any:
+        if self.type is bool:
+            if text.lower() in _TRUE | _FALSE:
+                return text.lower() in _TRUE
+            raise self._error(backend, text, "expected true or false")
+        try:
+            return self.type(text)
+        except ValueError:
+            raise self._error(backend, text, f"expected {self.type.__name__}") from None
+
+    def _error(self, backend: str, value: object, expected: str) -> UsageError:
+        return UsageError(f"launcher {backend!r}: option {self.name}={value!r}: {expected}")
+
+    def describe(self) -> str:
+        """One line for ``--help`` and the docs: ``name (type, default X): help``."""
+        kind = "|".join(map(str, self.choices)) if self.choices else self.type.__name__
+        flag = f"; flag {self.flag}" if self.flag else ""
+        return f"{self.name} ({kind}, default {self.default!r}{flag}): {self.help}"
+
+
+#: options every backend accepts: they belong to the launcher itself (``execute`` reads them)
+LAUNCHER_OPTIONS = (
+    BackendOption("save_pid", str, None, "write the launcher pid to this path while the job runs", flag="--save-pid"),
+)
+
+
 class LauncherBackend(ABC):
     """Base class of launcher backends (``--launcher NAME``)."""
 
@@ -51,6 +119,8 @@ class LauncherBackend(ABC):
     name: ClassVar[str]
     #: programs that must be on PATH for :meth:`check_available`
     required_programs: ClassVar[tuple[str, ...]] = ()
+    #: the options this backend accepts (besides :data:`LAUNCHER_OPTIONS`)
+    options: ClassVar[tuple[BackendOption, ...]] = ()
 
     def check_available(self) -> None:
         """Raise :class:`UsageError` naming the missing program when this backend cannot run here."""
@@ -67,6 +137,57 @@ class LauncherBackend(ABC):
     def commands(self, plan: LaunchPlan) -> list[Command]:
         """The commands that start one agent per node of ``plan``."""
 
+    def stage(self, plan: LaunchPlan) -> None:  # noqa: B027 - optional hook
+        """Put on the nodes what :meth:`commands` expects there (e.g. the exported environment's values).
+
+        Called by ``execute`` right before the commands start (never by ``--dry-run``); raise
+        :class:`UsageError` naming the host when that fails. Nothing may change on any host before this call.
+        """
+
+    def unstage(self, plan: LaunchPlan) -> None:  # noqa: B027 - optional hook
+        """Remove what :meth:`stage` left behind and the job did not consume; called when the run did not succeed."""
+
+    @classmethod
+    def all_options(cls) -> tuple[BackendOption, ...]:
+        """The declared options and :data:`LAUNCHER_OPTIONS`."""
+        return (*cls.options, *LAUNCHER_OPTIONS)
+
+    @classmethod
+    def resolve_options(cls, given: Mapping[str, object], sources: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Every option of this backend, typed: ``given`` (strings or typed values) checked, defaults filled.
+
+        An unknown key is one :class:`UsageError` naming the backend, the key (and ``sources[key]``, the flag
+        that set it) and the valid keys.
+        """
+        known = {o.name: o for o in cls.all_options()}
+        for key in given:
+            if key not in known:
+                via = f" (set by {sources[key]})" if sources and key in sources else ""
+                valid = ", ".join(sorted(known))
+                raise UsageError(
+                    f"launcher {cls.name!r} has no option {key!r}{via}; valid options: {valid}; "
+                    "see elasticzero-launch --help"
+                )
+        return {name: opt.parse(given.get(name, opt.default), cls.name) for name, opt in known.items()}
+
+    def with_options(self, plan: LaunchPlan) -> LaunchPlan:
+        """``plan`` with its options checked against this backend's declaration and typed (defaults filled).
+
+        Backends call it first in :meth:`commands`, so a plan built by hand is checked like one from the CLI.
+        """
+        return replace(plan, options=self.resolve_options(plan.options))
+
+
+def options_help(launchers: Mapping[str, type[LauncherBackend]]) -> str:
+    """The per-backend option table for ``elasticzero-launch --help``."""
+    lines = ["launcher options (--launcher-opt KEY=VALUE, repeatable; or the flag named):"]
+    for name, cls in sorted(launchers.items()):
+        lines.append(f"  {name}:")
+        lines += [f"    {o.describe()}" for o in cls.options] or ["    (none)"]
+    lines.append("  every launcher:")
+    lines += [f"    {o.describe()}" for o in LAUNCHER_OPTIONS]
+    return "\n".join(lines)
+
 
 def available_launchers() -> dict[str, type[LauncherBackend]]:
     """All registered backends by name (loads the entry points)."""
@@ -76,11 +197,16 @@ def available_launchers() -> dict[str, type[LauncherBackend]]:
     return found
 
 
-def get_launcher(name: str) -> LauncherBackend:
-    """Instantiate the backend registered as ``name``; an unknown name lists the available ones."""
+def launcher_class(name: str) -> type[LauncherBackend]:
+    """The backend class registered as ``name``; an unknown name lists the available ones."""
     eps = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
     if name not in eps:
         names = ", ".join(sorted(eps)) or "none installed"
         raise UsageError(f"unknown --launcher {name!r}; available: {names}")
-    cls = eps[name].load()
-    return cls()
+    cls: type[LauncherBackend] = eps[name].load()
+    return cls
+
+
+def get_launcher(name: str) -> LauncherBackend:
+    """Instantiate the backend registered as ``name``; an unknown name lists the available ones."""
+    return launcher_class(name)()

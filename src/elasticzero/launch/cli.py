@@ -5,8 +5,12 @@ Flow: parse flags (:mod:`.args`) → discover the pool (:mod:`.resources`) → `
 ``--dry-run`` prints the plan and starts nothing; otherwise ``backend.preflight(plan)`` and
 ``elasticzero.launch.execute.execute(plan, backend)``, whose return value is the exit code.
 
-Backend options the plan carries in ``plan.options``: ``ssh_port`` (int | None), ``ssh_check`` (bool),
-``node_rank`` (int | None, ``--no-ssh``), ``per_rank`` (bool), ``save_pid`` (path | None), ``force_multi`` (bool).
+Backend options: each backend declares them (:attr:`~elasticzero.launch.backend.LauncherBackend.options`); the
+flags of :data:`OPTION_FLAGS` and ``--launcher-opt KEY=VALUE`` set them, and the backend checks them while the plan
+is built, so ``plan.options`` is typed and complete and a key the backend does not have is a :class:`UsageError`.
+
+Planning is pure: nothing on disk or on any host changes before execution starts. A bare ``--save-pid`` stays
+``""`` in the plan; the private default path (:func:`default_pid_file`) is made only when the plan is executed.
 
 Two checks guard the plan as a whole: a plan that spans several nodes (or an elastic ``--nnodes MIN:MAX`` with
 MAX > 1 on a multi-node backend) must not rendezvous on a loopback address (every node would host its own store),
@@ -25,6 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from elasticzero.errors import UsageError, cli_main
@@ -33,7 +38,7 @@ from elasticzero.launch.args import DEFAULT_MASTER_PORT, PROG, parse_args
 from elasticzero.launch.envexport import export_env
 from elasticzero.launch.filters import apply_filters, select_first
 from elasticzero.launch.hostfile import ResourcePool, host_problem, is_loopback, normalize_host
-from elasticzero.launch.plan import MASK, AgentOptions, LaunchPlan, NodeSpec, is_secret
+from elasticzero.launch.plan import MASK, AgentOptions, LaunchPlan, NodeSpec, is_secret, mask_value
 from elasticzero.launch.resources import LOCALHOST, discover
 from elasticzero.proc import check_job_id
 
@@ -42,6 +47,14 @@ _NNODES = re.compile(r"(\d+)(?::(\d+))?")
 SINGLE_NODE_BACKENDS = frozenset({"local"})
 #: the pid file inside the private directory made when ``$XDG_RUNTIME_DIR`` is not usable
 PID_FILE_NAME = "launcher.pid"
+#: flags that set a backend option: flag → (option, its value from the parsed flags, or None when not given)
+OPTION_FLAGS: dict[str, tuple[str, Callable[[argparse.Namespace], object]]] = {
+    "--ssh-port": ("ssh_port", lambda a: a.ssh_port),
+    "--no-ssh-check": ("ssh_check", lambda a: False if a.no_ssh_check else None),
+    "--per-rank": ("per_rank", lambda a: True if a.per_rank else None),
+    "--node-rank": ("node_rank", lambda a: a.node_rank),
+    "--save-pid": ("save_pid", lambda a: a.save_pid),  # "" (bare flag): the default path, made at execution
+}
 
 
 def make_job_id() -> str:
@@ -128,13 +141,30 @@ def default_pid_file(env: Mapping[str, str]) -> str:
     return os.path.join(tempfile.mkdtemp(prefix="elasticzero-"), PID_FILE_NAME)
 
 
-def _made_pid_dir(args: argparse.Namespace, plan: LaunchPlan) -> Path | None:
-    """The private directory :func:`default_pid_file` made for this plan, if it made one."""
-    path = plan.options.get("save_pid")
-    if args.save_pid != "" or not path or Path(path).name != PID_FILE_NAME:
-        return None
+def _made_pid_dir(path: str) -> Path | None:
+    """The private directory :func:`default_pid_file` made for ``path``, if it made one."""
     parent = Path(path).parent
-    return parent if parent.name.startswith("elasticzero-") else None
+    made = Path(path).name == PID_FILE_NAME and parent.name.startswith("elasticzero-")
+    return parent if made else None
+
+
+def _launcher_options(args: argparse.Namespace) -> tuple[dict[str, object], dict[str, str]]:
+    """The backend options the command line sets (flags, then ``--launcher-opt``) and the flag that set each."""
+    given: dict[str, object] = {}
+    sources: dict[str, str] = {}
+    for flag, (key, value_of) in OPTION_FLAGS.items():
+        value = value_of(args)
+        if value is not None:
+            given[key], sources[key] = value, flag
+    for item in args.launcher_opt:
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise UsageError(f"--launcher-opt {item!r}: expected KEY=VALUE, e.g. --launcher-opt mpiexec=mpiexec")
+        if key in sources:
+            raise UsageError(f"--launcher-opt {key}=…: option {key!r} is already set by {sources[key]}; give it once")
+        given[key], sources[key] = value, f"--launcher-opt {key}=…"
+    return given, sources
 
 
 def _launcher_name(args: argparse.Namespace, n_nodes: int) -> str:
@@ -205,9 +235,7 @@ def build_plan(
     home = Path(env["HOME"]) if env.get("HOME") else None
     exported = export_env(env, args.export, args.export_prefix, home=home, cwd=Path(cwd))
     launcher_args = _launcher_args(args.launcher_args)
-    save_pid = None
-    if args.save_pid is not None:  # last: the default may create a directory, so nothing may fail after it
-        save_pid = args.save_pid or default_pid_file(env)
+    options = backend_mod.launcher_class(name).resolve_options(*_launcher_options(args))
     return LaunchPlan(
         job_id=args.rdzv_id or make_job_id(),
         backend=name,
@@ -219,14 +247,7 @@ def build_plan(
         agent=agent,
         env=exported,
         launcher_args=launcher_args,
-        options={
-            "ssh_port": args.ssh_port,
-            "ssh_check": not args.no_ssh_check,
-            "node_rank": args.node_rank,
-            "per_rank": args.per_rank,
-            "save_pid": save_pid,
-            "force_multi": args.force_multi,
-        },
+        options=options,
     )
 
 
@@ -251,6 +272,8 @@ def render_plan(plan: LaunchPlan) -> str:
         "  nodes:",
     ]
     lines += [f"    {n.node_rank:>3}  {n.host}  slots {','.join(map(str, n.slots))}" for n in plan.nodes]
+    opts = " ".join(f"{k}={mask_value(k, repr(v))}" for k, v in sorted(plan.options.items()))
+    lines.append(f"  options:   {opts or '(none)'}")
     lines.append(f"  env ({len(plan.env)} exported):")
     lines += [f"    {k}={_shown(k, v)}" for k, v in sorted(plan.env.items())]
     lines.append("  commands:")
@@ -277,9 +300,15 @@ def _run(argv: Sequence[str] | None) -> int:
 
         return run_from_launch(args, entry, args.autotuning)
     plan = build_plan(args, entry, os.environ, os.getcwd())
-    pid_dir = _made_pid_dir(args, plan)
+    backend = backend_mod.get_launcher(plan.backend)
+    if args.dry_run:
+        return _show(args, plan, backend)
+    if plan.options.get("save_pid") != "":
+        return _execute(plan, backend)
+    path = default_pid_file(os.environ)  # execution starts here: the only place the default path is made
+    pid_dir = _made_pid_dir(path)
     try:
-        return _show_or_execute(args, plan)
+        return _execute(replace(plan, options={**plan.options, "save_pid": path}), backend)
     finally:
         if pid_dir is not None:
             try:
@@ -288,21 +317,20 @@ def _run(argv: Sequence[str] | None) -> int:
                 pass
 
 
-def _show_or_execute(args: argparse.Namespace, plan: LaunchPlan) -> int:
-    """Print the plan (``--dry-run``) or run it; the exit code."""
-    backend = backend_mod.get_launcher(plan.backend)
-    if args.dry_run:
-        try:
-            backend.check_available()
-        except UsageError as exc:
-            print(f"{PROG}: note: {exc} (a real launch would stop here)", file=sys.stderr)
-        backend.commands(plan)  # the real plan must build: its errors are the launch's errors
-        shown = shown_plan(plan, backend)
-        if args.dry_run == "json":
-            print(json.dumps(shown.to_json(), indent=2))
-        else:
-            print(render_plan(shown))
-        return 0
+def _show(args: argparse.Namespace, plan: LaunchPlan, backend: backend_mod.LauncherBackend) -> int:
+    """Print the plan (``--dry-run``); nothing is created or started."""
+    try:
+        backend.check_available()
+    except UsageError as exc:
+        print(f"{PROG}: note: {exc} (a real launch would stop here)", file=sys.stderr)
+    backend.commands(plan)  # the real plan must build: its errors are the launch's errors
+    shown = shown_plan(plan, backend)
+    print(json.dumps(shown.to_json(), indent=2) if args.dry_run == "json" else render_plan(shown))
+    return 0
+
+
+def _execute(plan: LaunchPlan, backend: backend_mod.LauncherBackend) -> int:
+    """Check, build the commands, preflight, execute; the exit code."""
     backend.check_available()
     plan = plan.with_commands(backend.commands(plan))
     backend.preflight(plan)

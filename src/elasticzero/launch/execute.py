@@ -66,9 +66,14 @@ def execute(plan: LaunchPlan, backend: LauncherBackend) -> int:
         write_pid_file(str(pid_file))
     received: list[int] = []
     restore = _install_handlers(received.append)
+    code = 1
     try:
-        return _run(plan, backend, commands, received)
+        backend.stage(plan)  # what the commands need on the nodes (pdsh: the env file); nothing changed before
+        code = _run(plan, backend, commands, received)
+        return code
     finally:
+        if code != 0:
+            backend.unstage(plan)  # remove what the job did not consume
         restore()
         if pid_file:
             Path(pid_file).unlink(missing_ok=True)

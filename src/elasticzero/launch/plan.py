@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -77,8 +78,11 @@ class LaunchPlan:
     agent: AgentOptions
     env: dict[str, str] = field(default_factory=dict)  # exported name -> value
     launcher_args: tuple[str, ...] = ()  # raw extra args for the transport (--launcher-args), passed as given
-    options: dict[str, Any] = field(default_factory=dict)  # backend options (ssh_port, ssh_check, …)
+    #: backend options, typed and complete once checked by the backend (``LauncherBackend.resolve_options``)
+    options: dict[str, Any] = field(default_factory=dict)
     commands: tuple[Command, ...] = ()
+    #: random per plan: names what a backend stages on the nodes for this run (pdsh's env file)
+    nonce: str = field(default_factory=lambda: secrets.token_hex(8), compare=False)
 
     @property
     def world_size(self) -> int:
@@ -147,6 +151,7 @@ class LaunchPlan:
             "nodes": [{"host": n.host, "node_rank": n.node_rank, "slots": list(n.slots)} for n in self.nodes],
             "commands": [list(c.argv) for c in self.commands],
             "env": {k: mask_value(k, v) for k, v in sorted(self.env.items())},
+            "options": {k: MASK if is_secret(k) else v for k, v in sorted(self.options.items())},
             "cwd": self.cwd,
         }
 

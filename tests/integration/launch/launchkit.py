@@ -7,6 +7,7 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -199,3 +200,57 @@ def leftovers(job_id: str, tb: Testbed) -> dict[str, list[int]]:
 def worker_env_clean() -> dict[str, str]:
     """The test process environment without variables a transport would mistake for its own."""
     return {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "SLURM_", "MV2_"))}
+
+
+def all_pids(tb: Testbed) -> set[int]:
+    """Every process of the root namespace and of each namespace host (``ip netns pids``)."""
+    found = {int(p) for p in os.listdir("/proc") if p.isdigit()}
+    for ns in tb.netns:
+        found.update(netns_pids(ns))
+    return found
+
+
+def argv_hits(needles: list[bytes], pids: set[int]) -> list[tuple[int, bytes]]:
+    """Processes of ``pids`` whose argv (``/proc/PID/cmdline``) contains one of ``needles``."""
+    hits = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if any(n in cmdline for n in needles):
+            hits.append((pid, cmdline))
+    return hits
+
+
+class ArgvWatch:
+    """Scan every process's argv, on every host, over and over while a job runs: ``hits`` must stay empty.
+
+    The loop catches short-lived processes (ssh, the remote shell) as well as the long-lived ones; the test also
+    calls :meth:`scan` at a point where every rank is known to be running.
+    """
+
+    def __init__(self, tb: Testbed, needles: list[bytes]) -> None:
+        self.tb, self.needles = tb, needles
+        self.hits: list[tuple[int, bytes]] = []
+        self.scans = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def scan(self) -> None:
+        self.hits += argv_hits(self.needles, all_pids(self.tb))
+        self.scans += 1
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.scan()
+            self._stop.wait(0.01)  # pacing only: the job is synchronised on files, not on this
+
+    def __enter__(self) -> ArgvWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

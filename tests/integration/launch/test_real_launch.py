@@ -1,4 +1,5 @@
-"""Real launches on the namespace test bed: 2 hosts x 2 ranks, gloo all_reduce, hostile strings end to end.
+"""Real launches on the namespace test bed: 2 hosts x 2 ranks, gloo all_reduce, hostile strings end to end, and
+no exported value in any process's argv on any host (``/proc/*/cmdline`` of the root and every namespace host).
 
 Each backend starts one ``elasticzero-run`` agent per host (or, per-rank mode, every rank through
 ``elasticzero.launch.rankenv``). Hosts are given in reverse name order, so node ranks must follow the plan
@@ -7,6 +8,7 @@ Each backend starts one ``elasticzero-run`` agent per host (or, per-rank mode, e
 
 from __future__ import annotations
 
+import glob
 import secrets
 import subprocess
 from pathlib import Path
@@ -14,15 +16,20 @@ from typing import Any
 
 import pytest
 from launchkit import (
+    LAUNCH_TIMEOUT,
     WORKER,
+    ArgvWatch,
     hostile_args,
     hostile_dir,
     hostile_env,
+    kill_job,
     launch,
     leftovers,
     make_spec,
     markers,
     reports,
+    start,
+    wait_for,
 )
 
 import ez_testing
@@ -86,19 +93,44 @@ def check_reports(
 
 
 def hostile_launch(backend: str, tmp_path: Path, options: dict[str, Any]) -> None:
+    """Hostile args/env/cwd arrive byte-for-byte, nothing is injected, and no secret value is ever in an argv.
+
+    Every rank holds (``EZ_TEST_HOLD``) until the test has scanned every process's argv on every host with all
+    ranks running; a background scan covers the whole launch (ssh, remote shells, transports, agents, ranks).
+    """
     tb, hosts = bed(backend)
     nodes = [[hosts[1], [0, 1]], [hosts[0], [2, 3]]]  # reverse name order on purpose
     mark = tmp_path / "mark"
     mark.mkdir()
     token = f"EZPWN{secrets.token_hex(4)}"
     cwd = hostile_dir(tmp_path, token)
-    args, env = hostile_args(mark), hostile_env(mark)
-    spec = make_spec(tb, backend, tmp_path, nodes=nodes, entry=[WORKER, *args], env=env, options=options, cwd=cwd)
-    p = launch(spec, tmp_path)
-    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    secret = f"s3cr3t{secrets.token_hex(8)}"
+    args = hostile_args(mark)
+    env = {**hostile_env(mark), "EZT_API_KEY": f"{secret} 'q' \"d\" $(touch {mark}/m-key) %h %%\nline2\n"}
+    hold = tmp_path / "release"
+    spec = make_spec(
+        tb, backend, tmp_path, nodes=nodes, entry=[WORKER, *args], env={**env, "EZ_TEST_HOLD": str(hold)},
+        options=options, cwd=cwd,
+    )  # fmt: skip
+    out = Path(spec["env"]["EZ_TEST_OUT"])
+    with ArgvWatch(tb, [secret.encode()]) as watch:
+        proc = start(spec, tmp_path)
+        try:
+            wait_for(lambda: len(list(out.glob("held-*"))) == 4 or proc.poll() is not None, 180, "4 ranks to hold")
+            watch.scan()  # every rank is running now
+            hold.touch()
+            log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                kill_job(spec["job_id"])
+    assert proc.returncode == 0, log[-3000:]
+    assert watch.hits == [], f"a secret value was in the argv of {watch.hits}"
+    assert watch.scans > 10
     check_reports(spec, nodes, args, env, cwd)
     assert markers(mark, token, tmp_path, cwd) == [], "an injected command ran"
     assert leftovers(spec["job_id"], tb) == {}
+    assert glob.glob(f"/tmp/elasticzero-env-{spec['job_id']}-*") == [], "an env file was left on a host"
 
 
 @pytest.mark.parametrize("backend", params("pdsh", "openmpi", "mpich", "mvapich", "slurm"))

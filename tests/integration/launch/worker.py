@@ -1,6 +1,7 @@
 """Test worker: a gloo all_reduce, then a JSON report of what this rank saw, written to $EZ_TEST_OUT/rank-<R>.json.
 
 ``EZ_TEST_SLEEP=S``: write ``pid-<RANK>-<pid>`` (content: host name) and sleep S seconds first.
+``EZ_TEST_HOLD=PATH``: write ``held-<RANK>`` and wait until PATH exists before going on (the test releases it).
 ``EZ_TEST_EXIT_RANK=R:CODE`` (R a rank or ``*``; CODE a number or ``KILL``): after the report, exit that way.
 
 Reports go to files, not stdout: transports interleave the lines of several ranks.
@@ -20,6 +21,11 @@ import torch.distributed as dist
 
 
 def main() -> int:
+    if os.environ.get("EZ_TEST_HOLD"):
+        with open(os.path.join(os.environ["EZ_TEST_OUT"], f"held-{os.environ.get('RANK')}"), "w") as f:
+            f.write(socket.gethostname())
+        while not os.path.exists(os.environ["EZ_TEST_HOLD"]):
+            time.sleep(0.05)  # the test creates the file once it has looked at every process
     if os.environ.get("EZ_TEST_SLEEP"):
         out = os.environ["EZ_TEST_OUT"]
         with open(os.path.join(out, f"pid-{os.environ.get('RANK')}-{os.getpid()}"), "w") as f:

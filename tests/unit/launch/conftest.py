@@ -18,13 +18,20 @@ import pytest
 from elasticzero.launch import resources
 
 FAKE_BACKEND = """
-from elasticzero.launch.backend import Command, LauncherBackend
+from elasticzero.launch.backend import BackendOption, Command, LauncherBackend
 
 CALLS = []
 
 
 class FakeBackend(LauncherBackend):
+    # a site's backend declares its options like the shipped ones
     name = "fake"
+    options = (
+        BackendOption("ssh_port", int, None, "port", flag="--ssh-port"),
+        BackendOption("ssh_check", bool, True, "check ssh", flag="--no-ssh-check"),
+        BackendOption("site_queue", str, "default", "the site's queue", choices=("default", "gpu")),
+        BackendOption("site_timeout", float, 30.0, "seconds"),
+    )
 
     def preflight(self, plan):
         CALLS.append(("preflight", plan.job_id))

@@ -155,7 +155,7 @@ def test_deepspeed_spellings(launch_env: Executions, tmp_path: Path) -> None:
     assert plan.launcher_args == ("-x", "FOO", "--mca", "a b")
     assert plan.options["ssh_check"] is False
     assert plan.options["ssh_port"] == 2222
-    assert plan.options["save_pid"] == str(tmp_path / f"elasticzero-{os.getpid()}.pid")
+    assert plan.options["save_pid"] == ""  # bare flag: the default path is made only when the plan executes
     assert plan.agent.bind_cores_to_rank and plan.agent.no_python
     assert plan.agent.log_dir == str(tmp_path / "logs")
     assert plan.agent.max_restarts == 3
@@ -539,3 +539,127 @@ def test_unbalanced_launcher_args_quote_is_a_usage_error(
 ) -> None:
     msg = _error(capsys, ["--launcher", "fake", "--launcher-args", "--mca 'a", "t.py"], launch_env)
     assert msg == '--launcher-args "--mca \'a": No closing quotation; balance the quotes'
+
+
+# --- typed backend options ----------------------------------------------------------------------------------------
+
+
+def test_launcher_opt_sets_typed_options_shown_by_dry_run(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--launcher", "fake", "--launcher-opt", "site_queue=gpu", "--launcher_opt", "site_timeout=2.5"]
+    plan = _json(capsys, [*argv, "--ssh-port", "2200", "--dry-run=json", "t.py"])
+    assert plan["options"] == {
+        "save_pid": None, "site_queue": "gpu", "site_timeout": 2.5, "ssh_check": True, "ssh_port": 2200
+    }  # fmt: skip
+    assert main([*argv, "--dry-run", "t.py"]) == 0
+    assert "options:   save_pid=None site_queue='gpu' site_timeout=2.5 ssh_check=True" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--launcher-opt", "nope=1"], "launcher 'fake' has no option 'nope' (set by --launcher-opt nope=…); "
+         "valid options: save_pid, site_queue, site_timeout, ssh_check, ssh_port; see elasticzero-launch --help"),
+        (["--launcher-opt", "site_timeout=soon"], "launcher 'fake': option site_timeout='soon': expected float"),
+        (["--launcher-opt", "site_queue=cpu"], "option site_queue='cpu': expected one of default, gpu"),
+        (["--launcher-opt", "ssh_check=maybe"], "launcher 'fake': option ssh_check='maybe': expected true or false"),
+        (["--launcher-opt", "site_queue"], "--launcher-opt 'site_queue': expected KEY=VALUE"),
+        (["--ssh-port", "22", "--launcher-opt", "ssh_port=23"], "option 'ssh_port' is already set by --ssh-port"),
+        (["--per-rank"], "launcher 'fake' has no option 'per_rank' (set by --per-rank)"),
+    ],
+)  # fmt: skip
+def test_unknown_or_mistyped_options_are_one_clear_error(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert message in _error(capsys, ["--launcher", "fake", *argv, "t.py"], launch_env)
+
+
+def test_mpiexec_and_mvapich_launcher_are_settable(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    hf = _hostfile(tmp_path / "hf")
+    odd = "/opt/my mpi/bin/mpiexec;$(x)"  # a hostile value stays one argv element
+    plan = _json(capsys, ["-H", hf, "--launcher", "mpich", "--launcher-opt", f"mpiexec={odd}", "--dry-run=json", "t"])
+    assert plan["commands"][0][0] == odd and plan["options"]["mpiexec"] == odd
+    argv = ["-H", hf, "--launcher", "mvapich", "--launcher-opt", "mvapich_launcher=hydra", "--dry-run=json", "t"]
+    plan = _json(capsys, argv)
+    assert plan["commands"][0][0] == "mpiexec" and "-genvlist" in plan["commands"][0]
+    assert plan["options"] == {"mpiexec": "mpiexec", "mvapich_launcher": "hydra", "per_rank": False, "save_pid": None}
+    argv = ["-H", hf, "--launcher", "mvapich", "--launcher-opt", "mvapich_launcher=rsh", "t"]
+    assert "expected one of mpirun_rsh, hydra" in _error(capsys, argv, launch_env)
+
+
+def test_help_lists_every_backends_options(launch_env: Executions, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--launcher-opt KEY=VALUE" in out
+    section = out[out.index("launcher options") :]
+    parts = re.split(r"^  (\S[^:]*):$", section, flags=re.MULTILINE)
+    blocks = dict(zip(parts[1::2], parts[2::2], strict=True))
+    for backend, option in [
+        ("pdsh", "ssh_port (int, default None; flag --ssh-port)"),
+        ("mpich", "mpiexec (str, default 'mpiexec.hydra')"),
+        ("mvapich", "mvapich_launcher (mpirun_rsh|hydra, default 'mpirun_rsh')"),
+        ("no-ssh", "node_rank (int, default None; flag --node-rank)"),
+        ("fake", "site_queue (default|gpu, default 'default')"),  # a site's own plugin
+        ("slurm", "per_rank (bool, default False; flag --per-rank)"),
+    ]:
+        assert option in blocks[backend], (backend, option)
+    assert "save_pid (str, default None; flag --save-pid)" in blocks["every launcher"]
+
+
+# --- planning is pure ---------------------------------------------------------------------------------------------
+
+PURE_BACKENDS = {  # backend → the flags that select it and its options
+    "fake": ["--launcher", "fake", "--no-ssh-check", "--launcher-opt", "site_queue=gpu"],
+    "pdsh": ["--launcher", "pdsh", "--ssh-port", "2222", "--no-ssh-check"],
+    "openmpi": ["--launcher", "openmpi", "--per-rank"],
+    "mpich": ["--launcher", "mpich", "--launcher-opt", "mpiexec=mpiexec"],
+    "mvapich": ["--launcher", "mvapich"],
+    "slurm": ["--launcher", "slurm", "--per-rank"],
+    "local": ["--launcher", "local", "--num-nodes", "1"],
+    "no-ssh": ["--no-ssh", "--node-rank", "1"],
+}
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    """Every path under ``root`` with its mode and modification time."""
+    return {str(p): (p.lstat().st_mode, p.lstat().st_mtime_ns) for p in [root, *root.rglob("*")]}
+
+
+def test_dry_run_touches_nothing_with_any_flag_combination(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import itertools
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "1")  # srun's CPU count from the (absent) allocation: no sinfo call
+    secret = "hf_s3cr3t 'q' %h\nline"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    monkeypatch.setenv("EZ_A", "$(touch /tmp/ez-pwn)")
+    (Path(os.environ["HOME"]) / ".elasticzero_env").write_text("WANDB_API_KEY='wandb-s3cr3t'\n")
+    hf = _hostfile(tmp_path / "hf", "w0 slots=2\nw1 slots=2\n")
+    optional = [  # the flags that name something on disk, plus exported values
+        ["--save-pid"], [f"--save-pid={tmp_path / 'job-pid'}"], ["--log-dir", "logs"],
+        ["--export", "EZ_A", "--export-prefix", "EZ_", "--bind-cores-to-rank", "--max-restarts", "2"],
+    ]  # fmt: skip
+    before = _tree(tmp_path)
+    runs = 0
+    for name, select in PURE_BACKENDS.items():
+        for n in range(len(optional) + 1):
+            for combo in itertools.combinations(optional, n):
+                fmt = "--dry-run=json" if runs % 2 else "--dry-run"
+                argv = ["-H", hf, *select, *itertools.chain.from_iterable(combo), fmt, "t.py", "--x"]
+                assert main(argv) == 0, (name, argv, capsys.readouterr().err)
+                out = capsys.readouterr()
+                for value in (secret, "hf_s3cr3t", "wandb-s3cr3t"):
+                    assert value not in out.out + out.err, (name, argv)
+                runs += 1
+    assert runs == len(PURE_BACKENDS) * 2 ** len(optional)
+    assert _tree(tmp_path) == before  # no file, directory, pid file or log dir was created or changed
+    assert launch_env.calls == []

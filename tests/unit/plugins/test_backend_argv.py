@@ -6,6 +6,7 @@ import os
 import shlex
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from plugin_plans import HOSTILE, PY, make_plan
@@ -180,16 +181,21 @@ def test_local_and_no_ssh() -> None:
         get_launcher("local").commands(make_plan("local"))
     (mine,) = get_launcher("no-ssh").commands(make_plan("no-ssh", options={"node_rank": 1}))
     assert mine.host == "node2" and list(mine.argv) == agent(["--node-rank", "1"])
-    for bad in (None, 2, "x"):
-        with pytest.raises(UsageError, match="node-rank"):
+    for bad, message in ((None, "needs --node-rank"), (2, "--node-rank 2 is out of range"), ("x", "node_rank='x'")):
+        with pytest.raises(UsageError, match=message):
             get_launcher("no-ssh").commands(make_plan("no-ssh", options={"node_rank": bad}))
+
+
+def own_options(name: str) -> dict[str, Any]:
+    """The options a plan for backend ``name`` needs (no-ssh: which node this is)."""
+    return {"node_rank": 0} if name == "no-ssh" else {}
 
 
 @pytest.mark.parametrize("name", ["pdsh", "local", "no-ssh"])
 def test_per_rank_rejected_where_an_agent_is_required(name: str) -> None:
     nodes = [("localhost", [0])] if name == "local" else None
-    with pytest.raises(UsageError, match="per-rank"):
-        get_launcher(name).commands(make_plan(name, nodes, options={"per_rank": True, "node_rank": 0}))
+    with pytest.raises(UsageError, match=f"launcher '{name}' has no option 'per_rank'"):
+        get_launcher(name).commands(make_plan(name, nodes, options={"per_rank": True, **own_options(name)}))
 
 
 @pytest.mark.parametrize("name", ["openmpi", "mpich", "mvapich", "slurm"])
@@ -238,7 +244,7 @@ def test_mvapich_mpirun_rsh_rejects_a_cwd_needing_quotes() -> None:
 @pytest.mark.parametrize("name", ["openmpi", "mpich", "slurm", "local", "no-ssh"])
 def test_hostile_entry_and_cwd_are_single_argv_elements(name: str) -> None:
     nodes = [("localhost", [0])] if name == "local" else None
-    plan = make_plan(name, nodes, entry=("t.py", *HOSTILE), cwd="/w/$(x) 'a' ;b", options={"node_rank": 0})
+    plan = make_plan(name, nodes, entry=("t.py", *HOSTILE), cwd="/w/$(x) 'a' ;b", options=own_options(name))
     (cmd,) = get_launcher(name).commands(plan)
     assert list(cmd.argv[-len(HOSTILE) :]) == HOSTILE
 
@@ -256,7 +262,7 @@ BAD_HOSTS = ["a;b", "n1,n2", "-oProxyCommand=x", "node[1-2]", "user@h", "::1", "
 @pytest.mark.parametrize("name", ["pdsh", "openmpi", "mpich", "mvapich", "slurm", "no-ssh"])
 @pytest.mark.parametrize("host", BAD_HOSTS)
 def test_hostile_host_names_rejected(name: str, host: str) -> None:
-    plan = make_plan(name, [("node1", [0]), (host, [0])], options={"node_rank": 0})
+    plan = make_plan(name, [("node1", [0]), (host, [0])], options=own_options(name))
     with pytest.raises(UsageError, match="host name"):
         get_launcher(name).commands(plan)
 

@@ -1,4 +1,4 @@
-"""pdsh: the one remote shell string, checked by running it through real pdsh (``-R exec``) and bash."""
+"""pdsh: the one remote shell string and the env file, checked through real pdsh (``-R exec``) and sh."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,9 @@ from plugin_plans import HOSTILE, PY, make_plan
 from elasticzero.errors import UsageError
 from elasticzero.launch.backend import get_launcher
 from elasticzero.launch.cli import render_plan, shown_plan
-from elasticzero_plugins.pdsh import remote_command, ssh_base
+from elasticzero.launch.plan import LaunchPlan
+from elasticzero_plugins._common import job_env
+from elasticzero_plugins.pdsh import env_dir, env_payload, remote_command, ssh_base, stage_script, unstage_script
 from ez_testing import require
 
 PROG = "import json,os,sys; print(json.dumps([os.getcwd(), {k: v for k, v in os.environ.items() if k.startswith('EZT_')}, sys.argv[1:]]))"  # noqa: E501
@@ -24,17 +27,22 @@ PROG = "import json,os,sys; print(json.dumps([os.getcwd(), {k: v for k, v in os.
 
 def test_pdsh_argv_shape_and_ssh_port(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PDSH_SSH_ARGS_APPEND", raising=False)
-    (cmd,) = get_launcher("pdsh").commands(make_plan("pdsh", options={"ssh_port": 2222}))
+    plan = make_plan("pdsh", options={"ssh_port": 2222})
+    (cmd,) = get_launcher("pdsh").commands(plan)
     assert list(cmd.argv[:-1]) == ["pdsh", "-R", "ssh", "-S", "-f", "32", "-w", "node1,node2"]
     remote = cmd.argv[-1]
-    assert remote.count("%h") == 1 and "--node-host %h " in remote
-    assert remote.startswith("export NCCL_DEBUG=INFO; export ELASTICZERO_JOB_ID=ez-test-1; cd /work/dir && exec ")
+    assert remote.count("%h") == 2 and "--node-host %h " in remote
+    assert remote.startswith(
+        f'ezd="${{TMPDIR:-/tmp}}"/elasticzero-env-ez-test-1-{plan.nonce}.%h && eze=$(cat -- "$ezd/env") && '
+        'rm -f -- "$ezd/env" && rmdir -- "$ezd" && eval "$eze" && cd /work/dir && exec '
+    )
+    assert "INFO" not in remote and "NCCL_DEBUG" not in remote  # values (and names) travel over ssh's stdin
     assert cmd.env == {"PDSH_SSH_ARGS_APPEND": "-o BatchMode=yes -p 2222"}
 
 
 def test_percent_in_user_data_is_escaped_for_pdsh() -> None:
-    text = remote_command({"V": "50%h"}, "/d%n", ["p", "%u", "X"], host_placeholder="X")
-    assert text == "export V=50%%h; cd /d%%n && exec p %%u %h"
+    text = remote_command("ezd=X", "/d%n", ["p", "%u", "X"], host_placeholder="X")
+    assert text.endswith("cd /d%%n && exec p %%u %h") and text.startswith("ezd=%h && ")
 
 
 def test_launcher_args_go_before_the_remote_command() -> None:
@@ -42,20 +50,49 @@ def test_launcher_args_go_before_the_remote_command() -> None:
     assert list(cmd.argv[-3:-1]) == ["-u", "30"]
 
 
-def test_remote_string_through_real_pdsh_and_bash(tmp_path: Path) -> None:
+def test_pdsh_options_are_declared_and_typed() -> None:
+    backend = get_launcher("pdsh")
+    assert backend.resolve_options({}) == {"ssh_port": None, "ssh_check": True, "save_pid": None}
+    typed = backend.resolve_options({"ssh_port": "2200", "ssh_check": "false"})
+    assert (typed["ssh_port"], typed["ssh_check"]) == (2200, False)
+    with pytest.raises(UsageError, match=r"launcher 'pdsh': option ssh_port='22x': expected int"):
+        backend.resolve_options({"ssh_port": "22x"})
+    with pytest.raises(UsageError, match=r"has no option 'per_rank' \(set by --per-rank\); valid options: save_pid"):
+        backend.resolve_options({"per_rank": True}, {"per_rank": "--per-rank"})
+
+
+def _stage_locally(plan: LaunchPlan, host: str, tmp: Path) -> None:
+    """What ``ssh HOST <stage script>`` does on a node: the script under sh, the payload on its stdin."""
+    p = subprocess.run(
+        ["sh", "-c", stage_script(plan, host)], input=env_payload(job_env(plan)), env={"TMPDIR": str(tmp)},
+        capture_output=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+
+
+def test_env_file_through_real_sh_and_pdsh_arrives_byte_exact_and_is_removed(tmp_path: Path) -> None:
     require(shutil.which("pdsh") is not None, "pdsh not installed (run: bash tests/cluster/up.sh)")
     mark = tmp_path / "mark"
     mark.mkdir()
     hostile = [*HOSTILE, f"$(touch {mark}/a)", f"`touch {mark}/b`", f";touch {mark}/c"]
-    env = {"EZT_A": "x,y 'q' \"d\" $(touch {m}/e)\nz %h %%".replace("{m}", str(mark)), "EZT_EMPTY": ""}
+    env = {f"EZT_{i}": v for i, v in enumerate([*HOSTILE, f"x,y 'q' \"d\" $(touch {mark}/e)\nz %h %%", "\n\n"])}
+    env["EZT_BYTES"] = os.fsdecode(b"\xff\xfe raw \x01")  # not UTF-8: must arrive as the same bytes
     cwd = tmp_path / "cwd $(touch ezpwn-cwd) `touch ezpwn-cwd` 'q' #x * %h\nl2"
     cwd.mkdir()
+    plan = make_plan("pdsh", [("ha", [0]), ("hb", [0])], env=env, cwd=str(cwd))
+    for host in ("ha", "hb"):
+        _stage_locally(plan, host, tmp_path)
+        d = tmp_path / f"elasticzero-env-{plan.job_id}-{plan.nonce}.{host}"
+        assert (stat.S_IMODE(d.stat().st_mode), stat.S_IMODE((d / "env").stat().st_mode)) == (0o700, 0o600)
+    with pytest.raises(AssertionError):  # a second stage never reuses what is there
+        _stage_locally(plan, "ha", tmp_path)
     remote = remote_command(
-        env, str(cwd), [sys.executable, "-c", PROG, "HOSTSLOT", *hostile], host_placeholder="HOSTSLOT"
-    )
+        env_dir(plan, "HOSTSLOT"), str(cwd), [sys.executable, "-c", PROG, "HOSTSLOT", *hostile],
+        host_placeholder="HOSTSLOT",
+    )  # fmt: skip
     p = subprocess.run(
-        ["pdsh", "-R", "exec", "-N", "-w", "ha,hb", "bash", "-c", remote],
-        capture_output=True, text=True, timeout=60, check=False, env={**os.environ, "EZT_LEAK": "no"},
+        ["pdsh", "-R", "exec", "-N", "-w", "ha,hb", "sh", "-c", remote],
+        capture_output=True, timeout=60, check=False, env={**os.environ, "TMPDIR": str(tmp_path), "EZT_LEAK": "no"},
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
     seen = sorted(json.loads(line) for line in p.stdout.splitlines())
@@ -63,25 +100,23 @@ def test_remote_string_through_real_pdsh_and_bash(tmp_path: Path) -> None:
     for got_cwd, got_env, argv in seen:
         assert got_cwd == str(cwd)
         assert argv[1:] == hostile
-        assert {k: v for k, v in got_env.items() if k != "EZT_LEAK"} == env
+        got = {k: os.fsencode(v) for k, v in got_env.items() if k != "EZT_LEAK"}
+        assert got == {k: os.fsencode(v) for k, v in env.items()}
+    assert sorted(x.name for x in tmp_path.iterdir()) == sorted([cwd.name, "mark"])  # env files consumed
     assert list(mark.iterdir()) == []
     assert not any((d / "ezpwn-cwd").exists() for d in (tmp_path, Path.cwd(), Path.home()))
 
 
-def test_preflight_names_the_host_that_failed() -> None:
-    require(shutil.which("ssh") is not None, "ssh client not installed")
-    plan = make_plan("pdsh", [("no-such-host.invalid", [0])], options={"ssh_check": True})
-    with pytest.raises(UsageError, match=r"passwordless ssh to 'no-such-host\.invalid' failed .*--no-ssh-check"):
-        get_launcher("pdsh").preflight(plan)
-
-
-def test_no_ssh_check_skips_preflight() -> None:
-    plan = make_plan("pdsh", [("no-such-host.invalid", [0])], options={"ssh_check": False})
-    get_launcher("pdsh").preflight(plan)  # nothing raised, nothing contacted
+def test_unstage_script_removes_what_was_not_consumed(tmp_path: Path) -> None:
+    plan = make_plan("pdsh", env={"HF_TOKEN": "s3cret"})
+    _stage_locally(plan, "node1", tmp_path)
+    for _ in range(2):  # idempotent: the second run finds nothing and still succeeds
+        p = subprocess.run(["sh", "-c", unstage_script(plan, "node1")], env={"TMPDIR": str(tmp_path)}, check=False)
+        assert p.returncode == 0
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_dry_run_never_shows_a_secret_however_the_transport_rewrites_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    # pdsh's remote string holds each value shell-quoted with % doubled: a text search for the raw value misses it
     monkeypatch.delenv("PDSH_SSH_ARGS_APPEND", raising=False)
     secrets = {"HF_TOKEN": "zq7%wx'vy", "DB_KEY": "qz"}  # quoting + %, and a value too short to search for
     plan = make_plan("pdsh", env={**secrets, "NCCL_DEBUG": "INFO"})
@@ -91,12 +126,12 @@ def test_dry_run_never_shows_a_secret_however_the_transport_rewrites_it(monkeypa
     for out in outputs:
         for piece in ("zq7", "wx", "vy", "qz"):
             assert piece not in out, (piece, out)
-    (remote,) = [a for a in shown.commands[0].argv if a.startswith("export ")]
-    assert "export HF_TOKEN='****'; export DB_KEY='****'; export NCCL_DEBUG=INFO;" in remote
     assert shown.to_json()["env"] == {"DB_KEY": "****", "HF_TOKEN": "****", "NCCL_DEBUG": "INFO"}
-    # what runs is built from the real plan: the values are there, quoted for the remote shell and pdsh
+    # what runs carries no value at all: they go over ssh's stdin (stage), never in an argv
     (real,) = backend.commands(plan)
-    assert f"export HF_TOKEN={shlex.quote(secrets['HF_TOKEN'])}".replace("%", "%%") in real.argv[-1]
+    for piece in ("zq7", "wx", "vy", "qz", "INFO"):
+        assert not any(piece in a for a in real.argv) and piece not in json.dumps(real.env)
+    assert f"export HF_TOKEN={shlex.quote(secrets['HF_TOKEN'])}\n".encode() in env_payload(job_env(plan))
 
 
 FAKE_SSH = """#!{python}

@@ -1,17 +1,16 @@
-"""Train the small GPT with an elasticzero ZeRO stage (or plain DDP) on synthetic data.
+"""Train a small byte-level GPT on the Python standard library's source, elastically, with a ZeRO stage.
 
-Run under ``elasticzero-launch`` / ``elasticzero-run`` / ``torchrun``, which set RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR and MASTER_PORT; run directly, it is a world of one on 127.0.0.1::
+The job to copy. Run it under ``elasticzero-launch`` / ``elasticzero-run`` / ``torchrun`` (they set RANK,
+WORLD_SIZE, ...); run directly, it is a world of one::
 
-    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --zero 2 --steps 20
-    python examples/train_gpt.py --zero 0 --steps 5
+    elasticzero-launch --nproc-per-node 2 examples/train_gpt.py --steps 20
+    elasticzero-run --nnodes 1:2 --nproc-per-node 1 --rdzv-endpoint host:29400 --max-restarts 10 \\
+        examples/train_gpt.py --checkpoint-dir ckpt/ --save-every 10 --steps 500
 
-The training loop is the plain torch loop: forward, loss, ``backward``, clip, ``step``, ``zero_grad``. The ZeRO
-stage is an optimizer wrapper; nothing owns the loop. With ``--precision fp16`` an ``elasticzero.LossScaler`` (shaped
-like ``torch.amp.GradScaler``) scales the loss and skips steps with inf/NaN gradients on every rank alike.
-
-Data is synthetic and made locally (no downloads): every rank draws its own micro-batches from a seeded generator,
-so the global batch is ``world_size * batch_size``.
+Settings come from ``elasticzero.config`` (``--config``: a YAML file in ``examples/configs/`` or a DeepSpeed
+``ds_config.json``); the flags below override it. The global batch stays the same at every world size (the
+accumulation steps follow the world), so after losing or gaining a node the job resumes from the newest checkpoint
+in ``--checkpoint-dir`` at exactly the next sample, and trains as an uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,154 +29,172 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpt import GPT, SIZES, config_for, lm_loss, num_params, synthetic_batch
+from elasticzero.checkpoint import Checkpointer
+from elasticzero.config import build_pieces, load_config
+from elasticzero.data import ByteCorpus, ElasticLoader, ElasticSampler, stdlib_corpus
+from elasticzero.engine.zero.dcp_state import ZeroCheckpointState
+from gpt import GPT, config_for, lm_loss, num_params
+
+HERE = Path(__file__).resolve().parent
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command line; a DeepSpeed-style ``--ds-config`` supplies defaults that explicit flags override."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO stage; 0 = plain DDP (default 2)")
-    p.add_argument("--size", choices=sorted(SIZES), default="tiny", help="GPT size (default tiny)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 40)")
-    p.add_argument("--batch-size", type=int, default=None, help="micro-batch per rank (default 8)")
-    p.add_argument("--seq-len", type=int, default=32, help="tokens per sample (default 32)")
-    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 3e-3)")
-    p.add_argument("--clip", type=float, default=None, help="global gradient-norm clip, 0 = off (default 1.0)")
-    p.add_argument(
-        "--precision", choices=("fp32", "bf16", "fp16"), default="fp32", help="ZeRO compute precision; DDP is fp32"
-    )
-    p.add_argument("--seed", type=int, default=1234, help="model init seed (same on every rank)")
-    p.add_argument("--ds-config", type=Path, default=None, help="DeepSpeed-style JSON (e.g. examples/ds_config.json)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (default 1)")
+    p.add_argument("--config", "--ds-config", type=Path, default=HERE / "configs" / "gpt.yaml", help="config file")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage; 0 = plain DDP (config: zero.stage)")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps in total (default 40)")
+    p.add_argument("--global-batch-size", type=int, help="sequences per optimizer step, at every world size")
+    p.add_argument("--micro-batch-size", type=int, help="sequences per rank per forward/backward")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="compute precision (config: precision.dtype)")
+    p.add_argument("--seed", type=int, default=1234, help="model init and data order seed (default 1234)")
+    p.add_argument("--checkpoint-dir", type=Path, help="save here; resume from the newest checkpoint in it")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (and at the end)")
+    p.add_argument("--size", default="small", help="GPT size from examples/gpt.py, vocabulary 256 (default small)")
+    p.add_argument("--seq-len", type=int, default=128, help="bytes per sample (default 128)")
+    p.add_argument("--eval-every", type=int, default=0, help="eval loss every K steps (always at the end)")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank (default 0)")
+    p.add_argument("--record-samples", type=Path, help="append each step's sample ids per rank to this JSONL file")
     return p.parse_args(argv)
 
 
-def apply_ds_config(args: argparse.Namespace) -> dict[str, Any]:
-    """Fill unset flags from the few DeepSpeed keys this example reads; returns the parsed JSON.
-
-    The full mapping (with strict validation and a report of unsupported keys) belongs to ``elasticzero.config``;
-    this example reads only what it uses so it stays runnable on its own.
-    """
-    cfg: dict[str, Any] = json.loads(args.ds_config.read_text()) if args.ds_config else {}
-    opt_params = cfg.get("optimizer", {}).get("params", {})
-    defaults = {
-        "zero": cfg.get("zero_optimization", {}).get("stage", 2),
-        "batch_size": cfg.get("train_micro_batch_size_per_gpu", 8),
-        "lr": opt_params.get("lr", 3e-3),
-        "clip": cfg.get("gradient_clipping", 1.0),
-        "steps": 40,
-    }
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.precision == "fp32":
-        if cfg.get("bf16", {}).get("enabled"):
-            args.precision = "bf16"
-        elif cfg.get("fp16", {}).get("enabled"):
-            args.precision = "fp16"
-    return cfg
+def overrides(args: argparse.Namespace) -> list[str]:
+    """Flags that override the config file, as omegaconf dotlist entries."""
+    pairs = [("zero.stage", args.zero), ("precision.dtype", args.precision)]
+    pairs += [("train_batch_size", args.global_batch_size), ("micro_batch_size", args.micro_batch_size)]
+    return [f"{key}={value}" for key, value in pairs if value is not None]
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
+def init_distributed() -> tuple[int, int]:
     """``init_process_group`` from the launcher's env (gloo on CPU, nccl with CUDA); a world of one if unset."""
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", "29512")
-    local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
-    return dist.get_rank(), dist.get_world_size(), device
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
 
 
-def build_optimizer(model: nn.Module, args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, Any]:
-    """The model to call and the optimizer to step: a ZeRO stage wrapper, or DDP + AdamW for ``--zero 0``."""
-    if args.zero == 0:
-        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-        return ddp, torch.optim.AdamW(ddp.parameters(), lr=args.lr)
-    try:
-        import elasticzero  # lazy: the DDP path needs nothing from the package
+class ReplicatedState:
+    """``Stateful`` model + optimizer for ``--zero 0`` (DDP), through torch's public DCP state-dict helpers."""
 
-        stage_cls = getattr(elasticzero, f"ZeroStage{args.zero}")
-    except (ImportError, AttributeError) as exc:
-        raise SystemExit(f"train_gpt: ZeroStage{args.zero} is not available ({exc}); use --zero 0 for DDP") from exc
-    return model, stage_cls(model, torch.optim.AdamW, lr=args.lr, precision=args.precision)
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        self.model, self.optimizer = model, optimizer
+        self.options = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer, options=self.options)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=self.options)  # fmt: skip
 
 
-def make_scaler(precision: str) -> Any:
-    """A dynamic ``LossScaler`` for fp16 (bf16 and fp32 need none)."""
-    if precision != "fp16":
-        return None
-    from elasticzero import LossScaler
-
-    return LossScaler()
-
-
-def clip_gradients(model: nn.Module, opt: Any, max_norm: float) -> float:
-    """Clip by global norm; ZeRO stages know their shards, DDP grads are already whole."""
-    if max_norm <= 0:
-        return float("nan")
-    clip = getattr(opt, "clip_grad_norm_", None)
-    norm = clip(max_norm) if clip is not None else nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return float(norm)
+@torch.no_grad()
+def eval_loss(net: nn.Module, data: ByteCorpus, micro: int, batches: int = 4) -> float:
+    """Mean loss over the same ``batches x micro x world`` eval windows at any world size (collective)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ids = torch.arange(batches * micro * world) % len(data)
+    total = torch.zeros(2)
+    for b in range(batches):
+        pairs = [data[int(i)] for i in ids[(b * world + rank) * micro :][:micro]]
+        x, y = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+        total += torch.tensor([lm_loss(net(x), y).item() * len(x), len(x)])
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train ``--steps`` steps, print the loss each step and a final summary line on rank 0."""
     args = parse_args(argv)
-    apply_ds_config(args)
-    if args.zero == 0 and args.precision != "fp32":
-        raise SystemExit("train_gpt: --precision applies to the ZeRO stages; --zero 0 (DDP) runs fp32")
-    torch.set_num_threads(args.threads)
-    rank, world, device = init_distributed()
+    torch.set_num_threads(1)
+    rank, world = init_distributed()
     try:
-        cfg = config_for(args.size, block_size=max(args.seq_len, config_for(args.size).block_size))
-        torch.manual_seed(args.seed)  # same initial weights on every rank
-        model = GPT(cfg).to(device)
-        net, opt = build_optimizer(model, args, device)
-        scaler = make_scaler(args.precision)
-        gen = torch.Generator().manual_seed(args.seed + 1000 * (rank + 1))  # each rank its own data
+        cfg = load_config(args.config, overrides=overrides(args), world_size=world)  # fails here if no batch plan
+        torch.manual_seed(args.seed)  # the same initial weights on every rank
+        model = GPT(config_for(args.size, vocab_size=256, block_size=args.seq_len))
+        pieces = build_pieces(model, cfg)
+        opt, scaler, acc = pieces.optimizer, pieces.scaler, pieces.accumulation
+        zero = cfg.zero.stage
+        net = nn.parallel.DistributedDataParallel(model) if zero == 0 else model
+
+        cache = args.checkpoint_dir or Path(tempfile.gettempdir()) / "elasticzero-corpus"
+        train_set = ByteCorpus(stdlib_corpus(cache, "train"), args.seq_len)
+        eval_set = ByteCorpus(stdlib_corpus(cache, "eval"), args.seq_len)
+        sampler = ElasticSampler(
+            len(train_set), global_batch_size=cfg.train_batch_size or cfg.micro_batch_size * acc.steps * world,
+            micro_batch_size=cfg.micro_batch_size, rank=rank, world_size=world, seed=args.seed,
+            record=args.record_samples is not None,
+        )  # fmt: skip
+        loader = ElasticLoader(train_set, sampler, num_workers=args.workers)
+
+        state: dict[str, Any] = {"model": ZeroCheckpointState(opt) if zero else ReplicatedState(model, opt)}
+        state |= {"data": loader} | ({"scaler": scaler} if scaler is not None else {})
+        ckpt = Checkpointer(args.checkpoint_dir, keep_last=2) if args.checkpoint_dir else None
+        start = (ckpt.load_latest(state) if ckpt else None) or 0
         if rank == 0:
             print(
-                f"train_gpt: size={args.size} params={num_params(model):,} world={world} "
-                f"zero={args.zero} precision={args.precision} batch/rank={args.batch_size} seq={args.seq_len}",
+                f"train_gpt: params={num_params(model):,} world={world} zero={zero} "
+                f"precision={cfg.precision.dtype.value} global batch={sampler.global_batch_size} = micro "
+                f"{sampler.micro_batch_size} x accumulation {acc.steps} x {world}; {len(train_set):,} train samples; "
+                f"resumed at step {start}",
                 flush=True,
             )
-        t0, first, loss_val = time.perf_counter(), float("nan"), float("nan")
-        for step in range(1, args.steps + 1):
-            x, y = (t.to(device) for t in synthetic_batch(cfg, args.batch_size, args.seq_len, gen))
-            loss = lm_loss(net(x), y)
-            if scaler is None:
-                loss.backward()
-                norm = clip_gradients(net, opt, args.clip)
-                opt.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.unscale_(opt)  # clip the true gradients
-                norm = clip_gradients(net, opt, args.clip)
-                scaler.step(opt)  # skipped on every rank if any rank saw inf/NaN
+
+        batches, t0, tokens = loader.endless(), time.perf_counter(), 0
+        for step in range(start + 1, args.steps + 1):
+            total = torch.zeros(())
+            for _ in range(acc.steps):
+                x, y = next(batches)
+                with acc.no_sync(net if zero == 0 else opt):
+                    loss = acc.scale_loss(lm_loss(net(x), y))
+                    (scaler.scale(loss) if scaler else loss).backward()
+                total += loss.detach().float()
+                tokens += x.numel() * world
+                acc.advance()
+            if scaler:
+                scaler.unscale_(opt)
+            pieces.clip_grad_norm_()
+            scaler.step(opt) if scaler else opt.step()
+            if scaler:
                 scaler.update()
             opt.zero_grad(set_to_none=True)
-            avg = loss.detach().float()
-            dist.all_reduce(avg)  # for printing only: the mean loss over ranks
-            loss_val = avg.item() / world
-            first = loss_val if step == 1 else first
-            if rank == 0:
-                print(f"step {step:4d}  loss {loss_val:.4f}  grad-norm {norm:.3f}", flush=True)
-        if rank == 0:
-            print(
-                f"train_gpt: done {args.steps} steps in {time.perf_counter() - t0:.1f}s  "
-                f"loss {first:.4f} -> {loss_val:.4f}",
-                flush=True,
-            )
+            if args.record_samples is not None:
+                record(args.record_samples, step, rank, world, sampler)
+            dist.all_reduce(total)
+            if rank == 0 and (step % 10 == 0 or step in (start + 1, args.steps)):
+                rate = tokens / (time.perf_counter() - t0)
+                print(f"step {step:5d}/{args.steps}  loss {total.item() / world:.4f}  {rate:,.0f} tokens/s", flush=True)
+            if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+                log_eval(net, eval_set, cfg.micro_batch_size, step, rank)
+            if ckpt and ((args.save_every and step % args.save_every == 0) or step == args.steps):
+                ckpt.save(step, state)
+        log_eval(net, eval_set, cfg.micro_batch_size, args.steps, rank)
+        if ckpt:
+            ckpt.close()
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def log_eval(net: nn.Module, data: ByteCorpus, micro: int, step: int, rank: int) -> None:
+    loss = eval_loss(net, data, micro)
+    if rank == 0:
+        print(f"step {step:5d}  eval loss {loss:.4f}", flush=True)
+
+
+def record(path: Path, step: int, rank: int, world: int, sampler: ElasticSampler) -> None:
+    """The sample ids this rank trained on in ``step`` (one JSON line; for tests of exactly-once resumption)."""
+    assert sampler.record is not None
+    samples, sampler.record[:] = list(sampler.record), []
+    with path.open("a") as fh:  # one short line per write: O_APPEND keeps the ranks' lines whole
+        fh.write(json.dumps({"step": step, "rank": rank, "world": world, "samples": samples}) + "\n")
 
 
 if __name__ == "__main__":

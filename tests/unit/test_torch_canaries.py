@@ -1,0 +1,374 @@
+"""Canaries for every private torch name elasticzero uses: each fails with a clear line when torch changes it.
+
+elasticzero is tested against one torch (see ``pyproject.toml``); some pieces reach past torch's public API, each for
+a reason given in docs/architecture.md ("Private torch names"). One :class:`Canary` per name below checks that the
+name still exists with the shape we rely on (``inspect`` signatures, attributes torch's ``__init__`` assigns, the
+C++ trampoline's method names). A source scan makes sure no private torch name is used without a canary, and the
+docs table lists exactly the canaries.
+
+To add one: use the name, add a ``Canary`` row here and a row to the table in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import inspect
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "docs" / "architecture.md"
+DOC_SECTION = "## Private torch names"
+
+#: a check gets the resolved object and returns what is wrong with it, or None
+Check = Callable[[Any], "str | None"]
+
+
+@dataclass(frozen=True)
+class Canary:
+    """A private torch name (``module.path.Obj.attr``), where we use it, and what must still hold."""
+
+    name: str
+    where: str
+    check: Check | None = None
+
+
+def _params(*names: str) -> Check:
+    """The callable takes these parameters, in this order, first (after ``self``)."""
+
+    def check(obj: Any) -> str | None:
+        got = [p for p in inspect.signature(obj).parameters if p != "self"]
+        if got[: len(names)] != list(names):
+            return f"parameters are {got}, expected {list(names)} first"
+        return None
+
+    return check
+
+
+def _has_params(*names: str) -> Check:
+    """The callable accepts these keyword parameters (anywhere)."""
+
+    def check(obj: Any) -> str | None:
+        got = set(inspect.signature(obj).parameters)
+        missing = [n for n in names if n not in got]
+        return f"no parameter(s) {missing}" if missing else None
+
+    return check
+
+
+def _assigns(*attrs: str) -> Check:
+    """The class (or a torch base of it) assigns ``self.<attr>`` for each attr: instance attributes we read."""
+
+    def check(cls: Any) -> str | None:
+        source = "".join(_source(c) for c in cls.__mro__ if c.__module__.startswith("torch"))
+        missing = [a for a in attrs if not re.search(rf"self\.{re.escape(a)}\s*[:=]", source)]
+        return f"no longer assigns {['self.' + a for a in missing]}" if missing else None
+
+    return check
+
+
+def _mentions(text: str) -> Check:
+    """The module's source still mentions ``text`` (an environment variable torch reads)."""
+
+    def check(module: Any) -> str | None:
+        return None if text in _source(module) else f"no longer reads {text!r}"
+
+    return check
+
+
+def _trampoline_names(*names: str) -> Check:
+    """A Python ``Store`` defining only these names answers through ``PrefixStore`` (torch's C++ trampoline)."""
+
+    def check(store_cls: Any) -> str | None:
+        class Probe(store_cls):  # type: ignore[misc, valid-type]
+            def getNumKeys(self) -> int:
+                return 7
+
+            def deleteKey(self, key: str) -> bool:
+                return key == "p/k"
+
+            def has_extended_api(self) -> bool:
+                return True
+
+        probe = Probe()
+        wrapped = torch.distributed.PrefixStore("p", probe)
+        try:
+            ok = wrapped.num_keys() == 7 and wrapped.delete_key("k") and wrapped.has_extended_api()
+        except RuntimeError as exc:
+            return f"the trampoline no longer calls {list(names)}: {exc}"
+        return None if ok else f"the trampoline answered differently through {list(names)}"
+
+    return check
+
+
+def _source(obj: Any) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+AGENT = "torch.distributed.elastic.agent.server.api.SimpleElasticAgent"
+LOCAL_AGENT = "torch.distributed.elastic.agent.server.local_elastic_agent.LocalElasticAgent"
+HANDLER = "torch.distributed.elastic.rendezvous.dynamic_rendezvous.DynamicRendezvousHandler"
+AGENT_PY = "agent/agent.py (ElasticZeroAgent)"
+HANDLER_PY = "rendezvous/handler.py (ElasticZeroRendezvousHandler)"
+WG = "worker_group"
+
+CANARIES = [
+    # -- the agent: the hooks torch's run loop calls, and the state it keeps -------------------------------------
+    Canary(f"{AGENT}._invoke_run", AGENT_PY, _params("role")),
+    Canary(f"{LOCAL_AGENT}._start_workers", AGENT_PY, _params(WG)),
+    Canary(f"{LOCAL_AGENT}._monitor_workers", AGENT_PY, _params(WG)),
+    Canary(f"{AGENT}._restart_workers", AGENT_PY, _params(WG)),
+    Canary(f"{LOCAL_AGENT}._stop_workers", AGENT_PY, _params(WG)),
+    Canary(f"{LOCAL_AGENT}._shutdown", AGENT_PY, _params("death_sig", "timeout")),
+    Canary(f"{AGENT}._exit_barrier", AGENT_PY, _params()),
+    Canary(f"{AGENT}._worker_group", AGENT_PY, None),
+    Canary(f"{AGENT}._store", AGENT_PY, None),
+    Canary(f"{AGENT}._remaining_restarts", AGENT_PY, None),
+    Canary(f"{AGENT}._exit_barrier_timeout", AGENT_PY, None),
+    Canary(f"{AGENT}._in_exit_barrier", AGENT_PY, None),
+    Canary(f"{LOCAL_AGENT}._shutdown_timeout", AGENT_PY, None),
+    Canary("torch.distributed.elastic.agent.server.api._TERMINAL_STATE_SYNC_ID", AGENT_PY),
+    Canary("torch.distributed.elastic.utils.store._barrier_nonblocking", AGENT_PY, _params("store", "world_size")),
+    Canary(
+        "torch.distributed.elastic.agent.server.api.WorkerSpec:virtual_local_rank",
+        "agent/launch.py (launch)",
+        _has_params("virtual_local_rank", "numa_options", "duplicate_stdout_filters", "duplicate_stderr_filters"),
+    ),
+    Canary("torch.distributed.launcher.api._get_addr_and_port", "agent/launch.py (launch)", _params("rdzv_parameters")),
+    Canary("torch.distributed.run._parse_rendezvous_config", "agent/cli.py (_launch)", _params("config_str")),
+    Canary(
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous:TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+        "agent/cli.py (_launch)",
+        _mentions("TORCH_DISABLE_SHARE_RDZV_TCP_STORE"),
+    ),
+    # -- LogsSpecs: torch's DefaultLogsSpecs keeps its settings private ------------------------------------------
+    Canary("torch.distributed.elastic.multiprocessing.api.DefaultLogsSpecs._root_log_dir", "agent/logs.py"),
+    Canary("torch.distributed.elastic.multiprocessing.api.DefaultLogsSpecs._redirects", "agent/logs.py"),
+    Canary("torch.distributed.elastic.multiprocessing.api.DefaultLogsSpecs._tee", "agent/logs.py"),
+    Canary("torch.distributed.elastic.multiprocessing.api.DefaultLogsSpecs._local_ranks_filter", "agent/logs.py"),
+    # -- the rendezvous handler: rank order by hint, fresh bootstrap info per round ------------------------------
+    Canary(f"{HANDLER}._get_world", HANDLER_PY, _params()),
+    Canary(f"{HANDLER}._get_store", HANDLER_PY, _params()),
+    Canary(f"{HANDLER}._state_holder", HANDLER_PY, None),
+    Canary(f"{HANDLER}._bootstrap_store_info", HANDLER_PY, None),
+    Canary(
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous._RendezvousState",
+        HANDLER_PY,
+        _assigns("round", "participants"),
+    ),
+    Canary(
+        "torch.distributed.Store:getNumKeys",
+        "rendezvous/etcd_store.py (EtcdStore)",
+        _trampoline_names("getNumKeys", "deleteKey", "has_extended_api"),
+    ),
+    # -- engine ------------------------------------------------------------------------------------------------
+    Canary("torch._amp_foreach_non_finite_check_and_unscale_", "engine/loss_scaler.py (_unscale_grads)"),
+    Canary("torch.Tensor._values", "engine/loss_scaler.py (_grads_of, sparse gradients)"),
+    Canary("torch._C._current_graph_task_id", "engine/zero/stage3.py (gather/free inside backward)"),
+    Canary("torch.autograd._unsafe_preserve_version_counter", "engine/zero/stage3.py (_gather)", _params("tensors")),
+    Canary(
+        "torch.autograd.Variable._execution_engine.queue_callback",
+        "engine/bucketer.py, engine/zero/stage3.py (end-of-backward callback)",
+    ),
+    Canary("torch.utils._pytree.tree_map", "engine/zero/base.py", _params("func", "tree")),
+    Canary("torch.utils._pytree.tree_flatten", "engine/zero/stage3.py", _params("tree")),
+    Canary("torch.nn.Module._parameters", "engine/zero/stage3.py (a module's own parameters)", None),
+    # -- checkpoint --------------------------------------------------------------------------------------------
+    Canary(
+        "torch.distributed.checkpoint.FileSystemReader._get_metadata_path",
+        "checkpoint/planner.py (SafeFileSystemReader)",
+        _params("rank"),
+    ),
+]
+
+#: instance attributes: checked as "torch's __init__ (or class body) still assigns self.<attr>"
+_INSTANCE_ATTRS = {
+    f"{AGENT}._worker_group",
+    f"{AGENT}._store",
+    f"{AGENT}._remaining_restarts",
+    f"{AGENT}._exit_barrier_timeout",
+    f"{AGENT}._in_exit_barrier",
+    f"{LOCAL_AGENT}._shutdown_timeout",
+    "torch.distributed.elastic.multiprocessing.api.DefaultLogsSpecs._root_log_dir",
+    "torch.distributed.elastic.multiprocessing.api.DefaultLogsSpecs._redirects",
+    "torch.distributed.elastic.multiprocessing.api.DefaultLogsSpecs._tee",
+    "torch.distributed.elastic.multiprocessing.api.DefaultLogsSpecs._local_ranks_filter",
+    f"{HANDLER}._state_holder",
+    f"{HANDLER}._bootstrap_store_info",
+    "torch.nn.Module._parameters",
+}
+
+
+def _resolve(dotted: str) -> Any:
+    """Import the longest module prefix of ``dotted`` and walk the rest as attributes."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for part in parts[i:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ImportError(dotted)
+
+
+def _problem(canary: Canary) -> str | None:
+    """What is wrong with ``canary`` under this torch, or None."""
+    target = canary.name.split(":", 1)[0]
+    if canary.name in _INSTANCE_ATTRS:
+        owner, attr = target.rsplit(".", 1)
+        try:
+            return _assigns(attr)(_resolve(owner))
+        except (ImportError, AttributeError) as exc:
+            return f"{owner} is gone ({exc})"
+    try:
+        obj = _resolve(target)
+    except (ImportError, AttributeError) as exc:
+        return f"it is gone ({exc})"
+    return canary.check(obj) if canary.check is not None else None
+
+
+@pytest.mark.parametrize("canary", CANARIES, ids=[c.name.rsplit(".", 1)[-1] for c in CANARIES])
+def test_private_torch_name_is_unchanged(canary: Canary) -> None:
+    problem = _problem(canary)
+    assert problem is None, (
+        f"torch {torch.__version__} changed {canary.name}: {problem}; used in {canary.where}, "
+        "see docs/architecture.md (Private torch names)"
+    )
+
+
+def test_a_changed_name_is_reported_clearly() -> None:
+    gone = Canary("torch.distributed.elastic.agent.server.api.SimpleElasticAgent._no_such_hook", "x")
+    assert "it is gone" in (_problem(gone) or "")
+    moved = Canary(f"{AGENT}._restart_workers", "x", _params("group"))
+    assert "expected ['group'] first" in (_problem(moved) or "")
+
+
+# --- every private torch name used in src/ and plugins/ has a canary, and the docs table lists them -----------
+
+#: private names of other libraries that the scan below would otherwise count as torch's
+NOT_TORCH = {"_exit": "os._exit", "_actions": "argparse.ArgumentParser._actions"}
+
+
+def _covered_components() -> set[str]:
+    return {part for c in CANARIES for part in re.split(r"[.:]", c.name)}
+
+
+def _modules() -> Iterator[tuple[Path, str]]:
+    for root, package_root in ((REPO / "src", REPO / "src"), (REPO / "plugins", REPO / "plugins")):
+        for path in sorted(root.rglob("*.py")):
+            yield path, ".".join(path.relative_to(package_root).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _ours() -> set[str]:
+    """Private names our own code defines (functions, classes, assigned attributes and names)."""
+    names: set[str] = set()
+    for path, _ in _modules():
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(n.name)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                names.add(n.attr)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                names.add(n.id)
+            elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+                names.add(n.target.id)
+    return {n for n in names if n.startswith("_")}
+
+
+def _torch_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _from_imports(tree: ast.AST, where: str) -> Iterator[tuple[str, str]]:
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] == "torch":
+            for part in [*n.module.split("."), *(a.name for a in n.names)]:
+                if _torch_private(part):
+                    yield part, f"{where}:{n.lineno}"
+
+
+def _torch_attributes(tree: ast.AST, where: str, ours: set[str]) -> Iterator[tuple[str, str]]:
+    """``torch._x`` chains, and ``obj._x`` where ``_x`` is nobody's in our code (a torch object's, then)."""
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and _torch_private(n.attr):
+            if n.attr not in ours and n.attr not in NOT_TORCH:
+                yield n.attr, f"{where}:{n.lineno}"
+            elif ast.unparse(n).startswith("torch."):
+                yield n.attr, f"{where}:{n.lineno}"
+
+
+def _torch_bases(cls: type) -> list[type]:
+    return [b for b in cls.__mro__[1:] if b.__module__.split(".")[0] == "torch"]
+
+
+def _subclass_privates(tree: ast.AST, module: Any, where: str) -> Iterator[tuple[str, str]]:
+    """In our subclasses of torch classes: overridden private methods, and ``self._x`` that torch's class owns."""
+    for node in ast.walk(tree):
+        cls = getattr(module, node.name, None) if isinstance(node, ast.ClassDef) else None
+        if not isinstance(cls, type):
+            continue
+        bases = _torch_bases(cls)
+        source = "".join(_source(b) for b in bases)
+        for n in ast.walk(node):
+            name = n.name if isinstance(n, ast.FunctionDef) else n.attr if isinstance(n, ast.Attribute) else ""
+            if not _torch_private(name):
+                continue
+            if any(name in vars(b) for b in bases) or re.search(rf"self\.{re.escape(name)}\b", source):
+                yield name, f"{where}:{n.lineno}"
+
+
+@functools.cache
+def _private_uses() -> list[tuple[str, str]]:
+    ours = _ours()
+    found: list[tuple[str, str]] = []
+    for path, modname in _modules():
+        where = str(path.relative_to(REPO))
+        tree = ast.parse(path.read_text())
+        found += _from_imports(tree, where)
+        found += _torch_attributes(tree, where, ours)
+        if "class " in path.read_text() and "torch" in path.read_text():
+            found += _subclass_privates(tree, importlib.import_module(modname), where)
+    return found
+
+
+def test_every_private_torch_name_in_the_source_has_a_canary() -> None:
+    covered = _covered_components()
+    missing = sorted({f"{name} ({where})" for name, where in _private_uses() if name not in covered})
+    assert missing == [], (
+        "private torch names used without a canary (add a Canary here and a row in docs/architecture.md):\n"
+        + "\n".join(missing)
+    )
+
+
+def test_the_scan_finds_each_kind_of_use() -> None:
+    names = {name for name, _ in _private_uses()}
+    assert {"_pytree", "_current_graph_task_id", "_get_addr_and_port"} <= names  # imports, torch._ chains
+    assert {"_start_workers", "_worker_group", "_get_world", "_state_holder", "_bootstrap_store_info"} <= names
+
+
+def _doc_rows() -> list[str]:
+    text = DOC.read_text()
+    assert DOC_SECTION in text, f"{DOC} has no '{DOC_SECTION}' section"
+    section = text.split(DOC_SECTION, 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([^`]+)`", section, flags=re.MULTILINE)
+
+
+def test_the_docs_table_lists_exactly_the_canaries() -> None:
+    rows, names = _doc_rows(), [c.name for c in CANARIES]
+    assert sorted(rows) == sorted(names), (
+        f"docs/architecture.md '{DOC_SECTION}' and tests/unit/test_torch_canaries.py disagree: "
+        f"only in docs {sorted(set(rows) - set(names))}, only in canaries {sorted(set(names) - set(rows))}"
+    )

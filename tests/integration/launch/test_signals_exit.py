@@ -7,6 +7,7 @@ reaches the launcher; a rank killed by a signal is reported as 128+signal.
 
 from __future__ import annotations
 
+import glob
 import signal
 import subprocess
 from pathlib import Path
@@ -38,7 +39,7 @@ def _case(backend: str, sig: signal.Signals, per_rank: bool) -> Any:
 def test_signal_stops_job_on_every_host(backend: str, sig: signal.Signals, per_rank: bool, tmp_path: Path) -> None:
     tb, hosts = bed(backend)
     nodes = [[hosts[0], [0, 1]], [hosts[1], [0, 1]]]
-    options = {**OPTIONS.get(backend, {}), "per_rank": per_rank}
+    options = {**OPTIONS.get(backend, {}), **({"per_rank": True} if per_rank else {})}  # pdsh has no per_rank
     spec = make_spec(tb, backend, tmp_path, nodes=nodes, env={"EZ_TEST_SLEEP": "600"}, options=options)
     out = Path(spec["env"]["EZ_TEST_OUT"])
     proc = start(spec, tmp_path)
@@ -56,6 +57,7 @@ def test_signal_stops_job_on_every_host(backend: str, sig: signal.Signals, per_r
             kill_job(spec["job_id"])
     assert proc.returncode == 128 + sig, output[-3000:]
     wait_for(lambda: not leftovers(spec["job_id"], tb), 20, "no process of the job on any host")
+    assert glob.glob(f"/tmp/elasticzero-env-{spec['job_id']}-*") == [], "an env file was left on a host"
 
 
 @pytest.mark.parametrize(
@@ -73,7 +75,12 @@ def test_failing_rank_exit_code(backend: str, per_rank: bool, fail: str, expect:
     tb, hosts = bed(backend)
     nodes = [[hosts[0], [0, 1]], [hosts[1], [0, 1]]]
     spec = make_spec(
-        tb, backend, tmp_path, nodes=nodes, env={"EZ_TEST_EXIT_RANK": fail}, options={"per_rank": per_rank}
+        tb,
+        backend,
+        tmp_path,
+        nodes=nodes,
+        env={"EZ_TEST_EXIT_RANK": fail},
+        options={"per_rank": True} if per_rank else {},
     )
     p: subprocess.CompletedProcess[str] = launch(spec, tmp_path)
     assert p.returncode == expect, (p.stdout[-2000:], p.stderr[-2000:])

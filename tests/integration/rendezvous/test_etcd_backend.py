@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import threading
 
 import pytest
 from rdzv_etcd_parts import backend_for, client_for, leased_client, store_for
@@ -71,12 +71,25 @@ def test_renew_callbacks_that_failed_are_run_again_by_the_keep_alive_thread(etcd
     """A member key that could not be re-registered right after a renewal is registered by a later keep-alive."""
     with leased_client(etcd, ttl=2) as (client, lease):
         calls: list[int] = []
+        keep_alives_after: list[int] = []
+        succeeded, two_more_keep_alives = threading.Event(), threading.Event()
+        real_keep_alive = client.keep_alive_once
 
         def flaky(lease_id: int) -> None:
             calls.append(lease_id)
             if len(calls) == 1:
                 raise EtcdConnectionError("etcd flapped")
+            succeeded.set()
 
+        def counting_keep_alive(lease_id: int, **kw: object) -> int:
+            ttl = real_keep_alive(lease_id, **kw)
+            if succeeded.is_set():
+                keep_alives_after.append(lease_id)
+                if len(keep_alives_after) >= 2:
+                    two_more_keep_alives.set()
+            return ttl
+
+        client.keep_alive_once = counting_keep_alive  # type: ignore[method-assign]
         lease.on_renew(flaky)
         old = lease.id
         client.revoke(old)
@@ -84,9 +97,7 @@ def test_renew_callbacks_that_failed_are_run_again_by_the_keep_alive_thread(etcd
             lease.renew(old)
         new = lease.id
         assert new != old
-        deadline = time.monotonic() + 10
-        while len(calls) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        assert succeeded.wait(30)  # the keep-alive thread ran the failed callback again
         assert calls[:2] == [new, new]
-        time.sleep(1.5)  # done once it succeeded: no further calls
-        assert len(calls) == 2
+        assert two_more_keep_alives.wait(30)  # two more keep-alive rounds after that success ...
+        assert len(calls) == 2  # ... and no further callback calls

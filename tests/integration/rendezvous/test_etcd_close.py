@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from rdzv_etcd_parts import join_all
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
@@ -17,10 +15,12 @@ pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]
 CONF = {"keep_alive_interval": "1", "last_call_timeout": "1", "join_timeout": "30", "lease_ttl": "10"}
 
 
-def _handlers(etcd: EtcdCluster, run_id: str, n: int = 2) -> list[ElasticZeroRendezvousHandler]:
+def _handlers(etcd: EtcdCluster, run_id: str, n: int = 2, **conf: str) -> list[ElasticZeroRendezvousHandler]:
     return [
         create_rdzv_handler(
-            RendezvousParameters("elasticzero", etcd.endpoint(), run_id, n, n, local_addr=f"127.0.0.{i + 1}", **CONF)
+            RendezvousParameters(
+                "elasticzero", etcd.endpoint(), run_id, n, n, local_addr=f"127.0.0.{i + 1}", **{**CONF, **conf}
+            )
         )
         for i in range(n)
     ]
@@ -31,14 +31,13 @@ def _keys(etcd: EtcdCluster, run_id: str) -> str:
 
 
 def test_closed_by_one_agent_is_seen_by_the_other_then_nothing_is_left(etcd: EtcdCluster) -> None:
-    a, b = _handlers(etcd, "closed")
+    # join_timeout (600 s) is far beyond this test's timeout: B must learn that the run is closed without it
+    a, b = _handlers(etcd, "closed", join_timeout="600")
     assert [i.world_size for i in join_all([a, b])] == [2, 2]
     assert a.shutdown()  # node A gave up (restarts exhausted): it closes the rendezvous and exits
     assert "/elasticzero/closed/state" in _keys(etcd, "closed")  # B is still there: the closed state is kept
-    start = time.monotonic()
     with pytest.raises(RendezvousClosedError):
         b.next_rendezvous()  # B re-joins: it must learn at once that the run is over, not wait join_timeout
-    assert time.monotonic() - start < 10
     assert b.shutdown()
     assert _keys(etcd, "closed") == ""  # the last agent to leave removed the run's keys
 

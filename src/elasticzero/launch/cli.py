@@ -205,6 +205,17 @@ def build_plan(
     detect_gpus: Callable[[], int] | None = None,
 ) -> LaunchPlan:
     """The plan (without commands) for parsed ``args`` and the user's ``entry``."""
+    return plan_and_backend(args, entry, env, cwd, detect_gpus)[0]
+
+
+def plan_and_backend(
+    args: argparse.Namespace,
+    entry: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str,
+    detect_gpus: Callable[[], int] | None = None,
+) -> tuple[LaunchPlan, backend_mod.LauncherBackend]:
+    """:func:`build_plan` and the backend it was checked against (the entry points are read once)."""
     if not entry:
         raise UsageError(f"missing training script; usage: {PROG} [flags] SCRIPT [ARGS…]")
     if args.module and args.no_python:
@@ -235,8 +246,9 @@ def build_plan(
     home = Path(env["HOME"]) if env.get("HOME") else None
     exported = export_env(env, args.export, args.export_prefix, home=home, cwd=Path(cwd))
     launcher_args = _launcher_args(args.launcher_args)
-    options = backend_mod.launcher_class(name).resolve_options(*_launcher_options(args))
-    return LaunchPlan(
+    cls = backend_mod.launcher_class(name)
+    options = cls.resolve_options(*_launcher_options(args))
+    plan = LaunchPlan(
         job_id=args.rdzv_id or make_job_id(),
         backend=name,
         nodes=nodes,
@@ -249,6 +261,7 @@ def build_plan(
         launcher_args=launcher_args,
         options=options,
     )
+    return plan, cls()
 
 
 def _shown(name: str, value: str) -> str:
@@ -299,8 +312,7 @@ def _run(argv: Sequence[str] | None) -> int:
         from elasticzero.autotune.cli import run_from_launch
 
         return run_from_launch(args, entry, args.autotuning)
-    plan = build_plan(args, entry, os.environ, os.getcwd())
-    backend = backend_mod.get_launcher(plan.backend)
+    plan, backend = plan_and_backend(args, entry, os.environ, os.getcwd())
     if args.dry_run:
         return _show(args, plan, backend)
     if plan.options.get("save_pid") != "":

@@ -313,20 +313,7 @@ def _run(argv: Sequence[str] | None) -> int:
 
         return run_from_launch(args, entry, args.autotuning)
     plan, backend = plan_and_backend(args, entry, os.environ, os.getcwd())
-    if args.dry_run:
-        return _show(args, plan, backend)
-    if plan.options.get("save_pid") != "":
-        return _execute(plan, backend)
-    path = default_pid_file(os.environ)  # execution starts here: the only place the default path is made
-    pid_dir = _made_pid_dir(path)
-    try:
-        return _execute(replace(plan, options={**plan.options, "save_pid": path}), backend)
-    finally:
-        if pid_dir is not None:
-            try:
-                pid_dir.rmdir()  # empty once execute() removed the pid file; never recursive
-            except OSError:
-                pass
+    return _show(args, plan, backend) if args.dry_run else _execute(plan, backend)
 
 
 def _show(args: argparse.Namespace, plan: LaunchPlan, backend: backend_mod.LauncherBackend) -> int:
@@ -342,13 +329,24 @@ def _show(args: argparse.Namespace, plan: LaunchPlan, backend: backend_mod.Launc
 
 
 def _execute(plan: LaunchPlan, backend: backend_mod.LauncherBackend) -> int:
-    """Check, build the commands, preflight, execute; the exit code."""
+    """Check, build the commands, preflight, then execute (the default pid path is made only now); the exit code."""
     backend.check_available()
     plan = plan.with_commands(backend.commands(plan))
     backend.preflight(plan)
     from elasticzero.launch.execute import execute  # lazy: execution lives with the backends
 
-    return int(execute(plan, backend))
+    if plan.options.get("save_pid") != "":
+        return int(execute(plan, backend))
+    path = default_pid_file(os.environ)  # execution starts here: the only place the default path is made
+    pid_dir = _made_pid_dir(path)
+    try:
+        return int(execute(replace(plan, options={**plan.options, "save_pid": path}), backend))
+    finally:
+        if pid_dir is not None:
+            try:
+                pid_dir.rmdir()  # empty once execute() removed the pid file; never recursive
+            except OSError:
+                pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -508,6 +508,10 @@ def test_dry_run_with_save_pid_leaves_no_directory(
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     assert _json(capsys, ["--launcher", "fake", "--save-pid", "--dry-run=json", "t.py"])["backend"] == "fake"
     assert _error(capsys, ["--launcher", "bogus", "--save-pid", "t.py"], launch_env).startswith("unknown --launcher")
+    # a launch stopped by its checks (missing program, preflight) never made the default pid directory either
+    assert "needs 'ez-no-such-program-anywhere'" in _error(
+        capsys, ["--launcher", "fake-missing", "--save-pid", "t"], launch_env
+    )
     assert list(temp.iterdir()) == []
 
 

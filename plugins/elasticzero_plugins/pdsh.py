@@ -163,6 +163,7 @@ class PdshBackend(LauncherBackend):
     def stage(self, plan: LaunchPlan) -> None:
         """Write the exported environment into a private file on every host, over ssh's stdin (see module doc)."""
         plan = self.with_options(plan)
+        check_plan(plan, self.name)
         payload = env_payload(job_env(plan))
         failed = {h: e for h, e in on_hosts(plan, lambda h: stage_script(plan, h), STAGE_TIMEOUT, payload).items() if e}
         if failed:
@@ -175,7 +176,12 @@ class PdshBackend(LauncherBackend):
     def unstage(self, plan: LaunchPlan) -> None:
         """Remove every host's env file the agent did not consume (a host that cannot be reached is named)."""
         plan = self.with_options(plan)
-        for host, err in on_hosts(plan, lambda h: unstage_script(plan, h), STOP_TIMEOUT).items():
+        try:
+            results = on_hosts(plan, lambda h: unstage_script(plan, h), STOP_TIMEOUT)
+        except UsageError as exc:  # the ssh options cannot be built: stage() failed on the same error
+            _report(f"cannot remove the job's env files: {exc}")
+            return
+        for host, err in results.items():
             if err is not None:
                 _report(f"could not remove the job's env file on {host}: {err} ({unstage_script(plan, host)})")
 

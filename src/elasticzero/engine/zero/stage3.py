@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from elasticzero.engine import hf
 from elasticzero.engine.bucketer import DEFAULT_BUCKET_BYTES, GradBucketer, phase
 from elasticzero.engine.precision import PrecisionPolicy
 from elasticzero.engine.zero import comm
@@ -100,6 +101,9 @@ class ZeroStage3(ZeroOptimizer):
         self._bwd_index: dict[str, int] = {}
         self._order_frozen = False
         self._bwd_callback_queued = False
+        self._depth = 0  # unit forwards (and entry points, see _pre_entry) in progress outside backward
+        self._in_root = False  # the root's forward is in progress: the only time the unit order is recorded
+        self._entries: list[str] = []
         super().__init__(
             module,
             optimizer_class,
@@ -119,6 +123,15 @@ class ZeroStage3(ZeroOptimizer):
             m = modules[name]
             self._hook_handles.append(m.register_forward_pre_hook(functools.partial(self._pre_forward, name)))
             self._hook_handles.append(m.register_forward_hook(functools.partial(self._post_forward, name)))
+        self._entry_buckets = self._entry_points()
+        hf.mark_sharded(module)  # HF generate() then keeps ranks in lock step (synced_gpus) by itself
+        for name in self._entry_buckets:
+            m = modules[name]
+            pre = functools.partial(self._pre_entry, name)
+            self._hook_handles.append(m.register_forward_pre_hook(pre, prepend=True))
+            self._hook_handles.append(
+                m.register_forward_hook(functools.partial(self._post_entry, name), always_call=True)
+            )
 
     # -- layout ------------------------------------------------------------------------------------------------
     def _is_unit(self, name: str, m: nn.Module) -> bool:
@@ -169,6 +182,19 @@ class ZeroStage3(ZeroOptimizer):
             self._needed.setdefault(u, []).append(b.index)
             self._users[b.index] = 0
         return buckets
+
+    def _entry_points(self) -> dict[str, list[int]]:
+        """Submodule name -> the buckets it uses that no unit inside it gathers (they belong to an enclosing unit,
+        often the root: its own parameters, tied ones): what a direct call of the submodule must gather itself."""
+        bucket_of = {id(p): b.index for b in self.buckets for p in b.params}
+        unit_of = self.unit_of_bucket()
+        out: dict[str, list[int]] = {}
+        for name, m in self.module.named_modules():
+            idx = {bucket_of[id(p)] for p in m.parameters() if id(p) in bucket_of}
+            idx = {i for i in idx if unit_of[i] != name and not unit_of[i].startswith(name + ".")}
+            if name and idx:
+                out[name] = sorted(idx)
+        return out
 
     def _materialize(self, bucket: FlatBucket) -> nn.Parameter:
         lo, hi = bucket.shard_range()
@@ -253,7 +279,11 @@ class ZeroStage3(ZeroOptimizer):
             # guaranteed): gather and leave freeing to the gradient hooks / end of backward
             self._use(unit)
             return
-        if not self._order_frozen and unit not in self._fwd_index:
+        if unit == "":  # the outermost call: forget an entry or unit forward an exception left unfinished
+            self._depth, self._in_root = 0, True
+            self._entries.clear()
+        self._depth += 1
+        if not self._order_frozen and self._in_root and unit not in self._fwd_index:
             self._fwd_index[unit] = len(self._fwd_order)
             self._fwd_order.append(unit)
         self._use(unit)
@@ -264,9 +294,12 @@ class ZeroStage3(ZeroOptimizer):
     def _post_forward(self, unit: str, module: nn.Module, args: Any, output: Any) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation inside backward (see _pre_forward): its backward needs the params now
+        self._depth -= 1
         for i in self._needed[unit]:
             self._users[i] -= 1
-        if not self._order_frozen and unit not in self._bwd_index:  # backward visits units in reverse of this
+        if (
+            not self._order_frozen and self._in_root and unit not in self._bwd_index
+        ):  # backward visits units in reverse of this
             self._bwd_order.insert(0, unit)
             self._bwd_index = {u: k for k, u in enumerate(self._bwd_order)}
         # without grad no backward will come to free the unit: reshard now even with reshard_after_forward=False
@@ -279,18 +312,52 @@ class ZeroStage3(ZeroOptimizer):
                 if self._users[b.index] == 0:
                     self._free(b)
         if unit == "":
+            self._in_root = False
             comm.settle()  # the script may end after a forward (evaluation): see comm.settle
         if torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            fired = [False]
+            _on_first_grad(output, functools.partial(self._pre_backward, unit))
 
-            def hook(grad: torch.Tensor) -> None:
-                if not fired[0]:
-                    fired[0] = True
-                    self._pre_backward(unit)
+    def _pre_entry(self, name: str, module: nn.Module, args: Any) -> None:
+        """A submodule called directly (``model.encoder(x)``; HF encoder-decoder ``generate()`` calls
+        ``model.get_encoder()(...)``), not from inside a unit's forward: gather what its own units do not (the
+        enclosing units' buckets it uses, e.g. a tied embedding owned by the root) until it returns."""
+        if self._depth or torch._C._current_graph_task_id() != -1:
+            return
+        self._depth += 1
+        self._entries.append(name)
+        self._use_buckets(self._entry_buckets[name])
 
-            for t in tensors:
-                t.register_hook(hook)
+    def _post_entry(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._entries or self._entries[-1] != name:
+            return
+        self._entries.pop()
+        self._depth -= 1
+        idx = self._entry_buckets[name]
+        for i in idx:
+            self._users[i] -= 1
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            for b in self.buckets:  # its own and any prefetched but unused
+                if self._users[b.index] == 0:
+                    self._free(b)
+        comm.settle()
+        if torch.is_grad_enabled() and output is not None:
+            _on_first_grad(output, functools.partial(self._pre_backward_buckets, idx))
+
+    def _use_buckets(self, idx: list[int]) -> None:
+        for i in idx:
+            self._gather(self.buckets[i])
+        for i in idx:
+            self._wait(self.buckets[i])
+            self._users[i] += 1
+
+    def _pre_backward_buckets(self, idx: list[int]) -> None:
+        if not self._bwd_callback_queued:
+            self._bwd_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
+        for i in idx:
+            self._gather(self.buckets[i])
+        for i in idx:
+            self._wait(self.buckets[i])
 
     def _pre_backward(self, unit: str) -> None:
         if not self._bwd_callback_queued:
@@ -312,7 +379,7 @@ class ZeroStage3(ZeroOptimizer):
 
     def _post_backward(self) -> None:
         self._bwd_callback_queued = False
-        self._order_frozen = True
+        self._order_frozen = self._order_frozen or bool(self._fwd_order)  # recorded by a root forward
         for b in self.buckets:
             if self._users[b.index] == 0:
                 self._free(b)
@@ -344,6 +411,20 @@ class ZeroStage3(ZeroOptimizer):
     def unit_of_bucket(self) -> dict[int, str]:
         """Bucket index -> name of the unit (module) that gathers it."""
         return {i: u for u, idx in self._needed.items() for i in idx}
+
+
+def _on_first_grad(output: Any, fn: Callable[[], None]) -> None:
+    """Call ``fn`` once, when the first gradient w.r.t. any tensor of ``output`` arrives in backward."""
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    fired = [False]
+
+    def hook(grad: torch.Tensor) -> None:
+        if not fired[0]:
+            fired[0] = True
+            fn()
+
+    for t in tensors:
+        t.register_hook(hook)
 
 
 def _common_prefix(names: list[str]) -> str:

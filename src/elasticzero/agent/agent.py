@@ -4,8 +4,13 @@ Only the hooks torch's run loop (``SimpleElasticAgent._invoke_run``) calls are o
 public API; ``tests/unit/agent/test_exit_barrier.py`` checks torch still calls ``_exit_barrier`` there:
 
 * ``_start_workers`` — torch's, then the health file says ``running`` with this round's ranks and pids;
-* ``_monitor_workers`` — torch's; on a failure, the root-cause rank and its error file are reported once; while
-  healthy, a job marked failed or a rendezvous closed by another node (it exhausted its restarts) stops this node;
+* ``_monitor_workers`` — torch's; on a failure, the root-cause rank and its error file are reported once — unless
+  the round is changing (:func:`failure_action`): then the workers are restarted through a new rendezvous without
+  spending a restart; while healthy, a job marked failed or a rendezvous closed by another node (it exhausted its
+  restarts) stops this node;
+* ``_restart_workers`` / ``_invoke_run`` — before this node stops its workers for a membership change (torch's loop
+  restarts healthy workers only for nodes waiting to join) or leaves on a signal, it marks the round as changing
+  (:data:`ROUND_CHANGE_KEY`), so a peer whose workers die of it does not count a failure;
 * ``_exit_barrier`` — torch's terminal-state barrier (same keys, same success condition), polled: a node whose
   workers succeeded stops waiting as soon as another node marks the job failed (:meth:`announce_failure`) or
   closes the rendezvous without completing the barrier, and fails instead of sitting out ``exit_barrier_timeout``;
@@ -24,11 +29,14 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
+from enum import Enum
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import (
     _TERMINAL_STATE_SYNC_ID,
+    DEFAULT_ROLE,
     RunResult,
     WorkerGroup,
     WorkerSpec,
@@ -61,6 +69,44 @@ EXIT_BARRIER_POLL_S = 0.25
 #: counter of nodes that saw the exit barrier complete, and how long a node waits for the others to see it
 BARRIER_SEEN_KEY = "elasticzero/agent/exit_barrier_seen"
 EXIT_LINGER_S = 5.0
+#: round-scoped key a node sets just before it stops its workers for a membership change (a node waiting to join,
+#: or this node leaving on a signal while enough nodes remain); value: ``node <group rank>: <why>``
+ROUND_CHANGE_KEY = "elasticzero/agent/round_changing"
+#: test hook (docs/agent.md): while the file this names exists, each monitor tick waits (after creating ``<file>.held``)
+MONITOR_HOLD_ENV = "ELASTICZERO_TEST_MONITOR_HOLD"
+
+
+class FailureAction(Enum):
+    """What a node does when its workers failed."""
+
+    REJOIN = "rejoin"  # the round is changing: stop, re-rendezvous, start; the restart count is unchanged
+    RESTART = "restart"  # a real failure with restarts left: torch's loop spends one
+    GIVE_UP = "give_up"  # a real failure and no restart left: torch's loop stops and the job fails
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """What the current round's store says when this node's workers have failed."""
+
+    changing: str | None = None  #: :data:`ROUND_CHANGE_KEY`'s value: another node is restarting or leaving
+    job_failed: str | None = None  #: :data:`JOB_FAILED_KEY`'s value: a node gave up, the job is over
+
+
+def failure_action(view: RoundView, remaining_restarts: int) -> FailureAction:
+    """Decide what failed workers mean: a membership change re-joins for free, a real failure spends a restart.
+
+    A node marks the round *before* it stops its workers for a membership change, and a peer's workers can only die
+    of that stop afterwards; the store is linearizable, so by the time this node sees its workers dead the mark is
+    there. Any failure seen in a round so marked counts as part of the change — the round is being torn down anyway.
+    """
+    if view.changing is not None and view.job_failed is None:
+        return FailureAction.REJOIN
+    return FailureAction.RESTART if remaining_restarts > 0 else FailureAction.GIVE_UP
+
+
+def leaving_is_membership_change(group_world_size: int, min_nodes: int) -> bool:
+    """A node leaving on a signal is a membership change only if the others can go on without it."""
+    return group_world_size - 1 >= min_nodes
 
 
 class PeerFailedError(RendezvousClosedError):
@@ -76,10 +122,14 @@ class ElasticZeroAgent(LocalElasticAgent):
         logs_specs: LogsSpecs,
         *,
         health_file: str | None = None,
+        min_nodes: int = 1,
+        monitor_hold_file: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(spec, logs_specs, **kwargs)
         self._health = HealthFile(health_file)
+        self._min_nodes = min_nodes
+        self._monitor_hold_file = monitor_hold_file
         self._worker_pids: list[int] = []
         self.last_failure: tuple[int, ProcessFailure] | None = None
 
@@ -102,9 +152,13 @@ class ElasticZeroAgent(LocalElasticAgent):
         return pids
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._hold_for_test()
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
             self.last_failure = root_cause(result.failures)
+            view = self._round_view()
+            if failure_action(view, self._remaining_restarts) is FailureAction.REJOIN:
+                return self._rejoin(worker_group, str(view.changing))
             report_failure(*self.last_failure)
         elif result.state == WorkerState.HEALTHY:
             # another node gave up (restarts exhausted) and closed the run; torch's loop only looks at the wait
@@ -113,6 +167,64 @@ class ElasticZeroAgent(LocalElasticAgent):
             if worker_group.spec.rdzv_handler.is_closed():
                 raise PeerFailedError("the rendezvous was closed by another node; stopping this node's workers")
         return result
+
+    def _rejoin(self, worker_group: WorkerGroup, why: str) -> RunResult:
+        """Restart the workers through a new rendezvous without spending a restart (the round is changing)."""
+        line = describe_failure(*self.last_failure) if self.last_failure else "workers failed"
+        msg = f"workers stopped while the round is changing ({why}); re-joining, no restart spent ({line})"
+        logger.warning(msg)
+        print(f"elasticzero-run: {msg}", file=sys.stderr, flush=True)
+        self.last_failure = None
+        super()._restart_workers(worker_group)  # not ours: this node is not the one changing the round
+        return RunResult(state=WorkerState.HEALTHY)
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        # torch's loop sets the group's state before it restarts: HEALTHY only when nodes wait to join
+        if worker_group.state == WorkerState.HEALTHY:
+            self._mark_round_changing("restarting its workers for nodes waiting to join")
+        super()._restart_workers(worker_group)
+
+    def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        try:
+            return super()._invoke_run(role)
+        except SignalException as exc:  # torch's run() stops the workers next: mark first, if the others go on
+            group = self._worker_group
+            if group.group_world_size and leaving_is_membership_change(group.group_world_size, self._min_nodes):
+                self._mark_round_changing(f"leaving on {exc.sigval.name}")
+            raise
+
+    def _mark_round_changing(self, why: str) -> None:
+        """Set :data:`ROUND_CHANGE_KEY` in this round's store (before this node's workers are stopped)."""
+        store = self._store
+        if store is None:
+            return
+        try:
+            store.set(ROUND_CHANGE_KEY, f"node {self._worker_group.group_rank}: {why}")
+        except Exception as exc:  # the store's host is gone: the peers' workers fail on their own anyway
+            logger.warning("could not mark the round as changing: %s", exc)
+
+    def _round_view(self) -> RoundView:
+        """Read the round's change and job-failed marks (a store error reads as no mark: a real failure)."""
+        store = self._store
+        if store is None:
+            return RoundView()
+        try:
+            return RoundView(
+                changing=_get_if_set(store, ROUND_CHANGE_KEY), job_failed=_get_if_set(store, JOB_FAILED_KEY)
+            )
+        except Exception as exc:
+            logger.info("could not read the round's marks after a worker failure: %s", exc)
+            return RoundView()
+
+    def _hold_for_test(self) -> None:
+        """Test hook (:data:`MONITOR_HOLD_ENV`): wait while the hold file exists, after acknowledging it."""
+        path = self._monitor_hold_file
+        if not path or not os.path.exists(path):
+            return
+        with open(f"{path}.held", "w"):
+            pass
+        while os.path.exists(path):
+            time.sleep(0.05)
 
     def _raise_if_peer_failed(self) -> None:
         """Raise :class:`PeerFailedError` (after counting this node as informed) if the job is marked failed."""
@@ -229,6 +341,11 @@ class ElasticZeroAgent(LocalElasticAgent):
             kill_now(leftovers)
         self._worker_pids = []
         self._health.write("stopped")
+
+
+def _get_if_set(store: Any, key: str) -> str | None:
+    """``store.get(key)`` decoded, or ``None`` when the key is not set (``check`` does not block)."""
+    return store.get(key).decode(errors="replace") if store.check([key]) else None
 
 
 def root_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:

@@ -20,7 +20,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port
 
-from elasticzero.agent.agent import ElasticZeroAgent, PeerFailedError
+from elasticzero.agent.agent import MONITOR_HOLD_ENV, ElasticZeroAgent, PeerFailedError
 
 
 def launch(
@@ -63,6 +63,8 @@ def launch(
         spec,
         config.logs_specs,  # type: ignore[arg-type]
         health_file=health_file,
+        min_nodes=config.min_nodes,
+        monitor_hold_file=os.environ.get(MONITOR_HOLD_ENV),
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=config.shutdown_timeout,

@@ -7,6 +7,7 @@ Cleanup is scoped: the pids we started, their descendants, and processes carryin
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -87,12 +88,14 @@ class Cluster:
             argv += ["--health-file", str(health)]
         return [*argv, *identity, *extra, str(WORKER), str(self.out), *worker_opts]
 
-    def start(self, argv: list[str]) -> Agent:
+    def start(self, argv: list[str], env: dict[str, str] | None = None) -> Agent:
+        """Start one agent in its own session (``env``: extra variables on top of ours)."""
         i = len(self.agents)
         log = self.tmp / f"agent{i}.log"
         health = Path(argv[argv.index("--health-file") + 1]) if "--health-file" in argv else self.tmp / "none"
         with log.open("wb") as fh:
-            proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            full_env = {**os.environ, **env} if env else None
+            proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=full_env)
         agent = Agent(proc, log, health)
         self.agents.append(agent)
         return agent

@@ -69,7 +69,6 @@ class TuningSpec:
     seed: int = 0
     warmup_steps: int = 3
     measure_steps: int = 10
-    config_flag: str = "--config"
     eta: int = 3  # successive halving keeps 1/eta per round
     min_steps: int = 3  # measured steps in the first round of successive halving
     noise: float = 0.01  # relative difference below which two results tie
@@ -125,8 +124,6 @@ def _checked(values: dict[str, Any], source: str) -> dict[str, Any]:
         out["space"] = parse_space(out["space"], f"{source}.space")
     if "arg_mappings" in out:
         out["arg_mappings"] = _arg_mappings(out["arg_mappings"], f"{source}.arg_mappings")
-    if "config_flag" in out and not str(out["config_flag"]).startswith("-"):
-        raise UsageError(f"{source}.config_flag: {out['config_flag']!r} must be a flag such as --config")
     if "share_hosts" in out and not isinstance(out["share_hosts"], bool):
         raise UsageError(f"{source}.share_hosts: must be true or false, got {out['share_hosts']!r}")
     return out

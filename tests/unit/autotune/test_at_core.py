@@ -67,7 +67,6 @@ def test_tuning_block_defaults_and_deepspeed_aliases() -> None:
         ({"timeout": -1}, r"autotuning.timeout: must be a number > 0"),
         ({"nodes": 0}, r"autotuning.nodes: must be a whole number >= 1"),
         ({"arg_mappings": {"micro_batch_size": "batch"}}, r"'batch' is not a flag"),
-        ({"config_flag": "config"}, r"must be a flag such as --config"),
     ],
 )
 def test_bad_tuning_block(block: dict, message: str) -> None:

@@ -148,7 +148,7 @@ class DiskTier:
             errors = [str(exc)]
         parts: list[Any] = [None] * self.world_size
         dist.all_gather_object(parts, errors, group=self.process_group)
-        found = [e for p in parts for e in p]
+        found = list(dict.fromkeys(e for p in parts for e in p))
         if found:
             more = f" (and {len(found) - 1} more problems)" if len(found) > 1 else ""
             raise UsageError(found[0] + more)

@@ -43,11 +43,11 @@ class ZeroCheckpointState:
     # -- save ---------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         opt = self.opt
-        _init_optim_state(opt)
+        states = _state_of(opt)
         params: dict[str, FlatChunk] = {}
         state: dict[str, dict[str, Any]] = {}
         for b, m in zip(opt.buckets, opt.masters, strict=True):
-            inner = opt.optim.state.get(m, {})
+            inner = states[m]
             for slot in b.slots():
                 state[slot.name] = {k: v for k, v in inner.items() if not _is_shard_state(v, m)}
             for name, start, end, off in b.local_pieces():
@@ -90,8 +90,12 @@ class ZeroCheckpointState:
 
     def _copy_in(self, sd: dict[str, Any]) -> None:
         opt, state = self.opt, sd["optim"]["state"]
+        fresh = _state_of(opt)  # every key a master's state needs, also where this rank owns only padding
         for b, m in zip(opt.buckets, opt.masters, strict=True):
             inner = opt.optim.state[m]
+            for k, v in fresh[m].items():
+                if k not in inner:
+                    inner[k] = v.clone() if torch.is_tensor(v) else v
             first = b.names[0]
             for k, v in state[first].items():
                 if not isinstance(v, FlatChunk):
@@ -100,8 +104,6 @@ class ZeroCheckpointState:
                 m[off : off + end - _start].copy_(sd["params"][name].tensor)
                 for k, v in state[name].items():
                     if isinstance(v, FlatChunk):
-                        if k not in inner:
-                            inner[k] = torch.zeros_like(m)
                         inner[k][off : off + end - _start].copy_(v.tensor)
         for group, saved in zip(opt.optim.param_groups, sd["optim"]["param_groups"].values(), strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
@@ -135,28 +137,32 @@ def _unmanaged_module_state(opt: Any) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def _init_optim_state(opt: Any) -> None:
-    """Create the wrapped optimizer's state if it has none yet (torch DCP's convention: one step with zero gradients
-    and lr 0), keeping the masters bit-identical and resetting ``step`` counters to 0, so the state equals a fresh one
-    for Adam/AdamW and has the tensors a load needs."""
+def _state_of(opt: Any) -> dict[Any, dict[str, Any]]:
+    """The wrapped optimizer's state per master; for masters without state yet (before the first step), the state a
+    fresh optimizer of the same class and options creates (one step with zero gradients and lr 0 on zero copies,
+    ``step`` counters reset to 0: for Adam/AdamW exactly a fresh state), built aside so the live optimizer is not
+    touched. A load needs these tensors to read into; a save of them restores a fresh optimizer."""
     inner = opt.optim
-    if all(inner.state.get(m) for m in opt.masters):
-        return
-    saved = [(m.detach().clone(), m.grad) for m in opt.masters]
-    lrs = [g["lr"] for g in inner.param_groups]
-    for m in opt.masters:
-        m.grad = torch.zeros_like(m)
+    missing = [m for m in opt.masters if not inner.state.get(m)]
+    states = {m: inner.state[m] for m in opt.masters if inner.state.get(m)}
+    if not missing:
+        return states
+    clones = {id(m): torch.zeros_like(m, requires_grad=True) for m in missing}
+    groups = []
     for g in inner.param_groups:
-        g["lr"] = 0.0
-    inner.step()
-    for g, lr in zip(inner.param_groups, lrs, strict=True):
-        g["lr"] = lr
-    for m, (value, grad) in zip(opt.masters, saved, strict=True):
-        m.copy_(value)
-        m.grad = grad
-        for k, v in inner.state[m].items():
-            if k == "step":
-                inner.state[m][k] = torch.zeros_like(v) if torch.is_tensor(v) else 0
+        ps = [clones[id(m)] for m in g["params"] if id(m) in clones]
+        if ps:
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "lr": 0.0, "params": ps})
+    for c in clones.values():
+        c.grad = torch.zeros_like(c)
+    probe = type(inner)(groups)
+    probe.step()
+    for m in missing:
+        st = dict(probe.state[clones[id(m)]])
+        if "step" in st:
+            st["step"] = torch.zeros_like(st["step"]) if torch.is_tensor(st["step"]) else 0
+        states[m] = st
+    return states
 
 
 def _check_layout(saved: dict[str, Any], here: dict[str, Any]) -> None:

@@ -1,0 +1,74 @@
+"""Run gloo "ranks" as forked children of one driver process, so torch is imported once for many short worlds
+(each a fresh process group on its own port). The driver must not initialise torch.distributed or start threads
+before forking."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def fork_world(world: int, fn: Callable[..., Any], out: Path, *args: Any) -> list[int]:
+    """Fork ``world`` children; child ``r`` joins a fresh gloo group, runs ``fn(*args)`` and writes its JSON
+    result to ``out.rank<r>`` (or its traceback to ``out.err<r>``, exit 1). Returns the children's pids."""
+    port = str(free_port())
+    pids = []
+    for r in range(world):
+        pid = os.fork()
+        if pid == 0:  # child
+            os._exit(_child(r, world, port, fn, out, args))
+        pids.append(pid)
+    return pids
+
+
+def _child(rank: int, world: int, port: str, fn: Callable[..., Any], out: Path, args: Any) -> int:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world))
+    try:
+        dist.init_process_group("gloo")
+        result = fn(*args)
+        Path(f"{out}.rank{rank}").write_text(json.dumps(result))
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    except BaseException:
+        Path(f"{out}.err{rank}").write_text(traceback.format_exc())
+        return 1
+
+
+def join(pids: list[int], out: Path) -> list[Any]:
+    """Wait for every child; raise with the first traceback if one failed; return their results."""
+    for r, pid in enumerate(pids):
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            err = Path(f"{out}.err{r}")
+            raise RuntimeError(f"rank {r} failed: {err.read_text() if err.exists() else status}")
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(len(pids))]
+
+
+def wait_killed(pid: int) -> bool:
+    """Wait for ``pid`` to exit; True if it died of SIGKILL."""
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == -signal.SIGKILL
+
+
+def stop(pid: int) -> None:
+    """SIGKILL our child ``pid`` if it is still running (stuck in a collective with a dead rank) and reap it."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    os.waitpid(pid, 0)

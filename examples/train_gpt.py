@@ -30,7 +30,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from elasticzero.checkpoint import Checkpointer
-from elasticzero.config import build_pieces, load_config
+from elasticzero.config import build_pieces, elastic_batch, load_config
 from elasticzero.data import ByteCorpus, ElasticLoader, ElasticSampler, stdlib_corpus
 from elasticzero.engine.zero.dcp_state import ZeroCheckpointState
 from gpt import GPT, config_for, lm_loss, num_params
@@ -53,7 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128, help="bytes per sample (default 128)")
     p.add_argument("--eval-every", type=int, default=0, help="eval loss every K steps (always at the end)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per rank (default 0)")
+    p.add_argument("--corpus-bytes", type=int, default=8 << 20, help="bytes of stdlib source per split (8 MiB)")
     p.add_argument("--record-samples", type=Path, help="append each step's sample ids per rank to this JSONL file")
+    p.add_argument("--hold-file", type=Path, help="at step N, wait while this file exists and holds a number <= N")
     return p.parse_args(argv)
 
 
@@ -125,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         net = nn.parallel.DistributedDataParallel(model) if zero == 0 else model
 
         cache = args.checkpoint_dir or Path(tempfile.gettempdir()) / "elasticzero-corpus"
-        train_set = ByteCorpus(stdlib_corpus(cache, "train"), args.seq_len)
-        eval_set = ByteCorpus(stdlib_corpus(cache, "eval"), args.seq_len)
+        train_set = ByteCorpus(stdlib_corpus(cache, "train", max_bytes=args.corpus_bytes), args.seq_len)
+        eval_set = ByteCorpus(stdlib_corpus(cache, "eval", max_bytes=args.corpus_bytes), args.seq_len)
         sampler = ElasticSampler(
             len(train_set), global_batch_size=cfg.train_batch_size or cfg.micro_batch_size * acc.steps * world,
             micro_batch_size=cfg.micro_batch_size, rank=rank, world_size=world, seed=args.seed,
@@ -146,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"resumed at step {start}",
                 flush=True,
             )
+            batch = elastic_batch(cfg, str(args.config))
+            print(f"train_gpt: valid world sizes: {batch.valid_world_sizes() if batch else 'any'}", flush=True)
 
+        if args.hold_file is not None:
+            hold(args.hold_file, start)
         batches, t0, tokens = loader.endless(), time.perf_counter(), 0
         for step in range(start + 1, args.steps + 1):
             total = torch.zeros(())
@@ -175,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                 log_eval(net, eval_set, cfg.micro_batch_size, step, rank)
             if ckpt and ((args.save_every and step % args.save_every == 0) or step == args.steps):
                 ckpt.save(step, state)
+            if args.hold_file is not None:
+                hold(args.hold_file, step)
         log_eval(net, eval_set, cfg.micro_batch_size, args.steps, rank)
         if ckpt:
             ckpt.close()
@@ -187,6 +195,23 @@ def log_eval(net: nn.Module, data: ByteCorpus, micro: int, step: int, rank: int)
     loss = eval_loss(net, data, micro)
     if rank == 0:
         print(f"step {step:5d}  eval loss {loss:.4f}", flush=True)
+
+
+def hold(path: Path, step: int) -> None:
+    """Wait (collectively: a lost peer fails the job) while ``path`` exists and names a step <= ``step``."""
+    while True:
+        flag = torch.tensor(int(dist.get_rank() == 0 and _held(path, step)))
+        dist.broadcast(flag, 0)
+        if not flag.item():
+            return
+        time.sleep(0.2)
+
+
+def _held(path: Path, step: int) -> bool:
+    try:
+        return int(path.read_text().strip() or 0) <= step
+    except (FileNotFoundError, ValueError):
+        return False
 
 
 def record(path: Path, step: int, rank: int, world: int, sampler: ElasticSampler) -> None:

@@ -39,10 +39,13 @@ def stdlib_corpus(
     """The ``split`` (``train`` or ``eval``) bytes as a uint8 tensor, at most ``max_bytes`` of them (cached)."""
     if split not in ("train", "eval"):
         raise UsageError(f"stdlib_corpus: split must be 'train' or 'eval', got {split!r}")
-    files = [f for i, f in enumerate(stdlib_files()) if (i % eval_every == eval_every - 1) == (split == "eval")]
-    key = hashlib.sha256(repr((sys.version, split, eval_every, max_bytes, [f.name for f in files])).encode())
+    root = sysconfig.get_paths()["stdlib"]  # one Python build's stdlib does not change: it keys the cache
+    key = hashlib.sha256(repr((sys.version, root, split, eval_every, max_bytes)).encode())
     path = Path(cache_dir) / f"stdlib-{split}-{key.hexdigest()[:16]}.bin"
     if not path.exists():
+        files = [
+            f for i, f in enumerate(stdlib_files(Path(root))) if (i % eval_every == eval_every - 1) == (split == "eval")
+        ]
         _write_atomically(path, _concat(files, max_bytes))
     data = path.read_bytes()
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)

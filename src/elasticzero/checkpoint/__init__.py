@@ -18,6 +18,7 @@ _LAZY = {
     "ZeroSavePlanner": "elasticzero.checkpoint.planner",
     "ZeroLoadPlanner": "elasticzero.checkpoint.planner",
     "SafeFileSystemReader": "elasticzero.checkpoint.planner",
+    "ZeroCheckpointState": "elasticzero.engine.zero.dcp_state",
 }
 
 __all__ = list(_LAZY)

@@ -48,6 +48,7 @@ class ZeroCheckpointState:
         state: dict[str, dict[str, Any]] = {}
         for b, m in zip(opt.buckets, opt.masters, strict=True):
             inner = states[m]
+            _check_reshardable(inner, m)
             for slot in b.slots():
                 state[slot.name] = {k: v for k, v in inner.items() if not _is_shard_state(v, m)}
             for name, start, end, off in b.local_pieces():
@@ -122,6 +123,15 @@ def _tied_aliases(opt: Any) -> dict[str, str]:
 
 def _is_shard_state(v: Any, master: torch.Tensor) -> bool:
     return torch.is_tensor(v) and v.shape == master.shape and v.dim() == 1
+
+
+def _check_reshardable(inner: dict[str, Any], master: torch.Tensor) -> None:
+    for k, v in inner.items():
+        if torch.is_tensor(v) and v.dim() != 0 and not _is_shard_state(v, master):
+            raise UsageError(
+                f"optimizer state {k!r} has shape {tuple(v.shape)}: only 0-dim tensors and tensors shaped like the "
+                f"master shard {tuple(master.shape)} can be resharded"
+            )
 
 
 def _group_options(opt: Any) -> dict[str, dict[str, Any]]:

@@ -55,6 +55,9 @@ OPTION_FLAGS: dict[str, tuple[str, Callable[[argparse.Namespace], object]]] = {
     "--node-rank": ("node_rank", lambda a: a.node_rank),
     "--save-pid": ("save_pid", lambda a: a.save_pid),  # "" (bare flag): the default path, made at execution
 }
+#: DeepSpeed's ssh flags: scripts pass them on every launch, so a backend without ssh ignores them (with a note)
+#: instead of refusing the command, as ``deepspeed`` does on a single node
+SSH_FLAGS = frozenset({"--ssh-port", "--no-ssh-check"})
 
 
 def make_job_id() -> str:
@@ -148,14 +151,24 @@ def _made_pid_dir(path: str) -> Path | None:
     return parent if made else None
 
 
-def _launcher_options(args: argparse.Namespace) -> tuple[dict[str, object], dict[str, str]]:
-    """The backend options the command line sets (flags, then ``--launcher-opt``) and the flag that set each."""
+def _launcher_options(
+    args: argparse.Namespace, cls: type[backend_mod.LauncherBackend]
+) -> tuple[dict[str, object], dict[str, str]]:
+    """The backend options the command line sets (flags, then ``--launcher-opt``) and the flag that set each.
+
+    An ssh flag (:data:`SSH_FLAGS`) that ``cls`` has no option for is left out with a note on stderr.
+    """
     given: dict[str, object] = {}
     sources: dict[str, str] = {}
+    known = {o.name for o in cls.all_options()}
     for flag, (key, value_of) in OPTION_FLAGS.items():
         value = value_of(args)
-        if value is not None:
-            given[key], sources[key] = value, flag
+        if value is None:
+            continue
+        if flag in SSH_FLAGS and key not in known:
+            print(f"{PROG}: note: {flag} does not apply to launcher {cls.name!r} (no ssh); ignored", file=sys.stderr)
+            continue
+        given[key], sources[key] = value, flag
     for item in args.launcher_opt:
         key, eq, value = item.partition("=")
         key = key.strip()
@@ -247,7 +260,7 @@ def plan_and_backend(
     exported = export_env(env, args.export, args.export_prefix, home=home, cwd=Path(cwd))
     launcher_args = _launcher_args(args.launcher_args)
     cls = backend_mod.launcher_class(name)
-    options = cls.resolve_options(*_launcher_options(args))
+    options = cls.resolve_options(*_launcher_options(args, cls))
     plan = LaunchPlan(
         job_id=args.rdzv_id or make_job_id(),
         backend=name,

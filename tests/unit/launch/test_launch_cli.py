@@ -667,3 +667,15 @@ def test_dry_run_touches_nothing_with_any_flag_combination(
     assert runs == len(PURE_BACKENDS) * 2 ** len(optional)
     assert _tree(tmp_path) == before  # no file, directory, pid file or log dir was created or changed
     assert launch_env.calls == []
+
+
+def test_deepspeed_ssh_flags_are_ignored_with_a_note_where_no_ssh_is_used(
+    launch_env: Executions, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``deepspeed --ssh_port 2222 --no_ssh_check`` on one node runs; so does ours (local has no ssh options)."""
+    assert main(["--ssh_port", "2222", "--no_ssh_check", "--dry-run=json", "t.py"]) == 0
+    captured = capsys.readouterr()
+    plan, err = json.loads(captured.out), captured.err
+    assert plan["backend"] == "local" and "ssh_port" not in plan["options"]
+    assert "--ssh-port does not apply to launcher 'local' (no ssh); ignored" in err
+    assert launch_env.calls == []

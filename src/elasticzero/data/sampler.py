@@ -127,6 +127,11 @@ class ElasticSampler(Sampler[list[int]]):
                 "ElasticSampler: batches were drawn but none was marked consumed, so the position would be lost: "
                 "iterate through elasticzero.data.ElasticLoader, or call sampler.advance() per micro-batch trained on"
             )
+        if self.consumed % self.global_batch_size:
+            raise UsageError(
+                f"ElasticSampler: state_dict() {self.consumed % self.global_batch_size} samples into a global batch "
+                f"of {self.global_batch_size}: checkpoint after the optimizer step, when the global batch is complete"
+            )
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,
@@ -149,11 +154,10 @@ class ElasticSampler(Sampler[list[int]]):
         if state.get("version") != STATE_VERSION:
             raise UsageError(f"ElasticSampler: unknown state version {state.get('version')!r} (this build: 1)")
         consumed = int(state["consumed_samples"])
-        if consumed % self.micro_step:
+        if consumed % self.global_batch_size or not 0 <= consumed < self.steps_per_epoch * self.global_batch_size:
             raise UsageError(
-                f"ElasticSampler: the checkpoint stopped {consumed % self.global_batch_size} samples into a global "
-                f"batch, which micro batch {self.micro_batch_size} x world {self.world_size} cannot continue; "
-                "save checkpoints after optimizer steps"
+                f"ElasticSampler: the checkpoint's position {consumed} is not the start of a global batch of "
+                f"{self.global_batch_size} in an epoch of {self.steps_per_epoch} (checkpoint after optimizer steps)"
             )
         self.epoch, self.consumed = int(state["epoch"]), consumed
 

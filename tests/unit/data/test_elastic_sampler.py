@@ -113,11 +113,20 @@ def test_resume_is_o1_in_the_position(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_position_moves_on_advance_not_on_draw() -> None:
     s = make(0, 2, 5)
     it = iter(s)
-    drawn = [next(it) for _ in range(4)]  # a prefetching DataLoader draws ahead
+    drawn = [next(it) for _ in range(8)]  # a prefetching DataLoader draws ahead
     with pytest.raises(UsageError, match=r"drawn but none was marked consumed.*ElasticLoader"):
         s.state_dict()
-    s.advance(2)
-    assert s.state_dict()["consumed_samples"] == 2 * 10 and len(drawn) == 4
+    s.advance(6)  # one global batch of 60 = 6 micro steps of 5 x 2
+    assert s.state_dict()["consumed_samples"] == 60 and len(drawn) == 8
+
+
+def test_state_dict_refuses_a_position_inside_a_global_batch() -> None:
+    s = make(0, 2, 5)  # a global batch is 6 micro steps of 10
+    s.advance(3)
+    with pytest.raises(UsageError, match=r"state_dict\(\) 30 samples into a global batch of 60: checkpoint after"):
+        s.state_dict()
+    s.advance(3)
+    assert s.state_dict()["consumed_samples"] == 60
 
 
 def test_epoch_rolls_over_after_the_last_full_global_batch() -> None:
@@ -134,7 +143,8 @@ def test_epoch_rolls_over_after_the_last_full_global_batch() -> None:
         ({"global_batch_size": 120}, r"checkpoint's global_batch_size is 120 but this run's is 60"),
         ({"num_samples": 600}, r"checkpoint's num_samples is 600"),
         ({"version": 9}, r"unknown state version 9"),
-        ({"consumed_samples": 4}, r"stopped 4 samples into a global batch, which micro batch 2 x world 3 cannot"),
+        ({"consumed_samples": 4}, r"position 4 is not the start of a global batch of 60 in an epoch of 10 "),
+        ({"consumed_samples": 600}, r"position 600 is not the start of a global batch of 60 in an epoch of 10 "),
     ],
 )
 def test_load_state_dict_refuses_what_would_change_the_order(change: dict, match: str) -> None:

@@ -148,3 +148,18 @@ def test_disabled_block_is_ignored_and_batch_sizes_stay_as_given() -> None:
     assert (cfg.train_batch_size, cfg.micro_batch_size, cfg.accumulation_steps) == (None, 2, 3)
     assert ("elasticity", "elasticity.enabled is false") in report.ignored
     assert elastic_batch(cfg) is None
+
+
+def test_build_pieces_plans_an_elastic_config_for_the_running_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from elasticzero.config.build import build_pieces
+
+    cfg = config_from_dict({"elasticity": {"enabled": True, "max_train_batch_size": 24, "micro_batch_sizes": [2, 4]}})
+    assert (cfg.train_batch_size, cfg.accumulation_steps) == (24, 1)  # loaded before any world existed
+    monkeypatch.setenv("WORLD_SIZE", "4")  # the job runs at 4 ranks
+    pieces = build_pieces(torch.nn.Linear(2, 2), cfg)
+    assert (pieces.micro_batch_size, pieces.accumulation_steps) == (2, 3)  # 24 = 2 x 3 x 4
+    monkeypatch.setenv("WORLD_SIZE", "5")
+    with pytest.raises(UsageError, match=r"^config: world size 5 has no batch plan"):
+        build_pieces(torch.nn.Linear(2, 2), cfg)

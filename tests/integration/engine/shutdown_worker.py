@@ -12,7 +12,6 @@ import os
 import sys
 
 import torch
-import torch._dynamo  # imported after init_process_group it would capture the default group (see main)
 import torch.distributed as dist
 from torch import nn
 
@@ -27,8 +26,9 @@ def threads() -> int:
 
 
 def main(out: str) -> None:
-    # torch 2.13 modules imported lazily (torch._dynamo, on the first optimizer) bind the default group in default
-    # arguments when imported after init_process_group and keep it alive; imported first, they bind None.
+    # torch.distributed.nn binds the default group in default arguments when imported after init_process_group
+    # (torch._dynamo imports it, on the first torch.optim optimizer) and keeps it alive; the engine's comm module,
+    # imported above like a script imports elasticzero, imports it first, so it binds None.
     torch.set_num_threads(1)
     before = threads()
     dist.init_process_group("gloo")
@@ -53,6 +53,8 @@ def main(out: str) -> None:
     unsettled.append(len(comm._SETTLING))
     scaler = elasticzero.LossScaler(process_group=group)
     del group, pg
+    pinned = comm.default_group_pinned()
+    dist.all_reduce(torch.ones(4))  # the script's own last collective, which no engine settle covers
     live = threads()
     dist.destroy_process_group()
     after = threads()
@@ -67,7 +69,7 @@ def main(out: str) -> None:
     except UsageError as e:
         errors["scaler"] = str(e)
     with open(f"{out}.rank{rank}", "w") as f:
-        report = {"unsettled": unsettled, "before_init": before, "live": live, "after_destroy": after}
+        report = {"unsettled": unsettled, "before_init": before, "live": live, "after_destroy": after, "pinned": pinned}
         json.dump({**report, "errors": errors}, f)
 
 

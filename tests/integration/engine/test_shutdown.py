@@ -49,7 +49,9 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 def test_destroy_joins_the_group_threads_while_engine_objects_live(ranks: list[dict[str, Any]]) -> None:
+    # no torch._dynamo imported up front by the script: the engine keeps torch.distributed.nn from pinning the group
     for r in ranks:
+        assert r["pinned"] is False, r
         assert r["live"] > r["before_init"], r  # the groups' threads existed while training
         assert r["after_destroy"] == r["before_init"], r  # ... and are joined by destroy_process_group()
 

@@ -27,6 +27,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# torch.distributed.nn.functional binds ``group.WORLD`` into its functions' default arguments when it is imported. It
+# is imported by torch._dynamo, i.e. by the first torch.optim optimizer a script builds: after init_process_group,
+# that pins the default group, so destroy_process_group() no longer joins gloo's threads, and a thread still letting
+# go of the last collective's tensors while the interpreter finalizes aborts the process (see settle). Imported here,
+# with the engine, before the script initialises the group, the defaults bind None.
+import torch.distributed.nn.functional as _dist_nn_functional
+
 from elasticzero.engine.zero import ring
 from elasticzero.errors import UsageError
 
@@ -87,6 +94,14 @@ class WeakGroup:
             raise UsageError(f"{owner} needs torch.distributed initialised (init_process_group)")
         self._ref = weakref.ref(pg)
         self._owner = owner
+        if default_group_pinned():
+            warnings.warn(
+                "elasticzero: torch.distributed.nn was imported after init_process_group and holds the default "
+                "group, so destroy_process_group() cannot join gloo's threads (an abort at exit is possible): import "
+                "elasticzero's engine (e.g. `from elasticzero import ZeroStage2`) before init_process_group",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def __call__(self) -> Any:
         """The group; a :class:`UsageError` once it was destroyed."""
@@ -97,6 +112,12 @@ class WeakGroup:
                 f"build a new {self._owner} for the new group"
             )
         return pg
+
+
+def default_group_pinned() -> bool:
+    """Whether torch.distributed.nn's default arguments hold the live default group (imported after init)."""
+    world = dist.group.WORLD
+    return world is not None and any(d is world for d in _dist_nn_functional.all_reduce.__defaults__ or ())
 
 
 def _record(stats: CommStats | None, op: str, tag: str, tensor: torch.Tensor) -> None:

@@ -90,6 +90,11 @@ class Checkpointer:
         info = {k: _scalars(v, _INFO_DEPTH) for k, v in sds.items()}
         return self._stager.stage(step, sds, info)
 
+    @property
+    def saving(self) -> bool:
+        """Whether a background save is still being written (not collective)."""
+        return self._pending is not None and not self._pending.done()
+
     def wait(self) -> None:
         """Block until the background save (if any) committed; re-raise its error."""
         pending, self._pending = self._pending, None

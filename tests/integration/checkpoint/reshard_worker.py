@@ -1,11 +1,10 @@
-"""Worker for test_ckpt_reshard (world 3): for every case (stage, precision, N → stage', M), ranks [0, N) train
-two steps and save; ranks [0, M) build a fresh optimizer (other seed), load the newest checkpoint, compare the fp32
-masters and Adam moments bitwise with the saved full values, train two more steps and compare the parameters with
-the uninterrupted run. Writes ``{case: [problems]}`` per rank to ``OUT.rank<r>``."""
+"""Driver for test_ckpt_reshard: forks a world of 3 ranks (ckpt_fork.py). For every case (stage, precision,
+N -> stage', M), ranks [0, N) train two steps and save; ranks [0, M) build a fresh optimizer (other seed), load the
+newest checkpoint, compare the fp32 masters and Adam moments bitwise with the saved full values, train two more steps
+and compare the parameters with the uninterrupted run. Each rank writes ``{case: [problems]}`` to ``OUT.rank<r>``."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from ckpt_fork import fork_world, join
 from ckpt_model import build, full_state, mismatches, train
 
 from elasticzero.checkpoint import Checkpointer
@@ -67,15 +67,12 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], exact: 
     return bad
 
 
-def main(out: str) -> None:
-    dist.init_process_group("gloo")
+def run_all(out: str) -> dict[str, list[str]]:
     groups = {k: dist.new_group(list(range(k))) for k in (1, 2, 3)}
-    results = {"_".join(map(str, c)): run_case(c, groups, Path(out + ".d")) for c in CASES}
-    Path(f"{out}.rank{dist.get_rank()}").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    return {"_".join(map(str, c)): run_case(c, groups, Path(out + ".d")) for c in CASES}
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main(sys.argv[1])
+    out = sys.argv[1]
+    join(fork_world(3, run_all, Path(out), out), Path(out))

@@ -1,0 +1,252 @@
+"""Checkpoint benchmark: elasticzero's Checkpointer vs plain torch DCP on the same ZeRO state, on CPU.
+
+One invocation starts 2 gloo ranks (this file with ``--worker``) training the ~29.5M-parameter GPT of
+``examples/gpt.py`` under ``ZeroStage2`` (fp32 AdamW), and measures side by side, in the same processes:
+
+1. save stall — how long ``save`` blocks the training loop: ``Checkpointer`` sync and async vs ``dcp.save`` and
+   ``dcp.async_save`` of the same state dict (the same planner, so the same bytes), and vs one training step;
+2. step-time drag — step time while an async save writes in the background vs steps with no save running;
+3. load at a new world size — rank 0 alone (a 1-rank group) loads the 2-rank checkpoint into ``ZeroStage3``:
+   ``Checkpointer.load_latest`` (with and without CRC verification) vs ``dcp.load`` of the same template, vs the
+   raw read time of the same files (page cache warm for all of them).
+
+Prints a table and the ratios of issue 8's goals, and the machine load. Not a test: timings, bounded by --timeout.
+
+    .venv/bin/python bench/checkpoint_bench.py            # 29.5M GPT, 2 ranks
+    .venv/bin/python bench/checkpoint_bench.py --size small --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="bench", help="GPT size from examples/gpt.py (default bench, ~29.5M)")
+    p.add_argument("--batch-size", type=int, default=2, help="micro-batch per rank (default 2)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sample (default 64)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps without a save running (default 4)")
+    p.add_argument("--repeats", type=int, default=2, help="saves/loads timed per method (default 2)")
+    p.add_argument("--dir", type=Path, default=None, help="checkpoint scratch directory (default: a temp dir)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
+    p.add_argument("--out", type=Path, default=None, help="also write the raw JSON here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# -- worker (one rank) ------------------------------------------------------------------------------------------------
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    sys.path.insert(0, str(REPO / "examples"))
+    from gpt import GPT, config_for, lm_loss, num_params, synthetic_batch  # noqa: I001 (examples/ on sys.path)
+    from elasticzero.checkpoint import Checkpointer
+    from elasticzero.checkpoint.planner import SafeFileSystemReader, ZeroLoadPlanner, ZeroSavePlanner
+    from elasticzero.checkpoint.snapshot import fresh_like
+    from elasticzero.engine.zero.dcp_state import ZeroCheckpointState
+    from elasticzero.engine.zero.stage2 import ZeroStage2
+    from elasticzero.engine.zero.stage3 import ZeroStage3
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    cfg = config_for(args.size, block_size=max(args.seq_len, config_for(args.size).block_size))
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = ZeroStage2(model, torch.optim.AdamW, lr=1e-4)
+    torch.set_num_threads(1)
+    x, y = synthetic_batch(cfg, args.batch_size, args.seq_len, torch.Generator().manual_seed(1 + rank))
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - t0
+
+    step()
+    base_steps = [step() for _ in range(args.steps)]
+    root = Path(args.dir)
+    ckpt_group = dist.new_group(backend="gloo")
+    state = {"zero": ZeroCheckpointState(opt)}
+    res: dict[str, Any] = {"params": num_params(model), "step_s": base_steps}
+
+    def timed(fn: Any) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    sync = Checkpointer(root / "ours_sync", keep_last=1, process_group=ckpt_group)
+    res["ours_sync_stall_s"] = [timed(lambda i=i: sync.save(i, state)) for i in range(args.repeats)]
+    res["dcp_save_stall_s"] = [
+        timed(lambda i=i: dcp.save(opt_sd(state), checkpoint_id=root / f"dcp_{i}", planner=ZeroSavePlanner()))
+        for i in range(args.repeats)
+    ]
+
+    asyn = Checkpointer(root / "ours_async", keep_last=1, async_save=True, process_group=ckpt_group)
+    stalls, drag = [], []
+    for i in range(args.repeats):
+        stalls.append(timed(lambda i=i: asyn.save(i, state)))
+        while asyn.saving:  # steps while the background write runs
+            drag.append(step())
+        asyn.wait()
+    res["ours_async_stall_s"], res["step_during_async_s"] = stalls, drag
+
+    dstalls = []
+    for i in range(args.repeats):
+        sd, cid = opt_sd(state), root / f"dcpa_{i}"
+        dist.barrier()
+        t0 = time.perf_counter()
+        fut = dcp.async_save(sd, checkpoint_id=cid, planner=ZeroSavePlanner(), process_group=ckpt_group)
+        dstalls.append(time.perf_counter() - t0)
+        fut.result()
+    res["dcp_async_stall_s"] = dstalls
+    asyn.close()
+    res["ckpt_bytes"] = sum(f.stat().st_size for f in (root / "ours_sync").rglob("*") if f.is_file())
+
+    # load at a new world size: rank 0 alone, ZeRO-3
+    one = dist.new_group([0])
+    if rank == 0:
+        torch.manual_seed(1)
+        opt1 = ZeroStage3(GPT(cfg), torch.optim.AdamW, lr=1e-4, process_group=one)
+        st1 = {"zero": ZeroCheckpointState(opt1)}
+        ck = Checkpointer(root / "ours_sync", process_group=one)
+        ck_nocrc = Checkpointer(root / "ours_sync", process_group=one, verify_on_load=False)
+        step_dir = next(p for p in (root / "ours_sync").iterdir() if p.name.startswith("step-") and p.is_dir())
+        res["load_ours_s"], res["load_ours_nocrc_s"], res["load_dcp_s"], res["raw_read_s"] = [], [], [], []
+        for _ in range(args.repeats):
+            res["raw_read_s"].append(_raw_read(step_dir))
+            t0 = time.perf_counter()
+            ck.load_latest(st1)
+            res["load_ours_s"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            ck_nocrc.load_latest(st1)
+            res["load_ours_nocrc_s"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            template = {"zero": fresh_like(st1["zero"].state_dict())}
+            dcp.load(
+                template, storage_reader=SafeFileSystemReader(step_dir), planner=ZeroLoadPlanner(), process_group=one
+            )
+            res["load_dcp_s"].append(time.perf_counter() - t0)
+    dist.barrier()
+    dist.destroy_process_group()
+    return res
+
+
+def opt_sd(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.state_dict() for k, v in state.items()}
+
+
+def _raw_read(directory: Path) -> float:
+    t0 = time.perf_counter()
+    for f in directory.iterdir():
+        with open(f, "rb") as fh:
+            while fh.read(1 << 24):
+                pass
+    return time.perf_counter() - t0
+
+
+# -- driver ----------------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    scratch = args.dir or Path(tempfile.mkdtemp(prefix="ckpt_bench_"))
+    outs = [scratch / f"rank{r}.json" for r in range(2)]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    argv = [sys.executable, __file__, "--worker", "--size", args.size, "--batch-size", str(args.batch_size)]
+    argv += ["--seq-len", str(args.seq_len), "--steps", str(args.steps), "--repeats", str(args.repeats)]
+    argv += ["--dir", str(scratch)]
+    procs = [subprocess.Popen([*argv, "--out", str(outs[r])], env=dict(env, RANK=str(r))) for r in range(2)]
+    try:
+        for p in procs:
+            if p.wait(timeout=args.timeout) != 0:
+                raise SystemExit(f"a rank failed (exit {p.returncode})")
+        return [json.loads(o.read_text()) for o in outs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        if args.dir is None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def report(results: list[dict[str, Any]]) -> None:
+    r0 = results[0]
+    worst = {k: max(med(r[k]) for r in results) for k in r0 if k.endswith("_s") and k in results[1]}
+    step = worst["step_s"]
+    mib = r0["ckpt_bytes"] / 2**20
+    print(f"model: {r0['params'] / 1e6:.1f}M parameters, 2 ranks, ZeroStage2 fp32 AdamW, checkpoint {mib:.0f} MiB")
+    print(f"load average: {os.getloadavg()}, cores: {os.cpu_count()}")
+    print("\n| measure (median, slowest rank) | seconds | vs dcp.save | vs one step |")
+    print("|---|---|---|---|")
+    for key, label in [
+        ("step_s", "training step (no save running)"),
+        ("dcp_save_stall_s", "dcp.save stall"),
+        ("dcp_async_stall_s", "dcp.async_save stall"),
+        ("ours_sync_stall_s", "Checkpointer.save (sync) stall"),
+        ("ours_async_stall_s", "Checkpointer.save (async) stall"),
+        ("step_during_async_s", "training step during an async save"),
+    ]:
+        v = worst[key]
+        print(f"| {label} | {v:.3f} | {v / worst['dcp_save_stall_s']:.3f} | {v / step:.3f} |")
+    print("\n| load at world size 1 (rank 0), ZeroStage3 | seconds | vs raw read |")
+    print("|---|---|---|")
+    for key, label in [
+        ("raw_read_s", "raw read of the same files"),
+        ("load_dcp_s", "dcp.load (same planner/template)"),
+        ("load_ours_s", "Checkpointer.load_latest (CRC verified)"),
+        ("load_ours_nocrc_s", "Checkpointer.load_latest (verify_on_load=False)"),
+    ]:
+        v = med(r0[key])
+        print(f"| {label} | {v:.3f} | {v / med(r0['raw_read_s']):.2f} |")
+    drag = worst["step_during_async_s"] / step - 1
+    print("\ngoals (issue 8):")
+    print(
+        f"  async stall / dcp.save stall = {worst['ours_async_stall_s'] / worst['dcp_save_stall_s']:.3f} (goal <= 0.1)"
+    )
+    print(f"  async stall / step time      = {worst['ours_async_stall_s'] / step:.3f} (goal <= 0.10)")
+    print(f"  step drag during async save  = {drag * 100:+.1f}% (goal <= 5%)")
+    print(f"  load (CRC) / raw read        = {med(r0['load_ours_s']) / med(r0['raw_read_s']):.2f} (goal <= 1.2)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        res = worker(args)
+        args.out.write_text(json.dumps(res))
+        return 0
+    results = run(args)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    report(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

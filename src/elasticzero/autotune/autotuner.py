@@ -286,7 +286,8 @@ class Autotuner:
         queued = sum(1 for c in proposals if self._key(c) not in self.running)
         elapsed = self.clock() - self.t0
         durations = [o.seconds for _, o, _ in self.history if o.seconds > 0]
-        eta = sum(durations) / len(durations) * (queued + len(self.running)) if durations else 0.0
+        parallel = max(1, len(self.s.manager.nodes) // self.s.request.nodes)  # experiments that fit side by side
+        eta = sum(durations) / len(durations) * (queued + len(self.running)) / parallel if durations else 0.0
         tag = "" if ran else " (from the journal)"
         self._say(
             f"{exp.name}: {what}{tag} | done {done} running {len(self.running)} queued {queued} "

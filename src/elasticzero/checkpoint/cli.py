@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from elasticzero.checkpoint import commit
 from elasticzero.checkpoint.planner import read_metadata_file
@@ -164,7 +165,7 @@ def consolidated_state_dict(directory: Path, key: str | None = None) -> dict[str
     flat: dict[str, Any] = {}
     for fqn, tmd in md.items():
         for part in ("params", "module"):
-            if fqn.startswith(f"{prefix}.{part}."):
+            if fqn.startswith(f"{prefix}.{part}.") and isinstance(tmd, TensorStorageMetadata):
                 flat[fqn] = torch.empty(tuple(tmd.size), dtype=tmd.properties.dtype)
         if fqn.startswith(f"{prefix}.layout."):
             flat[fqn] = None

@@ -194,9 +194,9 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         md = read_metadata_file(str(self._get_metadata_path(rank)))
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
+        meta = getattr(md, "storage_meta", None) or StorageMeta()
+        meta.load_id = self.load_id
+        md.storage_meta = meta
         return md
 
 

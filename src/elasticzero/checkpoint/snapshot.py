@@ -34,7 +34,12 @@ class Snapshot:
 
 def tensors_of(tree: Any) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
-    map_tree(tree, lambda t, _path: out.append(t) or t)
+
+    def collect(t: torch.Tensor, _path: str) -> torch.Tensor:
+        out.append(t)
+        return t
+
+    map_tree(tree, collect)
     return out
 
 

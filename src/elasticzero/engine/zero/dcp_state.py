@@ -39,11 +39,12 @@ class ZeroCheckpointState:
 
     def __init__(self, opt: Any) -> None:
         self.opt = opt
+        self._probed: dict[int, dict[str, Any]] = {}  # fresh state of masters without one (until a load fills it)
 
     # -- save ---------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         opt = self.opt
-        states = _state_of(opt)
+        states = _state_of(opt, self._probed)
         params: dict[str, FlatChunk] = {}
         state: dict[str, dict[str, Any]] = {}
         for b, m in zip(opt.buckets, opt.masters, strict=True):
@@ -87,11 +88,12 @@ class ZeroCheckpointState:
             raise UsageError(f"checkpoint has {len(groups)} optimizer parameter groups, this optimizer {here}")
         with torch.no_grad():
             self._copy_in(sd)
+        self._probed.clear()
         self.opt._gather_params()
 
     def _copy_in(self, sd: dict[str, Any]) -> None:
         opt, state = self.opt, sd["optim"]["state"]
-        fresh = _state_of(opt)  # every key a master's state needs, also where this rank owns only padding
+        fresh = _state_of(opt, self._probed)  # every key a master's state needs, also where this rank owns only padding
         for b, m in zip(opt.buckets, opt.masters, strict=True):
             inner = opt.optim.state[m]
             for k, v in fresh[m].items():
@@ -147,14 +149,21 @@ def _unmanaged_module_state(opt: Any) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def _state_of(opt: Any) -> dict[Any, dict[str, Any]]:
+def _state_of(opt: Any, probed: dict[int, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
     """The wrapped optimizer's state per master; for masters without state yet (before the first step), the state a
     fresh optimizer of the same class and options creates (one step with zero gradients and lr 0 on zero copies,
     ``step`` counters reset to 0: for Adam/AdamW exactly a fresh state), built aside so the live optimizer is not
-    touched. A load needs these tensors to read into; a save of them restores a fresh optimizer."""
+    touched. A load needs these tensors to read into; a save of them restores a fresh optimizer. ``probed`` caches
+    the built state by master id (the template and the load that follows need the same)."""
     inner = opt.optim
-    missing = [m for m in opt.masters if not inner.state.get(m)]
-    states = {m: inner.state[m] for m in opt.masters if inner.state.get(m)}
+    states: dict[Any, dict[str, Any]] = {}
+    missing = []
+    for m in opt.masters:
+        st = inner.state[m] if inner.state.get(m) else probed.get(id(m))
+        if st is None:
+            missing.append(m)
+        else:
+            states[m] = st
     if not missing:
         return states
     clones = {id(m): torch.zeros_like(m, requires_grad=True) for m in missing}
@@ -171,7 +180,7 @@ def _state_of(opt: Any) -> dict[Any, dict[str, Any]]:
         st = dict(probe.state[clones[id(m)]])
         if "step" in st:
             st["step"] = torch.zeros_like(st["step"]) if torch.is_tensor(st["step"]) else 0
-        states[m] = st
+        states[m] = probed[id(m)] = st
     return states
 
 

@@ -173,10 +173,9 @@ def consolidated_state_dict(directory: Path, key: str | None = None) -> dict[str
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(flat, storage_reader=SafeFileSystemReader(directory), planner=ZeroLoadPlanner(), no_dist=True)
     out: dict[str, torch.Tensor] = {}
-    shapes = _under(flat, f"{prefix}.layout.shapes.")
-    for name, shape in shapes.items():
+    for name, shape in flat[f"{prefix}.layout.shapes"]:
         out[name] = flat[f"{prefix}.params.{name}"].view(shape)
-    for alias, name in _under(flat, f"{prefix}.layout.aliases.").items():
+    for alias, name in flat.get(f"{prefix}.layout.aliases") or []:
         out[alias] = out[name]
     out.update(_under(flat, f"{prefix}.module."))
     return out

@@ -7,13 +7,15 @@ parameter — independent of buckets, world size and stage. Layout of :meth:`Zer
 
     {"params": {name: FlatChunk},                    # fp32 masters, this rank's range of each parameter
      "module": {key: Tensor},                        # frozen parameters and buffers (replicated)
-     "optim":  {"state": {name: {"exp_avg": FlatChunk, "exp_avg_sq": FlatChunk, "step": Tensor, ...}},
+     "optim":  {"state": {name: {"exp_avg": FlatChunk, "exp_avg_sq": FlatChunk}},
+                "scalars": {"step": [[name, value], ...]},                  # per parameter, replicated
                 "param_groups": {"0": {"lr": ..., "betas": ..., ...}, ...}},   # hyper-parameters, no "params"
      "layout": {"format": 1, "stage": s, "world_size": n, "precision": "bfloat16", "optimizer": "AdamW",
-                "shapes": {name: [dims]}}}
+                "numel": ..., "shapes": [[name, [dims]], ...], "aliases": [[tied_name, name], ...]}}
 
-Optimizer state tensors shaped like a master shard become chunks; 0-dim ones (Adam's ``step``) are stored for every
-parameter of the bucket (replicated: all ranks agree); a new bucket takes them from its first parameter.
+Optimizer state tensors shaped like a master shard become chunks; the other values (Adam's 0-dim ``step``) are
+stored for every parameter of the bucket as one list per key (replicated: all ranks agree; lists of plain values are
+one DCP item each); a bucket of the new layout takes them from its first parameter.
 """
 
 from __future__ import annotations
@@ -46,22 +48,26 @@ class ZeroCheckpointState:
         opt = self.opt
         states = _state_of(opt, self._probed)
         params: dict[str, FlatChunk] = {}
-        state: dict[str, dict[str, Any]] = {}
+        state: dict[str, dict[str, FlatChunk]] = {}
+        scalars: dict[str, list[list[Any]]] = {}  # one entry per key (few DCP items), identical on every rank
         for b, m in zip(opt.buckets, opt.masters, strict=True):
             inner = states[m]
             _check_reshardable(inner, m)
-            for slot in b.slots():
-                state[slot.name] = {k: v for k, v in inner.items() if not _is_shard_state(v, m)}
+            for k, v in inner.items():
+                if not _is_shard_state(v, m):
+                    scalars.setdefault(k, []).extend([n, v.item() if torch.is_tensor(v) else v] for n in b.names)
             for name, start, end, off in b.local_pieces():
                 numel = opt.partition[name].numel
                 params[name] = FlatChunk(m.detach()[off : off + end - start], start, numel)
-                for k, v in inner.items():
-                    if _is_shard_state(v, m):
-                        state[name][k] = FlatChunk(v[off : off + end - start], start, numel)
+                state[name] = {
+                    k: FlatChunk(v[off : off + end - start], start, numel)
+                    for k, v in inner.items()
+                    if _is_shard_state(v, m)
+                }
         return {
             "params": params,
             "module": _unmanaged_module_state(opt),
-            "optim": {"state": state, "param_groups": _group_options(opt)},
+            "optim": {"state": state, "scalars": scalars, "param_groups": _group_options(opt)},
             "layout": self.layout(),
         }
 
@@ -75,8 +81,8 @@ class ZeroCheckpointState:
             "precision": str(opt.policy.param_dtype).removeprefix("torch."),
             "optimizer": type(opt.optim).__name__,
             "numel": opt.numel,
-            "shapes": {n: list(s.shape) for n, s in opt.partition.items()},
-            "aliases": _tied_aliases(opt),
+            "shapes": [[n, list(s.shape)] for n, s in opt.partition.items()],
+            "aliases": [[alias, name] for alias, name in _tied_aliases(opt).items()],
         }
 
     # -- load ---------------------------------------------------------------------------------------------------------
@@ -93,21 +99,21 @@ class ZeroCheckpointState:
 
     def _copy_in(self, sd: dict[str, Any]) -> None:
         opt, state = self.opt, sd["optim"]["state"]
+        scalars = {k: dict(pairs) for k, pairs in sd["optim"]["scalars"].items()}
         fresh = _state_of(opt, self._probed)  # every key a master's state needs, also where this rank owns only padding
         for b, m in zip(opt.buckets, opt.masters, strict=True):
             inner = opt.optim.state[m]
             for k, v in fresh[m].items():
                 if k not in inner:
                     inner[k] = v.clone() if torch.is_tensor(v) else v
-            first = b.names[0]
-            for k, v in state[first].items():
-                if not isinstance(v, FlatChunk):
-                    inner[k] = v.clone() if torch.is_tensor(v) else v
-            for name, _start, end, off in b.local_pieces():
-                m[off : off + end - _start].copy_(sd["params"][name].tensor)
-                for k, v in state[name].items():
-                    if isinstance(v, FlatChunk):
-                        inner[k][off : off + end - _start].copy_(v.tensor)
+            for k, by_name in scalars.items():  # a bucket of this layout takes them from its first parameter
+                like = fresh[m].get(k)
+                value = by_name[b.names[0]]
+                inner[k] = torch.tensor(value, dtype=like.dtype, device=like.device) if torch.is_tensor(like) else value
+            for name, start, end, off in b.local_pieces():
+                m[off : off + end - start].copy_(sd["params"][name].tensor)
+                for k, c in state.get(name, {}).items():
+                    inner[k][off : off + end - start].copy_(c.tensor)
         for group, saved in zip(opt.optim.param_groups, sd["optim"]["param_groups"].values(), strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
         live = _unmanaged_module_state(opt)
@@ -187,13 +193,14 @@ def _state_of(opt: Any, probed: dict[int, dict[str, Any]]) -> dict[Any, dict[str
 def _check_layout(saved: dict[str, Any], here: dict[str, Any]) -> None:
     if saved.get("format") != FORMAT:
         raise UsageError(f"ZeRO state format {saved.get('format')!r} is not supported (this version reads {FORMAT})")
-    missing = sorted(set(here["shapes"]) - set(saved["shapes"]))
-    extra = sorted(set(saved["shapes"]) - set(here["shapes"]))
+    mine, theirs = dict(here["shapes"]), dict(saved["shapes"])
+    missing = sorted(set(mine) - set(theirs))
+    extra = sorted(set(theirs) - set(mine))
     if missing or extra:
         raise UsageError(
             f"checkpoint is of another model: parameters only here {missing[:3]}, only in the checkpoint {extra[:3]}"
         )
-    for name, shape in here["shapes"].items():
-        if list(saved["shapes"][name]) != shape:
-            there = saved["shapes"][name]
+    for name, shape in mine.items():
+        if list(theirs[name]) != shape:
+            there = theirs[name]
             raise UsageError(f"checkpoint is of another model: {name} has shape {there} there, {shape} here")

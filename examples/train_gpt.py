@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             batch = elastic_batch(cfg, str(args.config))
             print(f"train_gpt: valid world sizes: {batch.valid_world_sizes() if batch else 'any'}", flush=True)
 
+        attempt = attempt_id() if args.record_samples is not None else 0
         if args.hold_file is not None:
             hold(args.hold_file, start)
         batches, t0, tokens = loader.endless(), time.perf_counter(), 0
@@ -172,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                 scaler.update()
             opt.zero_grad(set_to_none=True)
             if args.record_samples is not None:
-                record(args.record_samples, step, rank, world, sampler)
+                record(args.record_samples, {"step": step, "rank": rank, "world": world, "attempt": attempt,
+                                             "resumed": start}, sampler)  # fmt: skip
             dist.all_reduce(total)
             if rank == 0 and (step % 10 == 0 or step in (start + 1, args.steps)):
                 rate = tokens / (time.perf_counter() - t0)
@@ -214,12 +216,24 @@ def _held(path: Path, step: int) -> bool:
         return False
 
 
-def record(path: Path, step: int, rank: int, world: int, sampler: ElasticSampler) -> None:
-    """The sample ids this rank trained on in ``step`` (one JSON line; for tests of exactly-once resumption)."""
+def attempt_id() -> int:
+    """One id per (re)start of the job, the same on every rank and larger at each restart (rank 0's clock)."""
+    stamp = torch.tensor(time.time_ns(), dtype=torch.int64)
+    dist.broadcast(stamp, 0)
+    return int(stamp.item())
+
+
+def record(path: Path, fields: dict[str, int], sampler: ElasticSampler) -> None:
+    """The sample ids this rank trained on in one step (one JSON line; for tests of exactly-once resumption).
+
+    ``fields``: step, rank, world, attempt (:func:`attempt_id`) and resumed (the step this attempt started after).
+    A step redone after a failure is written again by the later attempt, which replaces the lost one; see
+    docs/elastic-training.md ("The sample record").
+    """
     assert sampler.record is not None
     samples, sampler.record[:] = list(sampler.record), []
     with path.open("a") as fh:  # one short line per write: O_APPEND keeps the ranks' lines whole
-        fh.write(json.dumps({"step": step, "rank": rank, "world": world, "samples": samples}) + "\n")
+        fh.write(json.dumps({**fields, "samples": samples}) + "\n")
 
 
 if __name__ == "__main__":

@@ -289,7 +289,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The full model state dict (fp32 trainable parameters from the masters) on every rank.
 
         Collective: every rank must call it. Keys are those of ``module.state_dict()`` (tied parameters under each
-        name); frozen parameters and buffers are copied from the module.
+        name); frozen parameters are copied from the module, buffers from group rank 0's module (broadcast: buffers
+        such as BatchNorm running statistics are updated by each rank's own batches, as under DDP with
+        ``broadcast_buffers=False``; the state dict is the same on every rank).
         """
         full: dict[int, torch.Tensor] = {}
         with torch.no_grad():
@@ -301,8 +303,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         sd = {}
         with self._reading_module_state():
             module_sd = self.module.state_dict(keep_vars=True)
+        buffers = {id(t) for t in self.module.buffers()}
         for k, v in module_sd.items():
             sd[k] = full[id(v)] if id(v) in full else v.detach().clone()
+            if id(v) in buffers:
+                comm.broadcast(sd[k], 0, self.process_group, stats=self.comm_stats, tag="state_dict")
         return sd
 
     @torch.no_grad()

@@ -394,7 +394,8 @@ class ZeroStage3(ZeroOptimizer):
         if not self._own_module_state_dict:
             raise UsageError(
                 "module.state_dict() under ZeroStage3 would return freed (0-byte) parameters: use "
-                "opt.full_state_dict() (collective; the full fp32 state on every rank)"
+                "opt.full_state_dict() (collective; the full fp32 state on every rank); to export a Hugging Face "
+                "model: elasticzero.engine.hf.save_pretrained(model, opt, directory)"
             )
 
     def _refuse_load_state_dict(self, module: nn.Module, *args: Any) -> None:

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import transformers
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -35,6 +34,8 @@ TINY = {"vocab_size": VOCAB, "num_hidden_layers": 2, "num_attention_heads": 4}
 
 def build(name: str) -> nn.Module:
     """The tiny model ``name`` with a fixed random initialisation (same on every rank and call)."""
+    import transformers  # here, so that the test module imports this one to learn the models without it
+
     torch.manual_seed(0)
     if name == "gpt2":
         cfg: Any = transformers.GPT2Config(n_positions=SEQ * 4, n_embd=32, **TINY)

@@ -10,6 +10,7 @@ Tolerances: fp32 parameters ≤ 1e-6 relative to the reference (max |Δ| / max(m
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -19,9 +20,7 @@ import hf_worker
 import pytest
 import torch.multiprocessing as mp
 
-from ez_testing import free_port
-
-pytest.importorskip("transformers")  # in the `test` extra: installed wherever the suite runs
+from ez_testing import free_port, require
 
 MODELS = hf_worker.MODELS
 STAGES = list(hf_worker.STAGES)
@@ -32,6 +31,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    require(importlib.util.find_spec("transformers") is not None, "transformers missing: pip install -e '.[test]'")
     tmp = tmp_path_factory.mktemp("hf")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: models are built from configs

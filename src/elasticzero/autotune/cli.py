@@ -203,7 +203,7 @@ def invalid_points(setup: Setup, world: int, source: str) -> dict[Point, str]:
 
 def tune(args: argparse.Namespace, entry: Sequence[str], run_after: bool) -> int:
     """Tune (and with ``run_after`` train with the best config); the exit code."""
-    from elasticzero.autotune.output import best_command, summary_lines, write_outputs
+    from elasticzero.autotune.output import summary_lines, write_outputs
 
     setup = prepare(args, entry, os.environ, os.getcwd())
     setup.results_dir.mkdir(parents=True, exist_ok=True)
@@ -213,7 +213,7 @@ def tune(args: argparse.Namespace, entry: Sequence[str], run_after: bool) -> int
     result = Autotuner(setup, launcher).run()
     paths = write_outputs(setup, result, _final_flags(args))
     print("\n".join(summary_lines(setup, result)))
-    return _after(setup, result, paths, args, run_after, best_command)
+    return _after(setup, result, paths, args, run_after)
 
 
 def _final_flags(args: argparse.Namespace) -> list[str]:
@@ -232,7 +232,10 @@ def _final_flags(args: argparse.Namespace) -> list[str]:
     return [*out, *passthrough(args)]
 
 
-def _after(setup: Setup, result: TuningResult, paths: dict, args: argparse.Namespace, run_after: bool, cmd) -> int:
+def _after(
+    setup: Setup, result: TuningResult, paths: dict[str, Path], args: argparse.Namespace, run_after: bool
+) -> int:
+    """Say where the best config is and how to run it; with ``run_after``, run it (autotuning off)."""
     if result.best is None:
         print(f"{PROG}: no experiment succeeded; see {setup.results_dir / 'summary.txt'}", file=sys.stderr)
         return 1
@@ -242,10 +245,11 @@ def _after(setup: Setup, result: TuningResult, paths: dict, args: argparse.Names
         print(f"{PROG}: note: no plot (install matplotlib: pip install 'elasticzero[plot]')", file=sys.stderr)
     if not run_after:
         return 0
+    from elasticzero.autotune.output import best_command
     from elasticzero.launch.cli import main as launch_main
 
     config = paths.get("best_json", paths["best_yaml"])
-    argv = cmd(setup, _final_flags(args), result.best[2].entry, config)[1:]
+    argv = best_command(setup, _final_flags(args), result.best[2].entry, config)[1:]
     print(f"{PROG}: training with the best config (autotuning off)", flush=True)
     return launch_main(argv)
 

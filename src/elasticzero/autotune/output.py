@@ -93,12 +93,11 @@ def _write_best(setup: Setup, result: TuningResult, launch_argv: Sequence[str]) 
 
 
 def _write_csv(path: Path, result: TuningResult) -> None:
-    keys = sorted({k for _, o, _ in result.history for k in o.metrics})
+    fixed = ["name", "key", "stage", "micro_batch", "accumulation", "steps", "status", "seconds"]
+    keys = sorted({k for _, o, _ in result.history for k in o.metrics} - set(fixed))  # "steps" is the experiment's
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(
-            ["name", "key", "stage", "micro_batch", "accumulation", "steps", "status", "seconds", *keys, "reason"]
-        )
+        w.writerow([*fixed, *keys, "reason"])
         for c, o, e in result.history:
             p = c.point
             row = [e.name, e.key, p.stage, p.micro_batch, p.accumulation, c.steps, o.status, f"{o.seconds:.2f}"]

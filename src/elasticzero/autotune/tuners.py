@@ -7,15 +7,17 @@ OOM) is dropped before it starts, and a restarted tuner recomputes the same prop
 
 * :class:`GridTuner` — every point, in order (``max_trials`` keeps the first N).
 * :class:`RandomTuner` — a seeded random sample of ``max_trials`` points (default a quarter of the space).
-* :class:`ModelBasedTuner` — memory-model pruning, then successive halving on measured steps:
+* :class:`ModelBasedTuner` — memory-model pruning, a local search, then successive halving:
 
-  1. round 0 measures every point for ``min_steps`` steps, highest stage first and smallest micro batch first;
-     an OOM at (stage s, micro batch m) rules out every point of the same other settings with a micro batch
+  1. an OOM at (stage s, micro batch m) rules out every point of the same other settings with a micro batch
      ≥ m at a stage ≤ s (a larger batch needs more memory; what fits at stage s fits at s+1, so what does not
-     fit at s does not fit below it either);
-  2. each later round keeps the best 1/eta of the previous round — plus every point the noise-aware comparison
-     cannot tell apart from the last one kept — and measures them ``eta`` times longer, up to ``measure_steps``;
-  3. it stops when one point is left or the full ``measure_steps`` round is done.
+     fit at s does not fit below it);
+  2. round 0 (``min_steps`` steps each) is a local search (:func:`descend`): from the lowest stage with the
+     largest micro batch the memory model allows, it measures the unmeasured neighbours of the best point so far
+     until that point is a local optimum;
+  3. successive halving on round 0's results: each round keeps the best 1/eta — plus every point the noise-aware
+     comparison cannot tell apart from the last one kept — and measures them ``eta`` times longer, up to
+     ``measure_steps``; it stops when one point is left or the full ``measure_steps`` round is done.
 """
 
 from __future__ import annotations
@@ -29,7 +31,17 @@ from elasticzero.autotune.metrics import Measurement, Metric, clearly_better
 from elasticzero.autotune.outcome import Outcome
 from elasticzero.autotune.space import Point, TuningSpec
 
-__all__ = ["Candidate", "GridTuner", "ModelBasedTuner", "RandomTuner", "best", "make_tuner", "pruned_by_oom", "stalled"]
+__all__ = [
+    "Candidate",
+    "GridTuner",
+    "ModelBasedTuner",
+    "RandomTuner",
+    "best",
+    "descend",
+    "make_tuner",
+    "pruned_by_oom",
+    "stalled",
+]
 
 History = Sequence[tuple["Candidate", Outcome]]
 
@@ -72,10 +84,12 @@ class ModelBasedTuner:
 
     def propose(self, points: Sequence[Point], history: History) -> list[Candidate]:
         pruned = pruned_by_oom(points, history)
-        order = sorted((p for p in points if p not in pruned), key=_probe_order)
-        if self.spec.max_trials:
-            order = order[: self.spec.max_trials]
-        alive = order
+        live = [p for p in points if p not in pruned]
+        first = {c.point: o for c, o in history if c.rung == 0}
+        probe = descend(points, live, first, self.spec.metric, self.spec.max_trials)
+        if probe:
+            return [Candidate(p, self.rung_steps(0), 0) for p in probe]
+        alive = [p for p in live if p in first and first[p].ok]
         rung = 0
         while True:
             cands = [Candidate(p, self.rung_steps(rung), rung) for p in alive]
@@ -102,9 +116,83 @@ class ModelBasedTuner:
         return [p for p, _ in measured[:keep]] + tied
 
 
-def _probe_order(p: Point) -> tuple[object, ...]:
-    """Round 0's order: per memory class, highest stage first, then the smallest micro batch (OOMs prune most)."""
-    return (tuple(str(v) for v in p.memory_class()), -p.stage, p.micro_batch)
+def _prior(p: Point) -> tuple[object, ...]:
+    """Where the descent starts: the lowest stage (least communication) with the largest micro batch."""
+    return (p.stage, -p.micro_batch, tuple(str(v) for v in p.memory_class()))
+
+
+def descend(
+    points: Sequence[Point],
+    live: Sequence[Point],
+    first: dict[Point, Outcome],
+    metric: Metric,
+    limit: int | None,
+) -> list[Point]:
+    """Round 0's next probes: a best-improvement local search on the space.
+
+    Neighbours differ in one setting — the adjacent micro batch or stage, any other value of the remaining settings
+    — or go one stage up *and* one micro batch up (a higher stage frees the memory a larger batch needs). Before any
+    success the start is the lowest stage with the largest micro batch the memory model still allows; from the
+    first success on, the whole neighbourhood of the current point is measured, then the search moves to the best
+    of it (replayed from the results, so the path is the same after a restart). An empty list: a local optimum
+    (or ``limit`` probes were made), and successive halving takes over.
+    """
+    if limit is not None and len(first) >= limit:
+        return []
+    live_set = set(live)
+
+    def value(p: Point) -> float | None:
+        m = first[p].measurement(metric) if p in first else None
+        return None if m is None else metric.sort_key(m.value)
+
+    incumbent = next((p for p in sorted(first, key=_prior) if value(p) is not None), None)
+    if incumbent is None:  # nothing succeeded yet: walk down from the prior's favourite
+        start = next((p for p in sorted(live, key=_prior) if p not in first), None)
+        return [start] if start is not None else []
+    while True:  # best improvement: a whole neighbourhood is measured before the search moves
+        near = [p for p in _neighbours(incumbent, points) if p in live_set]
+        todo = [p for p in near if p not in first]
+        if todo:
+            return todo[: None if limit is None else limit - len(first)]
+        scored = [(v, p) for p in [incumbent, *near] if (v := value(p)) is not None]
+        nxt = min(scored, key=lambda vp: vp[0])[1]
+        if nxt == incumbent:
+            return []
+        incumbent = nxt
+
+
+def _neighbours(q: Point, points: Sequence[Point]) -> list[Point]:
+    """``q``'s neighbours (see :func:`descend`), micro-batch steps first, then stage steps, diagonal, the rest."""
+    stages = sorted({p.stage for p in points})
+    micros = sorted({p.micro_batch for p in points})
+    ranked: list[tuple[int, Point]] = []
+    for p in points:
+        rank = _neighbour_rank(q, p, stages, micros)
+        if rank is not None:
+            ranked.append((rank, p))
+    return [p for _, p in sorted(ranked, key=lambda rp: (rp[0], _prior(rp[1])))]
+
+
+def _neighbour_rank(q: Point, p: Point, stages: list[int], micros: list[int]) -> int | None:
+    def at(levels: list[int], value: int, by: int) -> int | None:
+        i = levels.index(value) + by
+        return levels[i] if 0 <= i < len(levels) else None
+
+    same_rest = (p.bucket_bytes, p.precision) == (q.bucket_bytes, q.precision) and (
+        (p.stage == 3) != (q.stage == 3)
+        or (p.prefetch, p.reshard_after_forward) == (q.prefetch, q.reshard_after_forward)
+    )
+    if (p.stage, p.micro_batch) == (q.stage, q.micro_batch):
+        return 3 if sum(a != b for a, b in zip(p.memory_class(), q.memory_class(), strict=True)) == 1 else None
+    if not same_rest:
+        return None
+    if p.stage == q.stage and p.micro_batch in (at(micros, q.micro_batch, -1), at(micros, q.micro_batch, 1)):
+        return 0
+    if p.micro_batch == q.micro_batch and p.stage in (at(stages, q.stage, -1), at(stages, q.stage, 1)):
+        return 1
+    if p.stage == at(stages, q.stage, 1) and p.micro_batch == at(micros, q.micro_batch, 1):
+        return 2
+    return None
 
 
 def _missing(cands: list[Candidate], history: History) -> list[Candidate]:
@@ -151,4 +239,6 @@ def best(history: History, metric: Metric) -> tuple[Candidate, Outcome] | None:
 
 
 def make_tuner(spec: TuningSpec) -> GridTuner | RandomTuner | ModelBasedTuner:
-    return {"grid": GridTuner, "random": RandomTuner, "model_based": ModelBasedTuner}[spec.tuner](spec)
+    if spec.tuner == "grid":
+        return GridTuner(spec)
+    return RandomTuner(spec) if spec.tuner == "random" else ModelBasedTuner(spec)

@@ -117,19 +117,22 @@ def test_grid_resumes_after_sigkill_and_picks_the_best(tmp_path: Path) -> None:
 
 def test_model_based_oom_prunes_larger_micro_batches(tmp_path: Path) -> None:
     (tmp_path / "cfg.yaml").write_text(
-        BASE + "autotuning: {space: {stage: [1, 2], micro_batch: [1, 2]}, warmup_steps: 1, min_steps: 2, "
+        BASE + "autotuning: {space: {stage: [1, 2], micro_batch: [1, 2, 4]}, warmup_steps: 1, min_steps: 2, "
         "measure_steps: 4, timeout: 300}\n"
     )
     p = subprocess.run(_argv(), cwd=tmp_path, env=_env(EZ_AT_OOM="2:2"), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     results = tmp_path / "autotuning_results"
     records = _journal(results)
-    # highest stage first, smallest micro batch first; the OOM at z2 mb2 rules out z1 mb2, which never starts
-    assert [r["name"] for r in records if r["event"] == "start"] == ["z2_mb1_ga4", "z2_mb2_ga2", "z1_mb1_ga4"]
+    # the descent starts at the lowest stage with the largest micro batch and walks down past the OOMs, then tries
+    # the neighbours of the best; the OOM at z2 mb2 rules out z2 mb4, which never starts
+    started = [r["name"] for r in records if r["event"] == "start"]
+    assert started == ["z1_mb4_ga1", "z1_mb2_ga2", "z1_mb1_ga4", "z2_mb1_ga4", "z2_mb2_ga2"]
     outcomes = {r["name"]: r["outcome"] for r in records if r["event"] == "finish"}
-    assert outcomes["z2_mb2_ga2"]["status"] == "oom" and "injected OOM" in outcomes["z2_mb2_ga2"]["reason"]
+    assert [outcomes[n]["status"] for n in started] == ["oom", "oom", "ok", "ok", "oom"]
+    assert "injected OOM" in outcomes["z2_mb2_ga2"]["reason"]
     summary = (results / "summary.txt").read_text()
-    assert "pruned z1_mb2_ga2: OOM at z2_mb2_ga2" in summary and "BEST: z1_mb1_ga4" in summary
+    assert "pruned z2_mb4_ga1: OOM at z2_mb2_ga2" in summary and "BEST: z1_mb1_ga4" in summary
 
 
 def test_launch_autotuning_run_minimises_latency(tmp_path: Path) -> None:

@@ -93,8 +93,8 @@ def test_early_stopping(tmp_path) -> None:
 
 def test_metric_never_reported_stops_with_usage_error(tmp_path) -> None:
     at, launcher = _tuner(tmp_path, "{metric: flops, space: {micro_batch: [1, 2]}}", _by_micro)
-    with pytest.raises(UsageError, match=r"z1_mb1_ga8: the report has no metric 'flops' \(reported: throughput\)"):
+    with pytest.raises(UsageError, match=r"z1_mb2_ga4: the report has no metric 'flops' \(reported: throughput\)"):
         at.run()
-    assert launcher.started == ["z1_mb1_ga8"]
+    assert launcher.started == ["z1_mb2_ga4"]  # the model-based tuner starts at the largest micro batch
     lines = (tmp_path / "autotuning_results" / "journal.jsonl").read_text().splitlines()
     assert [json.loads(x)["event"] for x in lines] == ["start"]  # not journalled as finished: a fixed script reruns it

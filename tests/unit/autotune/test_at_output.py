@@ -28,7 +28,7 @@ def _setup(tmp_path):
 def _result(setup) -> TuningResult:
     by_name = {p.name: p for p in setup.points}
     outcomes = {
-        "z1_mb1_ga8": Outcome("ok", {"throughput": 10.0, "latency": 1.6}, "", 0, 3.0),
+        "z1_mb1_ga8": Outcome("ok", {"throughput": 10.0, "latency": 1.6, "steps": 10.0}, "", 0, 3.0),
         "z1_mb2_ga4": Outcome("oom", {}, "CUDA out of memory", 1, 2.0),
         "z2_mb1_ga8": Outcome("ok", {"throughput": 12.0}, "", 0, 3.0),
         "z2_mb2_ga4": Outcome("timeout", {}, "no result within 600 s", 137, 600.0),
@@ -64,6 +64,7 @@ def test_summary_and_files(tmp_path) -> None:
     ]  # fmt: skip
     rows = list(csv.DictReader(open(paths["csv"])))
     assert [r["status"] for r in rows] == ["ok", "oom", "ok", "timeout"] and rows[0]["latency"] == "1.6"
+    assert next(csv.reader(open(paths["csv"]))).count("steps") == 1  # the metric "steps" is not a second column
 
 
 def test_plot_when_matplotlib_is_there_and_not(tmp_path, monkeypatch) -> None:

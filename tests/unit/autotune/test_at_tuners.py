@@ -147,33 +147,49 @@ def test_oom_prunes_larger_micro_batches_and_lower_stages() -> None:
     assert names == ["z1_mb4_ga2_fp32", "z1_mb8_ga1_fp32", "z2_mb8_ga1_fp32"]  # not stage 3, not bf16
 
 
-def test_model_based_probes_high_stage_first_then_halves() -> None:
+def test_model_based_descends_from_the_largest_micro_batch_then_halves() -> None:
     spec = parse_tuning(
         {"space": {"stage": [1, 2], "micro_batch": [1, 2, 4]}, "min_steps": 2, "measure_steps": 18, "eta": 3}, "x"
     )
     points = _points({"stage": [1, 2], "micro_batch": [1, 2, 4]})
     tuner = ModelBasedTuner(spec)
-    first = tuner.propose(points, [])
-    assert [(c.point.stage, c.point.micro_batch, c.steps) for c in first] == [
-        (2, 1, 2),
-        (2, 2, 2),
-        (2, 4, 2),
-        (1, 1, 2),
-        (1, 2, 2),
-        (1, 4, 2),
-    ]
-    hist = [(first[0], _ok(10.0)), (first[1], Outcome("oom"))]  # OOM at z2 mb2: z2 mb4, z1 mb2, z1 mb4 are out
-    assert [(c.point.stage, c.point.micro_batch) for c in tuner.propose(points, hist)] == [(1, 1)]
-    hist.append((Candidate(first[3].point, 2), _ok(20.0)))
-    assert tuner.propose(points, hist) == []  # one clear winner after round 0
-    assert best([(c, o) for c, o in hist], THR)[0].point.stage == 1
+
+    def names(cands: list[Candidate]) -> list[tuple[str, int]]:
+        return [(c.point.name, c.steps) for c in cands]
+
+    start = tuner.propose(points, [])
+    assert names(start) == [("z1_mb4_ga2", 2)]  # lowest stage, largest micro batch
+    hist = [(start[0], Outcome("oom"))]  # rules out nothing else at stage 1 (no larger micro batch)
+    nxt = tuner.propose(points, hist)
+    assert names(nxt) == [("z1_mb2_ga4", 2)]
+    hist.append((nxt[0], _ok(20.0)))
+    near = tuner.propose(points, hist)  # micro step, stage step, then one stage up with a larger micro batch
+    assert names(near) == [("z1_mb1_ga8", 2), ("z2_mb2_ga4", 2), ("z2_mb4_ga2", 2)]
+    hist += [(near[0], _ok(10.0)), (near[1], _ok(25.0)), (near[2], _ok(30.0))]
+    final = tuner.propose(points, hist)  # z2 mb4 is a local optimum: halving among round 0's results
+    assert names(final) == [("z2_mb4_ga2", 6), ("z2_mb2_ga4", 6)]
+    assert "z2_mb1_ga8" not in {c.point.name for c, _ in hist}  # never measured
+    hist += [(final[0], _ok(31.0, steps=6)), (final[1], _ok(24.0, steps=6))]
+    assert tuner.propose(points, hist) == []
+    assert best(hist, THR)[0].point.name == "z2_mb4_ga2"
+
+
+def test_model_based_oom_rules_out_before_running() -> None:
+    spec = parse_tuning({"space": {"stage": [1, 2, 3], "micro_batch": [1, 2, 4, 8]}, "min_steps": 2}, "x")
+    points = _points({"stage": [1, 2, 3], "micro_batch": [1, 2, 4, 8]})
+    tuner = ModelBasedTuner(spec)
+    hist = [(Candidate(p, 2), Outcome("oom")) for p in points if (p.stage, p.micro_batch) == (2, 4)]
+    hist.append((Candidate(next(p for p in points if (p.stage, p.micro_batch) == (1, 2)), 2), _ok(5.0)))
+    proposed = {c.point.name for c in tuner.propose(points, hist)}
+    assert "z1_mb4_ga2" not in proposed and "z2_mb4_ga2" not in proposed  # OOM at z2 mb4: z1 mb4 cannot fit
+    assert proposed == {"z1_mb1_ga8", "z2_mb2_ga4"}
 
 
 def test_successive_halving_keeps_noisy_ties() -> None:
     spec = parse_tuning({"space": {"micro_batch": [1, 2, 4, 8]}, "min_steps": 2, "measure_steps": 6, "eta": 3}, "x")
     points = _points({"micro_batch": [1, 2, 4, 8]})
     tuner = ModelBasedTuner(spec)
-    r0 = tuner.propose(points, [])
+    r0 = [Candidate(p, 2) for p in points]  # round 0 as the descent would leave it: every point measured
     values = {1: (100.0, 1.0), 2: (99.0, 30.0), 4: (50.0, 1.0), 8: (10.0, 1.0)}  # mb2 is within noise of mb1
     hist = [(c, _ok(*values[c.point.micro_batch], steps=2)) for c in r0]
     r1 = tuner.propose(points, hist)

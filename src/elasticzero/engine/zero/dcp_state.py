@@ -157,10 +157,13 @@ def _unmanaged_module_state(opt: Any) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def _state_of(opt: Any, probed: dict[int, dict[str, Any]]) -> dict[Any, dict[str, Any]]:
     """The wrapped optimizer's state per master; for masters without state yet (before the first step), the state a
-    fresh optimizer of the same class and options creates (one step with zero gradients and lr 0 on zero copies,
-    ``step`` counters reset to 0: for Adam/AdamW exactly a fresh state), built aside so the live optimizer is not
-    touched. A load needs these tensors to read into; a save of them restores a fresh optimizer. ``probed`` caches
-    the built state by master id (the template and the load that follows need the same)."""
+    fresh optimizer of the same class and options creates, built aside so the live optimizer is not touched.
+
+    torch DCP's convention (one step with zero gradients and lr 0), run on a one-element stand-in per master: a state
+    tensor shaped like that stand-in becomes a tensor shaped like the master filled with the stand-in's value (0 for
+    Adam's moments), others are kept, ``step`` counters reset to 0 — for Adam/AdamW exactly a fresh state. A load
+    needs these tensors to read into; a save of them restores a fresh optimizer. ``probed`` caches the result by
+    master id (the template and the load that follows need the same)."""
     inner = opt.optim
     states: dict[Any, dict[str, Any]] = {}
     missing = []
@@ -172,22 +175,28 @@ def _state_of(opt: Any, probed: dict[int, dict[str, Any]]) -> dict[Any, dict[str
             states[m] = st
     if not missing:
         return states
-    clones = {id(m): torch.zeros_like(m, requires_grad=True) for m in missing}
+    stand_in = {id(m): torch.zeros(1, dtype=m.dtype, device=m.device, requires_grad=True) for m in missing}
     groups = []
     for g in inner.param_groups:
-        ps = [clones[id(m)] for m in g["params"] if id(m) in clones]
+        ps = [stand_in[id(m)] for m in g["params"] if id(m) in stand_in]
         if ps:
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "lr": 0.0, "params": ps})
-    for c in clones.values():
+    for c in stand_in.values():
         c.grad = torch.zeros_like(c)
     probe = type(inner)(groups)
     probe.step()
     for m in missing:
-        st = dict(probe.state[clones[id(m)]])
-        if "step" in st:
-            st["step"] = torch.zeros_like(st["step"]) if torch.is_tensor(st["step"]) else 0
-        states[m] = probed[id(m)] = st
+        states[m] = probed[id(m)] = {k: _grown(k, v, m) for k, v in probe.state[stand_in[id(m)]].items()}
     return states
+
+
+def _grown(key: str, v: Any, master: torch.Tensor) -> Any:
+    """A stand-in's state value for ``master``: per-element tensors at the master's shape, ``step`` reset to 0."""
+    if torch.is_tensor(v) and v.dim() == 1:
+        return torch.full(master.shape, v.item(), dtype=v.dtype, device=master.device)
+    if key == "step":
+        return torch.zeros_like(v) if torch.is_tensor(v) else 0
+    return v
 
 
 def _check_layout(saved: dict[str, Any], here: dict[str, Any]) -> None:

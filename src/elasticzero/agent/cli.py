@@ -92,6 +92,10 @@ def _launch(args: argparse.Namespace) -> int:
         config, cmd, cmd_args = config_from_args(args)
     except (ValueError, AssertionError) as exc:
         raise UsageError(str(exc)) from None
+    if args.elastic_config is not None:
+        from elasticzero.config.load import check_elastic_config
+
+        check_elastic_config(args.elastic_config, config.min_nodes, config.max_nodes, config.nproc_per_node)
     rdzv_configs(config.rdzv_configs, user_keys, settings, config.rdzv_backend, config.rdzv_endpoint)
     os.environ.update(agent_env(settings.job_id, settings.node.slots if settings.node else None, settings.cpus))
     # torch >= 2.4 lets workers reuse the rank-0 agent's rendezvous TCPStore, without a per-round key prefix: after

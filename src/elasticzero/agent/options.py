@@ -87,6 +87,12 @@ def add_agent_flags(parser: argparse.ArgumentParser) -> None:
         "--health-file", "--health_file", metavar="PATH", help="JSON file kept up to date with the agent's state"
     )
     g.add_argument(
+        "--elastic-config",
+        "--elastic_config",
+        metavar="FILE",
+        help="elasticzero YAML / DeepSpeed JSON: fail at start if a world size --nnodes allows has no batch plan",
+    )
+    g.add_argument(
         "--torch-rdzv-defaults",
         action="store_true",
         help="use torch's rendezvous timeouts instead of elasticzero's faster defaults",

@@ -30,6 +30,8 @@ _LAZY = {
     "ElasticBatch": "elasticzero.config.elastic",
     "elastic_batch": "elasticzero.config.elastic",
     "check_world_range": "elasticzero.config.elastic",
+    "load_elastic_batch": "elasticzero.config.load",
+    "check_elastic_config": "elasticzero.config.load",
 }
 
 __all__ = list(_LAZY)

@@ -102,8 +102,9 @@ def check_world_range(batch: ElasticBatch, min_nodes: int, max_nodes: int, nproc
     """Fail at start when ``--nnodes MIN:MAX`` x ``--nproc-per-node`` allows a world size with no batch plan."""
     bad = [n * nproc_per_node for n in range(min_nodes, max_nodes + 1) if batch.plan(n * nproc_per_node) is None]
     if bad:
+        nnodes = f"{min_nodes}:{max_nodes}" if min_nodes != max_nodes else str(min_nodes)
         raise UsageError(
-            f"{batch.source}: --nnodes {min_nodes}:{max_nodes} x --nproc-per-node {nproc_per_node} allows world "
+            f"{batch.source}: --nnodes {nnodes} x --nproc-per-node {nproc_per_node} allows world "
             f"size(s) {_ranges(bad)} with no batch plan for global batch {batch.global_batch_size} (valid world "
             f"sizes: {_ranges(batch.valid_world_sizes())}); narrow --nnodes or change the batch sizes"
         )

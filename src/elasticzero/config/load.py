@@ -28,14 +28,16 @@ from omegaconf.errors import OmegaConfBaseException
 
 from elasticzero.config.batch import check_batch_sizes, resolve_world_size
 from elasticzero.config.deepspeed import DeepSpeedReport, looks_like_deepspeed, map_deepspeed
-from elasticzero.config.elastic import BATCH_KEYS, apply_batch_plan, elastic_batch
+from elasticzero.config.elastic import BATCH_KEYS, ElasticBatch, apply_batch_plan, check_world_range, elastic_batch
 from elasticzero.config.schema import EngineConfig, Precision
 from elasticzero.errors import UsageError
 
 __all__ = [
+    "check_elastic_config",
     "config_from_dict",
     "load_config",
     "load_deepspeed_config",
+    "load_elastic_batch",
     "optimizer_class",
     "read_file",
     "validate",
@@ -156,6 +158,52 @@ def config_from_dict(
     apply_batch_plan(cfg, _stated_batch_keys(data, overrides), resolve_world_size(world_size), source)
     validate(cfg, source=source, world_size=world_size)
     return cfg
+
+
+def load_elastic_batch(source: Source) -> ElasticBatch | None:
+    """The constant global batch a config (native or DeepSpeed, detected as in :func:`load_config`) asks for, or
+    None; see :func:`~elasticzero.config.elastic.elastic_batch`. For launchers: no torch is imported. Keys, types and
+    the elasticity block are checked; what depends on the world size or on torch (the optimizer) is left to the job.
+    """
+    data, name = _read(source)
+    if looks_like_deepspeed(data):
+        derived = _deepspeed_derived_batch(data, name)
+        if derived is not None:
+            return derived
+        data, _ = map_deepspeed(data, source=name)  # unsupported keys: the job's strict/warn policy decides
+    _check_keys(data, EngineConfig, "", name)
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EngineConfig), dict(data)))
+    except OmegaConfBaseException as exc:
+        raise UsageError(_type_error(exc, name)) from None
+    assert isinstance(cfg, EngineConfig)
+    return elastic_batch(cfg, name)
+
+
+def _deepspeed_derived_batch(ds: Mapping[str, Any], name: str) -> ElasticBatch | None:
+    """A DeepSpeed ``train_batch_size`` whose micro batch or accumulation is derived per world (mapping it needs a
+    world size): world ``W`` is valid when ``train % (micro x W) == 0``, or ``train % (accumulation x W) == 0`` when
+    the micro batch is the derived one, or ``train % W == 0`` with neither (DeepSpeed's rule, as the job applies it).
+    """
+    elastic = ds.get("elasticity")
+    if isinstance(elastic, Mapping) and elastic.get("enabled"):
+        return None
+    train, micro, accum = (ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                                "gradient_accumulation_steps"))  # fmt: skip
+    if not isinstance(train, int) or (micro is not None and accum is not None):
+        return None
+    step = micro if micro is not None else accum if accum is not None else 1
+    return ElasticBatch(train, (step,), source=name) if isinstance(step, int) and step >= 1 and train >= 1 else None
+
+
+def check_elastic_config(source: Source, min_nodes: int, max_nodes: int, nproc_per_node: int) -> ElasticBatch | None:
+    """Fail at start when ``--nnodes MIN:MAX`` x ``--nproc-per-node`` allows a world size that ``source``'s batch
+    sizes cannot split (:func:`~elasticzero.config.elastic.check_world_range`); the batch checked, or None when the
+    config's global batch follows the world size (every world size has a plan)."""
+    batch = load_elastic_batch(source)
+    if batch is not None:
+        check_world_range(batch, min_nodes, max_nodes, nproc_per_node)
+    return batch
 
 
 def validate(cfg: EngineConfig, *, source: str = "<config>", world_size: int | None = None) -> None:

@@ -142,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--master-addr", "--master_addr", metavar="ADDR", help="rendezvous host (default: first host)")
     a.add_argument("--master-port", "--master_port", type=_port, metavar="PORT", help="rendezvous port (29500)")
     a.add_argument("--nnodes", metavar="N|MIN:MAX", help="node count, or MIN:MAX for an elastic job")
+    a.add_argument(
+        "--elastic-config",
+        "--elastic_config",
+        metavar="FILE",
+        help="elasticzero YAML / DeepSpeed JSON: refuse --nnodes allowing a world size with no batch plan",
+    )
     a.add_argument("--rdzv-backend", "--rdzv_backend", metavar="NAME", help="rendezvous backend (elasticzero)")
     a.add_argument("--rdzv-conf", "--rdzv_conf", metavar="K=V,…", help="rendezvous configuration")
     a.add_argument("--rdzv-id", "--rdzv_id", "--job-id", "--job_id", dest="rdzv_id", metavar="ID", help="job id")

@@ -131,6 +131,19 @@ def _check_master_reachable(master_addr: str, explicit: bool, n_nodes: int, nnod
     )
 
 
+def _check_elastic_config(path: str, nnodes: str, nodes: Sequence[NodeSpec]) -> None:
+    """``--elastic-config``: every world size ``--nnodes`` allows has a batch plan (omegaconf only, no torch).
+
+    World sizes are node counts x slots per node; hosts with different slot counts are each checked as if every
+    node had that many (conservative: it may refuse a mix that would only ever run on valid world sizes).
+    """
+    from elasticzero.config.load import check_elastic_config
+
+    lo, _, hi = nnodes.partition(":")
+    for nproc in sorted({len(n.slots) for n in nodes}):
+        check_elastic_config(path, int(lo), int(hi or lo), nproc)
+
+
 def default_pid_file(env: Mapping[str, str]) -> str:
     """Where a bare ``--save-pid`` writes the launcher's pid: never a guessable name in a shared directory.
 
@@ -242,6 +255,8 @@ def plan_and_backend(
     explicit_master = _master_addr(args.master_addr)
     nnodes = _nnodes(args.nnodes, len(nodes))
     _check_master_reachable(explicit_master or first, explicit_master is not None, len(nodes), nnodes, name)
+    if args.elastic_config is not None:
+        _check_elastic_config(os.path.join(cwd, args.elastic_config), nnodes, nodes)
     master_addr = explicit_master or ("127.0.0.1" if first == LOCALHOST else first)
     agent = AgentOptions(
         nnodes=nnodes,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,8 @@ from elasticzero.autotune.dialect import apply_point, base_of, check_expressible
 from elasticzero.autotune.experiment import find_flag
 from elasticzero.autotune.resources import ResourceManager
 from elasticzero.autotune.runner import TrialLauncher, ssh_argv
-from elasticzero.autotune.space import Point, expand, parse_tuning
+from elasticzero.autotune.space import Point, TuningSpec, expand, parse_tuning
+from elasticzero.autotune.tuners import Candidate
 from elasticzero.errors import UsageError, cli_main
 
 __all__ = ["main", "prepare", "run_from_launch"]
@@ -124,29 +126,20 @@ def _config_flag(entry: Sequence[str], named: str | None) -> tuple[str, str]:
 
 def prepare(args: argparse.Namespace, entry: Sequence[str], env: Mapping[str, str], cwd: str) -> Setup:
     """Check everything and decide the search (pure apart from reading the config and discovering the pool)."""
-    from elasticzero.config.load import read_file
     from elasticzero.launch.cli import select_pool
 
     if not entry:
         raise UsageError(f"missing training script; usage: {PROG} [flags] SCRIPT [ARGS…]")
     _refuse(args)
-    flag, config_path = _config_flag(entry, getattr(args, "config_flag", None))
-    config_file = Path(cwd, config_path)
-    config, block = split_tuning(read_file(config_file))
-    where = f"{config_path}: autotuning"
-    if getattr(args, "tuning", None):
-        block, where = read_file(Path(cwd, args.tuning)), args.tuning
-    spec = parse_tuning(block, where)
+    flag, config_file, config, spec = _inputs(args, entry, cwd)
     deepspeed = is_deepspeed(config)
-    check_expressible(spec, deepspeed, where)
+    check_expressible(spec, deepspeed, str(config_file))
     manager = ResourceManager.from_pool(select_pool(args, env), spec.share_hosts)
     request = manager.default_request(spec.nodes, spec.slots_per_node)
     manager.check(request)
     world = request.nodes * request.slots_per_node
-    base = base_of(config, deepspeed, world, str(config_path))
+    base = base_of(config, deepspeed, world, str(config_file))
     points, skipped = expand(spec, base, world)
-    glob = spec.train_batch_size or base.train_batch_size or base.micro_batch * base.accumulation * world
-    results = Path(cwd, getattr(args, "results_dir", None) or spec.results_dir)
     setup = Setup(
         spec=spec,
         points=points,
@@ -160,23 +153,31 @@ def prepare(args: argparse.Namespace, entry: Sequence[str], env: Mapping[str, st
         manager=manager,
         launch_flags=passthrough(args),
         base_port=args.master_port or DEFAULT_BASE_PORT,
-        results_dir=results,
-        train_batch_size=glob,
+        results_dir=Path(cwd, getattr(args, "results_dir", None) or spec.results_dir),
+        train_batch_size=spec.train_batch_size or base.train_batch_size or base.micro_batch * base.accumulation * world,
         fresh=bool(getattr(args, "fresh", False)),
     )
-    setup.invalid = invalid_points(setup, world, str(config_path))
+    setup.invalid = invalid_points(setup, world, str(config_file))
     if len(setup.invalid) == len(points):
         raise UsageError(
             f"every point of the search space gives an invalid config: {next(iter(setup.invalid.values()))}"
         )
-    setup.experiment(_first_candidate(setup))  # arg_mappings must resolve before anything starts
+    first = next(p for p in setup.points if p not in setup.invalid)
+    setup.experiment(Candidate(first, spec.measure_steps))  # arg_mappings must resolve before anything starts
     return setup
 
 
-def _first_candidate(setup: Setup) -> Any:
-    from elasticzero.autotune.tuners import Candidate
+def _inputs(args: argparse.Namespace, entry: Sequence[str], cwd: str) -> tuple[str, Path, dict[str, Any], TuningSpec]:
+    """The config flag, the config file, the config without its tuning block, and the checked tuning block."""
+    from elasticzero.config.load import read_file
 
-    return Candidate(next(p for p in setup.points if p not in setup.invalid), setup.spec.measure_steps)
+    flag, config_path = _config_flag(entry, getattr(args, "config_flag", None))
+    config_file = Path(cwd, config_path)
+    config, block = split_tuning(read_file(config_file))
+    where = f"{config_path}: autotuning"
+    if getattr(args, "tuning", None):
+        block, where = read_file(Path(cwd, args.tuning)), args.tuning
+    return flag, config_file, config, parse_tuning(block, where)
 
 
 def invalid_points(setup: Setup, world: int, source: str) -> dict[Point, str]:
@@ -186,7 +187,9 @@ def invalid_points(setup: Setup, world: int, source: str) -> dict[Point, str]:
 
     def problem(config: Mapping[str, Any]) -> str | None:
         try:
-            load_config(dict(config), world_size=world, strict=False)
+            with warnings.catch_warnings():  # DeepSpeed keys the engine drops: the script's business, not ours
+                warnings.simplefilter("ignore")
+                load_config(dict(config), world_size=world, strict=False)
         except UsageError as exc:
             return str(exc)
         return None

@@ -22,7 +22,8 @@ JOB = "ELASTICZERO_JOB_ID"
 
 
 def agent(identity: list[str], nnodes: str = "2", table: str = TABLE) -> list[str]:
-    head = [PY, "-u", "-m", "elasticzero.agent.cli", "--nnodes", nnodes, "--node-table", table, *identity]
+    head = [PY, "-u", "-X", "frozen_modules=off", "-m", "elasticzero.agent.cli"]
+    head += ["--nnodes", nnodes, "--node-table", table, *identity]
     tail = ["--rdzv-backend", "elasticzero", "--rdzv-endpoint", "node1:29500", "--rdzv-id", "ez-test-1"]
     return [*head, *tail, "--max-restarts", "0", "train.py", "--lr", "0.1"]
 
@@ -174,8 +175,8 @@ def test_mvapich_hydra_flavour() -> None:
 def test_local_and_no_ssh() -> None:
     (cmd,) = get_launcher("local").commands(make_plan("local", [("localhost", [0, 1])]))
     argv = list(cmd.argv)
-    assert argv[:10] == [PY, "-u", "-m", "elasticzero.agent.cli", "--nnodes", "1", "--node-table",
-                         '[["localhost",[0,1]]]', "--node-rank", "0"]  # fmt: skip
+    assert argv[:12] == [PY, "-u", "-X", "frozen_modules=off", "-m", "elasticzero.agent.cli", "--nnodes", "1",
+                         "--node-table", '[["localhost",[0,1]]]', "--node-rank", "0"]  # fmt: skip
     assert cmd.env == {"NCCL_DEBUG": "INFO", JOB: "ez-test-1"} and cmd.host == "localhost"
     with pytest.raises(UsageError, match="one node"):
         get_launcher("local").commands(make_plan("local"))

@@ -1,5 +1,6 @@
 """Reshard on load (checkpoint/, engine/zero/dcp_state.py), one world-3 launch for every case: stages 1/2/3 x
-fp32/bf16 x N→M in {2→1, 1→2, 2→3, 3→2}, stage changes 2→3, 3→1 (and 2→3 at the same world size, 3→1 at 2 ranks).
+fp32/bf16 x N→M in {2→1, 1→2, 2→3, 3→2}, stage changes 2→3, 3→1 (also 2→3 at one world size,
+3→1 at 2 ranks, fp16 2→3 at 2→3 ranks).
 fp32 masters and Adam moments are bit-exact after the load; training resumed from it ends where the uninterrupted
 run ends (bitwise at the same world size and stage, else up to reduction order)."""
 
@@ -28,7 +29,7 @@ def test_reshard_matrix(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-4000:]
     results = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(3)]
-    assert len(results[0]) == 28
+    assert len(results[0]) == 29
     for r, res in enumerate(results):
         failed = {case: problems for case, problems in res.items() if problems}
         assert not failed, f"rank {r}: {failed}"

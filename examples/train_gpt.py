@@ -5,6 +5,7 @@ WORLD_SIZE, ...); run directly, it is a world of one::
 
     elasticzero-launch --nproc-per-node 2 examples/train_gpt.py --steps 20
     elasticzero-run --nnodes 1:2 --nproc-per-node 1 --rdzv-endpoint host:29400 --max-restarts 10 \\
+        --elastic-config examples/configs/gpt.yaml \\
         examples/train_gpt.py --checkpoint-dir ckpt/ --save-every 10 --steps 500
 
 Settings come from ``elasticzero.config`` (``--config``: a YAML file in ``examples/configs/`` or a DeepSpeed

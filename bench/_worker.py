@@ -2,12 +2,14 @@
 
 Phases: warm-up steps; timed steps (wall time per step); peak RSS (VmHWM) read; one step with held-tensor scans after
 backward and after the optimizer step; ``--comm-steps`` steps with the collective counter on. Writes one JSON file.
-Runs under the project's venv or the optional DeepSpeed venv, so it imports only torch, stdlib and examples/gpt.py.
+Runs under the project's venv or the optional DeepSpeed venv, so it imports only torch, stdlib and examples/gpt.py
+(``--model llama`` also imports ``transformers``: a Hugging Face Llama built from a config, random init).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import json
 import os
@@ -37,6 +39,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peer", required=True, choices=_peers.PEERS)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--size", default="bench")
+    p.add_argument("--model", default="gpt", choices=["gpt", "llama"])
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--warmup", type=int, default=2)
@@ -53,7 +56,12 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     rss_start = proc_status_kib("VmRSS")
     cfg = config_for(args.size, block_size=max(args.seq_len, config_for(args.size).block_size))
     torch.manual_seed(args.seed)
-    model = GPT(cfg)
+    model: torch.nn.Module
+    if args.model == "llama":
+        model, model_info = hf_llama(args.seq_len)
+        cfg = dataclasses.replace(cfg, vocab_size=model_info["vocab_size"])
+    else:
+        model, model_info = GPT(cfg), {"size": args.size, **cfg.__dict__}
     psi = num_params(model)
     x, y = synthetic_batch(cfg, args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed + 1 + rank))
     peer = _peers.build(args.peer, model, args.lr, args.bucket_mb, args.batch_size)
@@ -111,7 +119,7 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
         "rank": rank,
         "world_size": world,
         "params": psi,
-        "model": {"size": args.size, **cfg.__dict__},
+        "model": model_info,
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
         "step_times_s": times,
@@ -130,6 +138,37 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
         "torch": torch.__version__,
         "info": peer.info,
     }
+
+
+class LogitsOf(torch.nn.Module):
+    """A Hugging Face causal LM as the bench's ``net(x) -> logits``; ``blocks`` (not registered twice) are its decoder
+    layers, which FSDP2 shards one by one as it does the GPT's blocks (and ZeroStage3's default units pick too)."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+        object.__setattr__(self, "blocks", lm.model.layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=x, use_cache=False).logits
+
+
+def hf_llama(seq_len: int) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """A Llama-style model of ~31M parameters (8 layers, hidden 512, grouped-query attention 8/4 heads)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=max(seq_len, 128),
+    )
+    info = {"model": "transformers.LlamaForCausalLM", "transformers": transformers.__version__, **cfg.to_diff_dict()}
+    return LogitsOf(transformers.LlamaForCausalLM(cfg)), {**info, "vocab_size": cfg.vocab_size}
 
 
 def main() -> int:

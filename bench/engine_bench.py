@@ -6,6 +6,7 @@ a markdown table and the goal ratios of issue 4 and saves everything (per-rank r
 
     .venv/bin/python bench/engine_bench.py            # full run (~30M-param GPT)
     .venv/bin/python bench/engine_bench.py --quick    # ~1 minute smoke run (~4M params, fewer steps)
+    .venv/bin/python bench/engine_bench.py --model llama --peers ddp,fsdp2,ez_stage1,ez_stage2,ez_stage3
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small model (~4M), 1 warm-up + 3 timed steps")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma list from: {', '.join(PEERS)}")
     p.add_argument("--size", default=None, help="GPT size from examples/gpt.py (default bench; quick: small)")
+    p.add_argument(
+        "--model",
+        default="gpt",
+        choices=["gpt", "llama"],
+        help="gpt: examples/gpt.py; llama: a ~31M-param Hugging Face Llama (GQA) from a config (needs transformers)",
+    )
     p.add_argument("--batch-size", type=int, default=4, help="micro-batch per rank (default 4)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sample (default 64)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; quick: 1)")
@@ -79,6 +86,7 @@ def run_peer(peer: str, args: argparse.Namespace, workdir: Path) -> list[dict[st
     flags = [
         f"--peer={peer}",
         f"--size={args.size}",
+        f"--model={args.model}",
         f"--batch-size={args.batch_size}",
         f"--seq-len={args.seq_len}",
         f"--warmup={args.warmup}",
@@ -160,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(args.rounds):
         (workdir / f"round{rnd}").mkdir(parents=True, exist_ok=True)
     print(
-        f"engine_bench: {started:%Y-%m-%d %H:%M:%S} UTC  size={args.size} batch={args.batch_size} seq={args.seq_len} "
+        f"engine_bench: {started:%Y-%m-%d %H:%M:%S} UTC  model={args.model} size={args.size} "
+        f"batch={args.batch_size} seq={args.seq_len} "
         f"ranks={args.world_size} warmup={args.warmup} steps={args.steps} comm-steps={args.comm_steps} "
         f"rounds={args.rounds} "
         f"cpus={os.cpu_count()} load={os.getloadavg()[0]:.2f}",

@@ -6,6 +6,7 @@ applies the result inside each worker before it execs the user's program.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 
 from elasticzero.proc import JOB_ID_ENV
@@ -88,6 +89,24 @@ def cores_for_worker(env: Mapping[str, str]) -> list[int] | None:
     return chunks[int(env.get("LOCAL_RANK", "0")) % len(chunks)]
 
 
-def shim_argv(python: str, entrypoint: str, args: Sequence[str]) -> tuple[str, list[str]]:
-    """Wrap a worker command in the exec shim: ``python -m elasticzero.agent.shim -- entrypoint *args``."""
-    return python, ["-m", "elasticzero.agent.shim", "--", entrypoint, *args]
+#: the exec shim's entry, run without ``site`` (``python -S``): argv[1] is the directory holding the elasticzero package
+SHIM_STUB = (
+    "import sys; sys.path.append(sys.argv[1]); from elasticzero.agent.shim import main; sys.exit(main(sys.argv[2:]))"
+)
+
+
+def package_root() -> str:
+    """The directory holding the ``elasticzero`` package this process imported (what :func:`shim_argv` needs)."""
+    import elasticzero
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(elasticzero.__file__)))
+
+
+def shim_argv(python: str, entrypoint: str, args: Sequence[str], root: str) -> tuple[str, list[str]]:
+    """Wrap a worker command in the exec shim: ``python -S -c SHIM_STUB root -- entrypoint *args``.
+
+    The shim imports only the standard library and elasticzero, so it skips ``site`` (``-S``: no site-packages,
+    ``.pth`` files or editable-install finders to load — most of a bare interpreter's start-up) and finds the package
+    at ``root`` (:func:`package_root`), appended after the standard library. The command it execs starts normally.
+    """
+    return python, ["-S", "-c", SHIM_STUB, root, "--", entrypoint, *args]

@@ -80,7 +80,7 @@ def _launch(args: argparse.Namespace) -> int:
     from torch.distributed.run import _parse_rendezvous_config, config_from_args
 
     from elasticzero.agent.agent import PeerFailedError
-    from elasticzero.agent.binding import agent_env, shim_argv
+    from elasticzero.agent.binding import agent_env, package_root, shim_argv
     from elasticzero.agent.launch import launch
     from elasticzero.agent.options import rdzv_configs, resolve
 
@@ -101,7 +101,10 @@ def _launch(args: argparse.Namespace) -> int:
     # torch >= 2.4 lets workers reuse the rank-0 agent's rendezvous TCPStore, without a per-round key prefix: after
     # a restart the new workers read the dead workers' gloo/NCCL keys and hang. A fresh store per round avoids it.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    entrypoint, entry_args = (cmd, cmd_args) if callable(cmd) else shim_argv(sys.executable, cmd, cmd_args)
+    if callable(cmd):
+        entrypoint, entry_args = cmd, cmd_args
+    else:
+        entrypoint, entry_args = shim_argv(sys.executable, cmd, cmd_args, package_root())
     try:
         result, agent = launch(config, entrypoint, entry_args, health_file=settings.health_file)
     except SignalException as exc:

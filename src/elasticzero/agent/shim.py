@@ -1,4 +1,4 @@
-"""Exec shim run as each worker process before the user's program (``python -m elasticzero.agent.shim -- CMD…``).
+"""Exec shim run as each worker process before the user's program (see :func:`~elasticzero.agent.binding.shim_argv`).
 
 Inside the worker it (1) asks the kernel to SIGKILL it when the agent dies (``PR_SET_PDEATHSIG``, which
 survives ``execve``) and exits if the agent is already gone, (2) binds the process to its cores when

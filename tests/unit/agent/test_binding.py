@@ -7,6 +7,7 @@ import pytest
 from elasticzero.agent.binding import (
     CPUS_ENV,
     JOB_ID_ENV,
+    SHIM_STUB,
     agent_env,
     cores_for_worker,
     format_cpus_table,
@@ -56,6 +57,6 @@ def test_worker_extra_env_from_torch_env() -> None:
 
 
 def test_shim_argv_passes_command_untouched() -> None:
-    exe, args = shim_argv("/py", "/py", ["-u", "train.py", "a;echo x", "$(y)"])
+    exe, args = shim_argv("/py", "/py", ["-u", "train.py", "a;echo x", "$(y)"], "/site")
     assert exe == "/py"
-    assert args == ["-m", "elasticzero.agent.shim", "--", "/py", "-u", "train.py", "a;echo x", "$(y)"]
+    assert args == ["-S", "-c", SHIM_STUB, "/site", "--", "/py", "-u", "train.py", "a;echo x", "$(y)"]

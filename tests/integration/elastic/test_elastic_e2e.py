@@ -20,7 +20,6 @@ import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,24 +143,29 @@ def case(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Case,
         etcd.stop()
 
 
-def start_reference(tmp: Path, case: Case, stack: ExitStack) -> subprocess.Popen[bytes]:
+@pytest.fixture
+def reference(case: tuple[Case, str], cluster: Cluster) -> Iterator[subprocess.Popen[bytes]]:
     """The uninterrupted run (one process, world 1, never holds), training while the elastic run does."""
     env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, str(EXAMPLE), *job(tmp, case, "ref")[:-2]]
-    with (tmp / "ref.log").open("wb") as log:
+    argv = [sys.executable, str(EXAMPLE), *job(cluster.tmp, case[0], "ref")[:-2]]
+    with (cluster.tmp / "ref.log").open("wb") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-    stack.callback(lambda: proc.poll() is None and (proc.kill(), proc.wait()))
-    return proc
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.parametrize("case", CASES, indirect=True)
-def test_lose_and_gain_a_node_matches_uninterrupted_run(cluster: Cluster, case: tuple[Case, str]) -> None:
+def test_lose_and_gain_a_node_matches_uninterrupted_run(
+    case: tuple[Case, str], cluster: Cluster, reference: subprocess.Popen[bytes]
+) -> None:  # case first: its etcd server outlives the agents
     global T0
-    (c, endpoint), tmp = case, cluster.tmp
-    with ExitStack() as stack:
-        T0, reference = time.monotonic(), start_reference(tmp, c, stack)
-        run_elastic(cluster, c, endpoint)
-        assert reference.wait(timeout=150) == 0, (tmp / "ref.log").read_text()[-3000:]
+    T0, (c, endpoint), tmp = time.monotonic(), case, cluster.tmp
+    run_elastic(cluster, c, endpoint)
+    assert reference.wait(timeout=150) == 0, (tmp / "ref.log").read_text()[-3000:]
     check_record(tmp / "elastic.jsonl", c)
     ckpt = tmp / "elastic-ckpt"
     assert committed(tmp / "ref-ckpt", STEPS) and committed(ckpt, STEPS)

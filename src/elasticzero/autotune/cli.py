@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
@@ -106,10 +107,8 @@ def passthrough(args: argparse.Namespace) -> list[str]:
 
 def _refuse(args: argparse.Namespace) -> None:
     for dest, why in REFUSED.items():
-        if getattr(args, dest, None) not in (None, False, ""):
+        if getattr(args, dest, None) not in (None, False):  # a bare --save-pid is ""
             raise UsageError(why)
-    if getattr(args, "dry_run", None):
-        raise UsageError("--dry-run: not supported with autotuning yet; the summary lists every experiment")
 
 
 def _config_flag(entry: Sequence[str], named: str | None) -> tuple[str, str]:
@@ -204,11 +203,42 @@ def invalid_points(setup: Setup, world: int, source: str) -> dict[Point, str]:
     return found
 
 
+def plan_lines(setup: Setup) -> list[str]:
+    """``--dry-run``: what the tuner would do, decided and checked; nothing is started or written."""
+    from elasticzero.autotune.runner import launch_argv
+    from elasticzero.autotune.schedule import decide
+
+    spec, r = setup.spec, setup.request
+    first = decide(
+        [("first", r)], setup.manager, running=0, max_running=None, base_port=setup.base_port, port_counter=0,
+        ports_in_use=(),
+    )[0][0]  # fmt: skip
+    directory = setup.results_dir / "exps" / "<experiment>"
+    argv = launch_argv(sys.executable, directory, first.reservation, first.port, "<job id>", setup.launch_flags)
+    lines = [
+        f"{PROG} plan (dry run; nothing started)",
+        f"  metric {spec.metric.name} ({'max' if spec.metric.maximize else 'min'}imised), tuner {spec.tuner}, "
+        f"{len(setup.points)} point(s) at global batch {setup.train_batch_size}",
+        f"  each experiment: {r.nodes} node(s) x {r.slots_per_node} slot(s); pool "
+        + ", ".join(f"{n.host}:{len(n.slots)}" for n in setup.manager.nodes),
+        f"  results: {setup.results_dir} ({'fresh' if setup.fresh else 'resumes its journal'})",
+        f"  first experiment's launch: {shlex.join([*argv, '--', *setup.entry])}",
+    ]
+    lines += [
+        f"  point {p.name}" + (f"  (invalid: {setup.invalid[p]})" if p in setup.invalid else "") for p in setup.points
+    ]
+    lines += [f"  left out {name}: {why}" for name, why in setup.skipped]
+    return lines
+
+
 def tune(args: argparse.Namespace, entry: Sequence[str], run_after: bool) -> int:
     """Tune (and with ``run_after`` train with the best config); the exit code."""
     from elasticzero.autotune.output import summary_lines, write_outputs
 
     setup = prepare(args, entry, os.environ, os.getcwd())
+    if getattr(args, "dry_run", None):
+        print("\n".join(plan_lines(setup)))
+        return 0
     setup.results_dir.mkdir(parents=True, exist_ok=True)
     for key, why in setup.spec.ignored:
         print(f"{PROG}: note: autotuning.{key} is ignored: {why}", file=sys.stderr)

@@ -49,6 +49,7 @@ def _run(tmp_path: Path, monkeypatch, capsys, tuning: str, extra: list[str] | No
         ("autotuning: {arg_mappings: {nope: --x}}\n", [], "config key 'nope' is not set"),
         ("", ["--no-ssh"], "--no-ssh: the tuner starts every experiment itself"),
         ("", ["--job-id", "x"], "--job-id: every experiment gets its own job id"),
+        ("", ["--save-pid"], "--save-pid is not supported with autotuning"),
         ("", ["--tuning", "missing.yaml"], "missing.yaml: cannot read config"),
         ("", ["--config-flag=--cfg"], "the script arguments have no --cfg FILE"),
         ("autotuning: {space: {stage: [7]}}\n", [], "ZeRO stage must be 0, 1, 2 or 3"),
@@ -92,3 +93,15 @@ def test_deepspeed_migrants_flag_is_found(tmp_path) -> None:
     setup = cli.prepare(args, entry, {}, str(tmp_path))
     assert setup.deepspeed and setup.config_flag == "--deepspeed_config" and setup.config_suffix == ".json"
     assert [p.name for p in setup.points] == ["z2_mb4_ga1"]
+
+
+def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, monkeypatch, capsys, no_launch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.yaml").write_text(NATIVE + "autotuning: {space: {stage: [1, 2], micro_batch: [1, 3]}}\n")
+    code = cli.main(["--dry-run", "--nproc-per-node", "2", "--master-port", "30100", "t.py", "--config", "cfg.yaml"])
+    out = capsys.readouterr().out
+    assert code == 0 and not (tmp_path / "autotuning_results").exists()
+    assert "metric throughput (maximised), tuner model_based, 2 point(s) at global batch 8" in out
+    assert "--include localhost:0,1 --master-port 30100" in out and "-- t.py --config cfg.yaml" in out
+    assert "point z1_mb1_ga4" in out and "point z2_mb1_ga4" in out
+    assert "left out z1_mb3: global batch 8 is not a multiple of micro batch 3 x world size 2" in out

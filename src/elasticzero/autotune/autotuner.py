@@ -59,6 +59,7 @@ class Setup:
     results_dir: Path
     train_batch_size: int
     fresh: bool = False
+    retry_failed: bool = False  # on resume, run experiments that ended in error/timeout again (OOMs stay)
     invalid: dict[Point, str] = field(default_factory=dict)  # points whose trial config does not validate
 
     def experiment(self, cand: Candidate) -> Experiment:
@@ -162,6 +163,11 @@ class Autotuner:
                 self._say(f"--fresh: previous journal kept as {aside}")
         state = self.journal.load()
         self.stored = {k: Outcome.from_json(v) for k, v in state.finished.items()}
+        if self.s.retry_failed:
+            retried = [k for k, o in self.stored.items() if o.status in ("error", "timeout")]
+            self.stored = {k: o for k, o in self.stored.items() if k not in retried}
+            if retried:
+                self._say(f"--retry-failed: {len(retried)} failed experiment(s) run again")
         for key, start in state.interrupted.items():  # the tuner died while these ran: clean up, then re-run
             hosts, job = start.get("hosts") or [], start.get("job_id")
             if job:

@@ -75,6 +75,7 @@ def add_tuning_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tuning", metavar="FILE", help="tuning block file (default: 'autotuning' in the config)")
     g.add_argument("--results-dir", "--results_dir", metavar="DIR", help="where results go (autotuning_results)")
     g.add_argument("--fresh", action="store_true", help="start over: move the journal aside instead of resuming")
+    g.add_argument("--retry-failed", "--retry_failed", action="store_true", help="resume, re-running errors/timeouts")
     g.add_argument("--run", action="store_true", help="after tuning, train with the best config (autotuning off)")
     g.add_argument("--config-flag", "--config_flag", metavar="FLAG", help="the script's config flag (--config)")
 
@@ -155,6 +156,7 @@ def prepare(args: argparse.Namespace, entry: Sequence[str], env: Mapping[str, st
         results_dir=Path(cwd, getattr(args, "results_dir", None) or spec.results_dir),
         train_batch_size=spec.train_batch_size or base.train_batch_size or base.micro_batch * base.accumulation * world,
         fresh=bool(getattr(args, "fresh", False)),
+        retry_failed=bool(getattr(args, "retry_failed", False)),
     )
     setup.invalid = invalid_points(setup, world, str(config_file))
     if len(setup.invalid) == len(points):
@@ -289,7 +291,7 @@ def _after(
 
 def run_from_launch(args: argparse.Namespace, entry: Sequence[str], mode: str) -> int:
     """``elasticzero-launch --autotuning tune|run``: the launcher's parsed flags, the script, the mode."""
-    for dest in ("tuning", "results_dir", "fresh", "run", "config_flag"):
+    for dest in ("tuning", "results_dir", "fresh", "retry_failed", "run", "config_flag"):
         setattr(args, dest, getattr(args, dest, None))
     return tune(args, entry, run_after=mode == "run")
 

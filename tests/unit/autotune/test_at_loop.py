@@ -98,3 +98,25 @@ def test_metric_never_reported_stops_with_usage_error(tmp_path) -> None:
     assert launcher.started == ["z1_mb2_ga4"]  # the model-based tuner starts at the largest micro batch
     lines = (tmp_path / "autotuning_results" / "journal.jsonl").read_text().splitlines()
     assert [json.loads(x)["event"] for x in lines] == ["start"]  # not journalled as finished: a fixed script reruns it
+
+
+def test_retry_failed_reruns_errors_not_successes(tmp_path) -> None:
+    block = "{tuner: grid, space: {micro_batch: [1, 2]}}"
+    at, _ = _tuner(tmp_path, block, lambda name: {"latency": 1.0} if "mb2" in name else {"throughput": 5.0})
+    with pytest.raises(UsageError, match="no metric 'throughput'"):
+        at.run()  # mb2 reports the wrong metric: not journalled, so a plain resume runs it again anyway
+    journal = tmp_path / "autotuning_results" / "journal.jsonl"
+    with open(journal, "a") as f:  # an experiment that failed for a passing reason (e.g. a host was down)
+        f.write(
+            json.dumps({"event": "finish", "key": at._key(at.history[0][0]), "outcome": {"status": "error"}}) + "\n"
+        )
+    again, launcher = _tuner(tmp_path, block, _by_micro)
+    again.run()
+    assert launcher.started == ["z1_mb2_ga4"]  # the error stays an error without --retry-failed
+    third, launcher3 = _tuner(tmp_path, block, _by_micro)
+    third.s.retry_failed = True
+    third.run()
+    assert (
+        launcher3.started == ["z1_mb1_ga8"]
+        and "--retry-failed: 1 failed experiment(s) run again" in third.out.getvalue()
+    )

@@ -133,3 +133,33 @@ def test_direct_call_with_activation_checkpointing(group: None) -> None:
     full = opt.full_state_dict()
     for k, v in copy.deepcopy(ref).state_dict().items():
         torch.testing.assert_close(full[k], v, rtol=1e-6, atol=1e-7, msg=k)
+
+
+class CrossCall(nn.Module):
+    """The root's forward calls a layer inside another unit without going through that unit's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1].fc(self.blocks[0](x))
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_layer_of_another_unit_called_inside_a_forward(group: None, reshard: bool) -> None:
+    model, ref = CrossCall(), CrossCall()
+    opt = ZeroStage3(model, torch.optim.SGD, lr=0.1, reshard_after_forward=reshard)
+    assert sorted(set(opt.unit_of_bucket().values())) == ["blocks.0", "blocks.1"]
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+        assert _freed(opt)
+    full = opt.full_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=1e-6, atol=1e-7)

@@ -101,9 +101,8 @@ class ZeroStage3(ZeroOptimizer):
         self._bwd_index: dict[str, int] = {}
         self._order_frozen = False
         self._bwd_callback_queued = False
-        self._depth = 0  # unit forwards (and entry points, see _pre_entry) in progress outside backward
         self._in_root = False  # the root's forward is in progress: the only time the unit order is recorded
-        self._entries: list[str] = []
+        self._entries: list[str] = []  # submodules called directly whose forward is in progress (see _pre_entry)
         super().__init__(
             module,
             optimizer_class,
@@ -279,10 +278,9 @@ class ZeroStage3(ZeroOptimizer):
             # guaranteed): gather and leave freeing to the gradient hooks / end of backward
             self._use(unit)
             return
-        if unit == "":  # the outermost call: forget an entry or unit forward an exception left unfinished
-            self._depth, self._in_root = 0, True
-            self._entries.clear()
-        self._depth += 1
+        if unit == "":  # the outermost call
+            self._in_root = True
+            self._entries.clear()  # forget an entry an exception left unfinished
         if not self._order_frozen and self._in_root and unit not in self._fwd_index:
             self._fwd_index[unit] = len(self._fwd_order)
             self._fwd_order.append(unit)
@@ -294,7 +292,6 @@ class ZeroStage3(ZeroOptimizer):
     def _post_forward(self, unit: str, module: nn.Module, args: Any, output: Any) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation inside backward (see _pre_forward): its backward needs the params now
-        self._depth -= 1
         for i in self._needed[unit]:
             self._users[i] -= 1
         if (
@@ -319,11 +316,10 @@ class ZeroStage3(ZeroOptimizer):
 
     def _pre_entry(self, name: str, module: nn.Module, args: Any) -> None:
         """A submodule called directly (``model.encoder(x)``; HF encoder-decoder ``generate()`` calls
-        ``model.get_encoder()(...)``), not from inside a unit's forward: gather what its own units do not (the
+        ``model.get_encoder()(...)``) or from a unit that does not own it: gather what its own units do not (the
         enclosing units' buckets it uses, e.g. a tied embedding owned by the root) until it returns."""
-        if self._depth or torch._C._current_graph_task_id() != -1:
-            return
-        self._depth += 1
+        if torch._C._current_graph_task_id() != -1 or self._all_ready(self._entry_buckets[name]):
+            return  # inside a unit's (or the root's) forward that gathered them, or a recomputation in backward
         self._entries.append(name)
         self._use_buckets(self._entry_buckets[name])
 
@@ -331,7 +327,6 @@ class ZeroStage3(ZeroOptimizer):
         if not self._entries or self._entries[-1] != name:
             return
         self._entries.pop()
-        self._depth -= 1
         idx = self._entry_buckets[name]
         for i in idx:
             self._users[i] -= 1
@@ -342,6 +337,9 @@ class ZeroStage3(ZeroOptimizer):
         comm.settle()
         if torch.is_grad_enabled() and output is not None:
             _on_first_grad(output, functools.partial(self._pre_backward_buckets, idx))
+
+    def _all_ready(self, idx: list[int]) -> bool:
+        return all(self.buckets[i].extra["gathered"] and self.buckets[i].extra["work"] is None for i in idx)
 
     def _use_buckets(self, idx: list[int]) -> None:
         for i in idx:

@@ -31,7 +31,7 @@ from elasticzero.autotune.contract import METRICS_ENV
 from elasticzero.autotune.resources import Reservation
 from elasticzero.autotune.window import MEASURE_ENV, WARMUP_ENV
 from elasticzero.launch.hostfile import is_loopback
-from elasticzero.proc import JOB_ID_ENV
+from elasticzero.proc import JOB_ID_ENV, parent_death_preexec
 
 __all__ = ["ENV_PREFIX", "Running", "TrialLauncher", "kill_job_everywhere"]
 
@@ -136,13 +136,7 @@ class TrialLauncher:
 
 
 def _die_with_tuner() -> Callable[[], None] | None:
-    """The launcher's ``PR_SET_PDEATHSIG=SIGTERM`` preexec (one home: elasticzero.proc, formerly launch.execute)."""
-    try:
-        from elasticzero.proc import parent_death_preexec  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        from elasticzero.launch.execute import die_with_launcher  # type: ignore[attr-defined,unused-ignore]
-
-        return die_with_launcher(os.getpid())
+    """The launcher's ``PR_SET_PDEATHSIG=SIGTERM`` preexec: a launcher never outlives the tuner."""
     return parent_death_preexec(signal.SIGTERM, os.getpid())
 
 

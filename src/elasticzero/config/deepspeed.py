@@ -47,6 +47,7 @@ _IGNORED_TOP: dict[str, str] = {
     "checkpoint": "DeepSpeed checkpoint options do not apply: save weights with opt.full_state_dict()",
     "aio": "NVMe offload I/O (offload is not supported)",
     "seq_parallel_communication_data_type": "sequence parallelism is not used",
+    "autotuning": "read by elasticzero-autotune / elasticzero-launch --autotuning, not by the training run",
 }
 
 # top-level DeepSpeed features that would change training: key -> what to do instead
@@ -58,7 +59,6 @@ _UNSUPPORTED_TOP: dict[str, str] = {
     "data_types": "gradients accumulate in fp32 unless precision.reduce_in_low_precision",
     "pipeline": "pipeline parallelism is not provided",
     "compile": "call torch.compile on the model yourself",
-    "autotuning": "use elasticzero-launch --autotuning",
     "data_efficiency": "not provided",
     "curriculum_learning": "not provided",
     "compression_training": "not provided",

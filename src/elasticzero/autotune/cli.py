@@ -14,6 +14,7 @@ config, autotuning off.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -83,9 +84,7 @@ def add_tuning_flags(parser: argparse.ArgumentParser) -> None:
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     from elasticzero.launch.args import build_parser, split_entry
 
-    parser = build_parser()
-    parser.prog = PROG
-    parser.usage = f"{PROG} [launcher flags] [autotuning flags] SCRIPT [SCRIPT_ARGS…]"
+    parser = build_parser(PROG, f"{PROG} [launcher flags] [autotuning flags] SCRIPT [SCRIPT_ARGS…]")
     add_tuning_flags(parser)
     flags, entry = split_entry(parser, argv)
     return parser.parse_args(flags), entry
@@ -205,7 +204,7 @@ def invalid_points(setup: Setup, world: int, source: str) -> dict[Point, str]:
     return found
 
 
-def plan_lines(setup: Setup) -> list[str]:
+def plan(setup: Setup) -> dict[str, Any]:
     """``--dry-run``: what the tuner would do, decided and checked; nothing is started or written."""
     from elasticzero.autotune.runner import launch_argv
     from elasticzero.autotune.schedule import decide
@@ -217,19 +216,37 @@ def plan_lines(setup: Setup) -> list[str]:
     )[0][0]  # fmt: skip
     directory = setup.results_dir / "exps" / "<experiment>"
     argv = launch_argv(sys.executable, directory, first.reservation, first.port, "<job id>", setup.launch_flags)
+    return {
+        "metric": spec.metric.name,
+        "maximize": spec.metric.maximize,
+        "tuner": spec.tuner,
+        "train_batch_size": setup.train_batch_size,
+        "nodes_per_experiment": r.nodes,
+        "slots_per_node": r.slots_per_node,
+        "pool": {n.host: len(n.slots) for n in setup.manager.nodes},
+        "results_dir": str(setup.results_dir),
+        "resume": not setup.fresh,
+        "first_launch": [*argv, "--", *setup.entry],
+        "points": [{"name": p.name, **p.values(), "invalid": setup.invalid.get(p)} for p in setup.points],
+        "left_out": [{"name": name, "reason": why} for name, why in setup.skipped],
+    }
+
+
+def plan_lines(shown: Mapping[str, Any]) -> list[str]:
+    """The :func:`plan` as text (``--dry-run``; ``--dry-run=json`` prints it as JSON)."""
     lines = [
         f"{PROG} plan (dry run; nothing started)",
-        f"  metric {spec.metric.name} ({'max' if spec.metric.maximize else 'min'}imised), tuner {spec.tuner}, "
-        f"{len(setup.points)} point(s) at global batch {setup.train_batch_size}",
-        f"  each experiment: {r.nodes} node(s) x {r.slots_per_node} slot(s); pool "
-        + ", ".join(f"{n.host}:{len(n.slots)}" for n in setup.manager.nodes),
-        f"  results: {setup.results_dir} ({'fresh' if setup.fresh else 'resumes its journal'})",
-        f"  first experiment's launch: {shlex.join([*argv, '--', *setup.entry])}",
+        f"  metric {shown['metric']} ({'max' if shown['maximize'] else 'min'}imised), tuner {shown['tuner']}, "
+        f"{len(shown['points'])} point(s) at global batch {shown['train_batch_size']}",
+        f"  each experiment: {shown['nodes_per_experiment']} node(s) x {shown['slots_per_node']} slot(s); pool "
+        + ", ".join(f"{host}:{n}" for host, n in shown["pool"].items()),
+        f"  results: {shown['results_dir']} ({'resumes its journal' if shown['resume'] else 'fresh'})",
+        f"  first experiment's launch: {shlex.join(shown['first_launch'])}",
     ]
     lines += [
-        f"  point {p.name}" + (f"  (invalid: {setup.invalid[p]})" if p in setup.invalid else "") for p in setup.points
+        f"  point {p['name']}" + (f"  (invalid: {p['invalid']})" if p["invalid"] else "") for p in shown["points"]
     ]
-    lines += [f"  left out {name}: {why}" for name, why in setup.skipped]
+    lines += [f"  left out {x['name']}: {x['reason']}" for x in shown["left_out"]]
     return lines
 
 
@@ -239,7 +256,8 @@ def tune(args: argparse.Namespace, entry: Sequence[str], run_after: bool) -> int
 
     setup = prepare(args, entry, os.environ, os.getcwd())
     if getattr(args, "dry_run", None):
-        print("\n".join(plan_lines(setup)))
+        shown = plan(setup)
+        print(json.dumps(shown, indent=2) if args.dry_run == "json" else "\n".join(plan_lines(shown)))
         return 0
     setup.results_dir.mkdir(parents=True, exist_ok=True)
     for key, why in setup.spec.ignored:

@@ -39,7 +39,7 @@ class _Parser(argparse.ArgumentParser):
     """An ArgumentParser that raises :class:`UsageError` instead of exiting; ``--help`` lists backend options."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(f"{message}; see {PROG} --help")
+        raise UsageError(f"{message}; see {self.prog} --help")
 
     def format_help(self) -> str:
         """argparse's help, then each installed backend's options (loaded only when help is shown)."""
@@ -75,11 +75,12 @@ def _port(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The flag parser (no positionals: the script is split off first, see :func:`split_entry`)."""
+def build_parser(prog: str = PROG, usage: str | None = None) -> argparse.ArgumentParser:
+    """The flag parser (no positionals: the script is split off first, see :func:`split_entry`); ``prog`` names the
+    console script in usage errors (``elasticzero-autotune`` reuses these flags)."""
     p = _Parser(
-        prog=PROG,
-        usage=f"{PROG} [flags] SCRIPT [SCRIPT_ARGS…]",
+        prog=prog,
+        usage=usage or f"{prog} [flags] SCRIPT [SCRIPT_ARGS…]",
         description="Launch a PyTorch job on the hosts of a hostfile, a Slurm allocation or this machine.",
         allow_abbrev=False,
     )
@@ -222,7 +223,7 @@ def split_entry(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[l
             hint = UNSUPPORTED.get(name)
             if hint:
                 raise UsageError(f"{name} is not supported: {hint}")
-            raise UsageError(f"unknown option {tok!r}; see {PROG} --help (script arguments go after the script)")
+            raise UsageError(f"unknown option {tok!r}; see {parser.prog} --help (script arguments go after the script)")
         following = argv[i + 1] if i + 1 < len(argv) else None
         i += 2 if not attached and _takes_next(table[name], name, following) else 1
     return argv, []

@@ -6,6 +6,7 @@ replaced by a function that fails the test, so "nothing launched" is checked, no
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -53,6 +54,8 @@ def _run(tmp_path: Path, monkeypatch, capsys, tuning: str, extra: list[str] | No
         ("", ["--tuning", "missing.yaml"], "missing.yaml: cannot read config"),
         ("", ["--config-flag=--cfg"], "the script arguments have no --cfg FILE"),
         ("autotuning: {space: {stage: [7]}}\n", [], "ZeRO stage must be 0, 1, 2 or 3"),
+        ("", ["--bogus"], "unknown option '--bogus'; see elasticzero-autotune --help"),  # names itself, not launch
+        ("", ["--master-port", "x"], "'x' is not an integer; see elasticzero-autotune --help"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, monkeypatch, capsys, no_launch, tuning, extra, message) -> None:
@@ -105,3 +108,25 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, monkeypatch, capsy
     assert "--include localhost:0,1 --master-port 30100" in out and "-- t.py --config cfg.yaml" in out
     assert "point z1_mb1_ga4" in out and "point z2_mb1_ga4" in out
     assert "left out z1_mb3: global batch 8 is not a multiple of micro batch 3 x world size 2" in out
+
+
+def test_dry_run_json_is_the_checked_plan(tmp_path, monkeypatch, capsys, no_launch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.yaml").write_text(NATIVE + "autotuning: {metric: latency, space: {micro_batch: [1, 3, 4]}}\n")
+    code = cli.main(
+        ["--dry-run=json", "--nproc-per-node", "2", "--master-port", "30100", "t.py", "--config", "cfg.yaml"]
+    )
+    shown = json.loads(capsys.readouterr().out)
+    assert code == 0 and not (tmp_path / "autotuning_results").exists()
+    assert (shown["metric"], shown["maximize"], shown["tuner"], shown["train_batch_size"]) == (
+        "latency",
+        False,
+        "model_based",
+        8,
+    )
+    assert shown["pool"] == {"localhost": 2} and shown["resume"] is True
+    assert [(p["name"], p["micro_batch"], p["accumulation"]) for p in shown["points"]] == [
+        ("z1_mb1_ga4", 1, 4), ("z1_mb4_ga1", 4, 1)]  # fmt: skip
+    assert shown["left_out"][0]["name"] == "z1_mb3"
+    launch = shown["first_launch"]
+    assert launch[launch.index("--") :] == ["--", "t.py", "--config", "cfg.yaml"] and "30100" in launch

@@ -43,6 +43,9 @@ def commands(script: str, nproc: int, baseline: bool) -> dict[str, list[str]]:
 
 def environment(name: str, baseline_tree: Path | None) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # every side runs from bytecode caches written in the warm-up run, as an installed package does; with this set,
+    # each run would recompile every module whose cache is stale (a tree being edited) and measure the compiler
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     if name == BASELINE and baseline_tree is not None:
         paths = [str(baseline_tree / "src"), str(baseline_tree / "plugins"), env.get("PYTHONPATH", "")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)

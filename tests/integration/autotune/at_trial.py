@@ -1,14 +1,20 @@
-"""Trial script for the autotuning tests: a tiny model on 2 gloo ranks with a known cost per configuration.
+"""Trial script for the autotuning tests: 2 ranks with a known cost per configuration.
 
-Reads its config (``--config``, native YAML) like any script would. Each micro-batch runs a real forward/backward
-of a tiny linear model and then sleeps a fixed cost, so the ranking of configurations is known and far above
-timing noise: micro-batch cost ``12 ms + 3 ms x micro + 10 ms x stage``; a step has ``accumulation`` micro-batches.
+Reads its config (``--config``, native YAML) like any script would. Each micro-batch sleeps a fixed cost, so the
+ranking of configurations is known and far above timing noise: micro-batch cost ``12 ms + 3 ms x micro + 10 ms x
+stage``; a step has ``accumulation`` micro-batches.
+
+The trial contract is framework-agnostic, so by default a trial never imports torch (most tests check what the tuner
+does with reports, and a torch import per rank per experiment is most of a trial's time on a loaded machine). At the
+point named by ``EZ_AT_TORCH`` it is a real torch job: gloo process group, a tiny linear model's forward/backward per
+micro-batch, gradients all-reduced, and an injected OOM is torch's ``OutOfMemoryError`` (elsewhere a ``MemoryError``).
 
 Behaviour switches (environment, ``STAGE:MICRO``):
 
-* ``EZ_AT_OOM``: raise torch.OutOfMemoryError when stage <= STAGE and micro >= MICRO (the memory model's shape);
-* ``EZ_AT_HANG``: at exactly that point, ignore SIGTERM, write ``hanging-<rank>`` and sleep forever;
+* ``EZ_AT_OOM``: raise an out-of-memory error when stage <= STAGE and micro >= MICRO (the memory model's shape);
+* ``EZ_AT_HANG``: at exactly that point, right at start, ignore SIGTERM, write ``hanging-<rank>``, sleep forever;
 * ``EZ_AT_NOREPORT``: at exactly that point, exit 0 without writing a report;
+* ``EZ_AT_TORCH``: at exactly that point, run as the real torch job described above;
 * ``EZ_AT_REPORT=direct``: time the loop itself and report latency per micro-batch with ``autotune.report``
   (otherwise ``autotune.measure(timers)`` reports from PhaseTimers).
 
@@ -22,9 +28,8 @@ import os
 import signal
 import sys
 import time
-
-import torch
-import torch.distributed as dist
+from collections.abc import Callable
+from types import ModuleType
 
 from elasticzero import autotune
 from elasticzero.config.load import read_file
@@ -46,28 +51,56 @@ def main() -> int:
     args = p.parse_args()
     cfg = read_file(args.config)
     stage, micro, accum = cfg["zero"]["stage"], cfg["micro_batch_size"], cfg["accumulation_steps"]
+    if _at("EZ_AT_HANG") == (stage, micro):
+        hang()
     print("error: this stderr line is noise, not a failure", file=sys.stderr, flush=True)
-    dist.init_process_group("gloo")
+    real = _at("EZ_AT_TORCH") == (stage, micro)
     with autotune.trial():
-        oom, hang, noreport = _at("EZ_AT_OOM"), _at("EZ_AT_HANG"), _at("EZ_AT_NOREPORT")
+        oom = _at("EZ_AT_OOM")
         if oom and stage <= oom[0] and micro >= oom[1]:
-            raise torch.OutOfMemoryError(f"injected OOM at stage {stage} micro batch {micro}")
-        if hang == (stage, micro):
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            with open(f"hanging-{os.environ['RANK']}", "w") as f:  # in the tuner's working directory
-                f.write(str(os.getpid()))
-            while True:
-                time.sleep(3600)
-        if noreport == (stage, micro):
-            dist.destroy_process_group()
+            raise (_torch().OutOfMemoryError if real else MemoryError)(f"injected OOM at stage {stage} micro {micro}")
+        if _at("EZ_AT_NOREPORT") == (stage, micro):
             return 0
-        train(stage, micro, accum)
-    dist.destroy_process_group()
+        train(stage, micro, accum, torch_step(micro) if real else None)
+    if real:
+        _torch().distributed.destroy_process_group()
     return 0
 
 
-def train(stage: int, micro: int, accum: int) -> None:
+def hang() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with open(f"hanging-{os.environ['RANK']}", "w") as f:  # in the tuner's working directory
+        f.write(str(os.getpid()))
+    while True:
+        time.sleep(3600)
+
+
+def _torch() -> ModuleType:  # imported only for the real torch trial
+    import torch
+
+    return torch
+
+
+def torch_step(micro: int) -> Callable[[bool], None]:
+    """A real torch job: gloo group, forward/backward per micro-batch, gradients all-reduced at each step's end."""
+    torch = _torch()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    print(f"real torch trial: gloo world {dist.get_world_size()}", file=sys.stderr, flush=True)
     model = torch.nn.Linear(16, 16)
+
+    def step(last_micro: bool) -> None:
+        model(torch.randn(micro, 16)).sum().backward()
+        if last_micro:
+            for param in model.parameters():
+                dist.all_reduce(param.grad)
+                param.grad = None
+
+    return step
+
+
+def train(stage: int, micro: int, accum: int, step: Callable[[bool], None] | None) -> None:
     cost = 0.012 + 0.003 * micro + 0.010 * stage
     timers = PhaseTimers(enabled=True)
     direct = os.environ.get("EZ_AT_REPORT") == "direct"
@@ -75,15 +108,13 @@ def train(stage: int, micro: int, accum: int) -> None:
         autotune.measure(timers)
     warmup, steps = autotune.window_steps()
     started = 0.0
-    for step in range(warmup + steps):
-        if step == warmup:
+    for n in range(warmup + steps):
+        if n == warmup:
             started = time.perf_counter()
-        for _ in range(accum):
-            model(torch.randn(micro, 16)).sum().backward()
+        for i in range(accum):
+            if step is not None:
+                step(i == accum - 1)
             time.sleep(cost)
-        for param in model.parameters():
-            dist.all_reduce(param.grad)
-            param.grad = None
         if timers.count(samples=micro * accum):
             return
     per_micro = (time.perf_counter() - started) / (steps * accum)

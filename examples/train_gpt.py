@@ -30,9 +30,11 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from elasticzero import autotune
 from elasticzero.checkpoint import Checkpointer
 from elasticzero.config import build_pieces, elastic_batch, load_config
 from elasticzero.data import ByteCorpus, ElasticLoader, ElasticSampler, stdlib_corpus
+from elasticzero.engine.timers import PhaseTimers
 from elasticzero.engine.zero.dcp_state import ZeroCheckpointState
 from gpt import GPT, config_for, lm_loss, num_params
 
@@ -155,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         attempt = attempt_id() if args.record_samples is not None else 0
         if args.hold_file is not None:
             hold(args.hold_file, start)
-        batches, t0, tokens = loader.endless(), time.perf_counter(), 0
+        batches, t0, tokens, timers = loader.endless(), time.perf_counter(), 0, PhaseTimers()
+        autotune.measure(timers)  # under elasticzero-autotune: time its window of steps, report, stop (else no-op)
         for step in range(start + 1, args.steps + 1):
             total = torch.zeros(())
             for _ in range(acc.steps):
@@ -186,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                 ckpt.save(step, state)
             if args.hold_file is not None:
                 hold(args.hold_file, step)
+            if timers.count(samples=cfg.micro_batch_size * acc.steps):  # the tuner's window is measured
+                break
         log_eval(net, eval_set, cfg.micro_batch_size, args.steps, rank)
         if ckpt:
             ckpt.close()
@@ -238,4 +243,5 @@ def record(path: Path, fields: dict[str, int], sampler: ElasticSampler) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with autotune.trial():  # under elasticzero-autotune an OOM is reported as "oom", any other error as "error"
+        raise SystemExit(main())

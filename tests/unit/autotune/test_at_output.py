@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import shlex
 import sys
-
-import pytest
 
 from elasticzero.autotune import cli
 from elasticzero.autotune.autotuner import TuningResult
 from elasticzero.autotune.outcome import Outcome
 from elasticzero.autotune.output import summary_lines, write_outputs
 from elasticzero.autotune.tuners import Candidate
+from ez_testing import require
 
 DS = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}}
 
@@ -73,6 +73,6 @@ def test_plot_when_matplotlib_is_there_and_not(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: skipped, no error
     assert "plot" not in write_outputs(setup, _result(setup), [])
     monkeypatch.undo()
-    pytest.importorskip("matplotlib")
+    require(importlib.util.find_spec("matplotlib") is not None, "matplotlib not installed (the test extra has it)")
     paths = write_outputs(setup, _result(setup), [])
     assert paths["plot"].read_bytes()[:4] == b"\x89PNG"

@@ -6,26 +6,15 @@ The multi-rank behaviour (all-reduce mean equal to the global-batch gradient on 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from elasticzero import GradBucketer
 from elasticzero.engine.zero import comm
 from elasticzero.errors import UsageError
-from ez_testing import free_port
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _two_params() -> tuple[nn.Parameter, nn.Parameter]:

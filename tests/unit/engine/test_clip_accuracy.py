@@ -8,27 +8,17 @@ parameters, the default 25 MiB buckets) the norm was 7.2e-5 away from the fp64 t
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from elasticzero import ZeroStage1, ZeroStage2, ZeroStage3
 from elasticzero.engine.zero.base import ZeroOptimizer
-from ez_testing import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
 STAGES: list[type[ZeroOptimizer]] = [ZeroStage1, ZeroStage2, ZeroStage3]
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

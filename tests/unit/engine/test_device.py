@@ -7,29 +7,18 @@ devices are refused at construction, before any collective.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from elasticzero import GradBucketer, LossScaler, ZeroStage1, ZeroStage2, ZeroStage3
 from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.flat import _device_of
 from elasticzero.errors import UsageError
-from ez_testing import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
 STAGES: list[type[ZeroOptimizer]] = [ZeroStage1, ZeroStage2, ZeroStage3]
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _mixed() -> nn.Module:

@@ -4,29 +4,18 @@ type BFloat16 but found Float`` (bf16 weight views meeting fp32 running statisti
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from elasticzero import ZeroStage1, ZeroStage2, ZeroStage3
 from elasticzero.engine.precision import PrecisionPolicy
 from elasticzero.engine.zero.base import ZeroOptimizer
-from ez_testing import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
 STAGES: list[type[ZeroOptimizer]] = [ZeroStage1, ZeroStage2, ZeroStage3]
 BF16 = PrecisionPolicy.from_name("bf16")
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _convnet() -> nn.Sequential:

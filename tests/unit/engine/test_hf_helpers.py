@@ -3,26 +3,15 @@ itself is tested on real models in tests/integration/hf)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from elasticzero import ZeroStage2, ZeroStage3
 from elasticzero.engine import hf
 from elasticzero.errors import UsageError
-from ez_testing import free_port
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_stage3_flags_the_root_sharded_stage2_does_not(group: None) -> None:

@@ -6,24 +6,14 @@ with a raw ``setStorage: ... out of bounds for storage of size 0`` (HF encoder-d
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from elasticzero import ZeroStage3
-from ez_testing import free_port
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class Block(nn.Module):

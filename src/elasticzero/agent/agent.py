@@ -69,6 +69,8 @@ EXIT_BARRIER_POLL_S = 0.25
 #: counter of nodes that saw the exit barrier complete, and how long a node waits for the others to see it
 BARRIER_SEEN_KEY = "elasticzero/agent/exit_barrier_seen"
 EXIT_LINGER_S = 5.0
+#: why a node with healthy workers restarts them (torch's loop saw nodes waiting to join); logged and marked
+MEMBERSHIP_RESTART = "restarting its workers for nodes waiting to join"
 #: round-scoped key a node sets just before it stops its workers for a membership change (a node waiting to join,
 #: or this node leaving on a signal while enough nodes remain); value: ``node <group rank>: <why>``
 ROUND_CHANGE_KEY = "elasticzero/agent/round_changing"
@@ -181,7 +183,8 @@ class ElasticZeroAgent(LocalElasticAgent):
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         # torch's loop sets the group's state before it restarts: HEALTHY only when nodes wait to join
         if worker_group.state == WorkerState.HEALTHY:
-            self._mark_round_changing("restarting its workers for nodes waiting to join")
+            self._mark_round_changing(MEMBERSHIP_RESTART)
+            print(f"elasticzero-run: {MEMBERSHIP_RESTART}; no restart spent", file=sys.stderr, flush=True)
         super()._restart_workers(worker_group)
 
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from elasticzero.fileio import write_atomic
+
 
 class HealthFile:
     """Writes the health file; every method is a no-op when no path was given."""
@@ -26,9 +28,7 @@ class HealthFile:
         if self.path is None:
             return
         data = {"state": state, "agent_pid": os.getpid(), "time": time.time(), **fields}
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(data), durable=False)  # a status file: atomic, no fsync per update
 
     def remove(self) -> None:
         """Delete the file (agent exit)."""

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elasticzero.fileio import write_atomic
+
 __all__ = ["METRICS_ENV", "STATUSES", "TrialReport", "is_oom", "read_report", "report", "trial"]
 
 METRICS_ENV = "ELASTICZERO_AUTOTUNE_METRICS"
@@ -58,17 +60,7 @@ def report(
     if bad:
         raise ValueError(f"report: metrics {bad} are not finite numbers")
     body = json.dumps({"status": status, "metrics": clean, "message": str(message)}, sort_keys=True)
-    return _write_atomically(Path(target), body)
-
-
-def _write_atomically(target: Path, text: str) -> Path:
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
-    return target
+    return write_atomic(Path(target), body)
 
 
 def read_report(path: str | os.PathLike[str]) -> TrialReport | str:

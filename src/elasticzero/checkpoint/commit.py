@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticzero.errors import UsageError
+from elasticzero.fileio import fsync_dir, write_atomic
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -139,25 +140,6 @@ def list_dir(root: Path) -> Listing:
     return classify(entries)
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_durably(path: Path, data: bytes) -> None:
-    """Write ``path`` through a temporary file, fsync it, rename it into place, fsync the directory."""
-    tmp = path.with_name(f".{path.name}.{new_token()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 def read_manifest(directory: Path) -> dict[str, Any]:
     path = directory / MANIFEST
     try:
@@ -174,7 +156,7 @@ def commit(root: Path, tmp_name: str, step: int, manifest: dict[str, Any]) -> Pa
     """Write the manifest into the written-aside directory, fsync, rename it to ``step-N`` (replacing an older
     ``step-N`` by renaming that away first), fsync the root. Returns the committed path."""
     tmp = root / tmp_name
-    write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
     final = root / step_dir(step)
     if final.exists():
         os.replace(final, root / f"{step_dir(step)}.del-{new_token()}")
@@ -185,7 +167,7 @@ def commit(root: Path, tmp_name: str, step: int, manifest: dict[str, Any]) -> Pa
 
 def publish(root: Path, step: int) -> None:
     """Point ``latest`` at ``step-N`` (atomically; informational, :func:`latest_step` does not need it)."""
-    write_durably(root / LATEST, f"{step_dir(step)}\n".encode())
+    write_atomic(root / LATEST, f"{step_dir(step)}\n".encode())
 
 
 def delete(root: Path, names: Iterable[str]) -> None:

@@ -10,16 +10,15 @@ byte-level language model (vocabulary 256).
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
 
 from elasticzero.errors import UsageError
+from elasticzero.fileio import write_atomic
 
 __all__ = ["ByteCorpus", "stdlib_corpus", "stdlib_files"]
 
@@ -46,7 +45,8 @@ def stdlib_corpus(
         files = [
             f for i, f in enumerate(stdlib_files(Path(root))) if (i % eval_every == eval_every - 1) == (split == "eval")
         ]
-        _write_atomically(path, _concat(files, max_bytes))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, _concat(files, max_bytes))  # ranks may race: each renames whole bytes into place
     data = path.read_bytes()
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
@@ -60,20 +60,6 @@ def _concat(files: list[Path], max_bytes: int) -> bytes:
         chunks.append(chunk)
         total += len(chunk)
     return b"".join(chunks)
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)  # several ranks may race: each renames identical bytes into place
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class ByteCorpus(Dataset[tuple[torch.Tensor, torch.Tensor]]):

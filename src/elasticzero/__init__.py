@@ -6,8 +6,7 @@ Every piece can be imported on its own; nothing here imports torch until a piece
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from elasticzero._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -27,9 +26,4 @@ _LAZY = {
 
 __all__ = ["__version__", *_LAZY]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'elasticzero' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -7,8 +7,7 @@ Names resolve lazily (PEP 562) so that importing the package does not import tor
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from elasticzero._lazy import lazy_getattr
 
 _LAZY = {
     "Checkpointer": "elasticzero.checkpoint.checkpointer",
@@ -23,9 +22,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'elasticzero.checkpoint' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -4,8 +4,7 @@ mapping, and a builder of the engine pieces. Names resolve lazily (PEP 562): imp
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from elasticzero._lazy import lazy_getattr
 
 _LAZY = {
     "EngineConfig": "elasticzero.config.schema",
@@ -36,9 +35,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'elasticzero.config' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -5,8 +5,7 @@ Names resolve lazily (PEP 562): importing the package loads no torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from elasticzero._lazy import lazy_getattr
 
 _LAZY = {
     "ElasticSampler": "elasticzero.data.sampler",
@@ -18,9 +17,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'elasticzero.data' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)

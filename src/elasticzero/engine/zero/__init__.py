@@ -38,8 +38,7 @@ Names resolve lazily (PEP 562) so that ``elasticzero.engine.zero.comm`` imports 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from elasticzero._lazy import lazy_getattr
 
 _LAZY = {
     "ZeroStage1": "elasticzero.engine.zero.stage1",
@@ -53,9 +52,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'elasticzero.engine.zero' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)

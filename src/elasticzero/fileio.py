@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 __all__ = ["fsync_dir", "write_atomic"]
 
@@ -24,13 +26,21 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str | os.PathLike[str], data: bytes | str, *, durable: bool = True) -> Path:
-    """Replace ``path`` with ``data`` atomically; ``durable`` fsyncs the file and its directory. Returns the path."""
+def write_atomic(
+    path: str | os.PathLike[str], data: bytes | str | Callable[[BinaryIO], object], *, durable: bool = True
+) -> Path:
+    """Replace ``path`` with ``data`` atomically; ``durable`` fsyncs the file and its directory. Returns the path.
+
+    ``data`` may be a function writing into the open binary file (e.g. ``lambda fh: torch.save(sd, fh)``), so large
+    payloads are streamed instead of built in memory first."""
     target = Path(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data.encode() if isinstance(data, str) else data)
+            if callable(data):
+                data(fh)
+            else:
+                fh.write(data.encode() if isinstance(data, str) else data)
             fh.flush()
             if durable:
                 os.fsync(fh.fileno())

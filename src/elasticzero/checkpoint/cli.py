@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from elasticzero.checkpoint import commit
 from elasticzero.checkpoint.planner import read_metadata_file
 from elasticzero.errors import UsageError, cli_main
+from elasticzero.fileio import write_atomic
 
 PROG = "elasticzero-checkpoint"
 
@@ -146,9 +146,7 @@ def _consolidate(root: Path, out: Path, step: int | None, key: str | None) -> in
     if problems:
         raise UsageError(problems[0])
     sd = consolidated_state_dict(directory, key)
-    tmp = out.with_name(f".{out.name}.{commit.new_token()}")
-    torch.save(sd, tmp)
-    os.replace(tmp, out)
+    write_atomic(out, lambda fh: torch.save(sd, fh))
     print(f"wrote {out}: {len(sd)} entries, {sum(t.numel() for t in sd.values())} elements, step {step}")
     return 0
 

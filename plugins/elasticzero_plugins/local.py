@@ -16,6 +16,7 @@ class LocalBackend(LauncherBackend):
     """The agent of a one-node plan, started as a local process."""
 
     name = "local"
+    replaces_launcher = True  # one local agent: the launcher execs it
 
     def commands(self, plan: LaunchPlan) -> list[Command]:
         plan = self.with_options(plan)

@@ -20,6 +20,7 @@ class NoSSHBackend(LauncherBackend):
     """This node's agent only; node identity from ``--node-rank``."""
 
     name = "no-ssh"
+    replaces_launcher = True  # one local agent: the launcher execs it
     options = (BackendOption("node_rank", int, None, "this node's rank in the hostfile order", flag="--node-rank"),)
 
     def commands(self, plan: LaunchPlan) -> list[Command]:

@@ -24,7 +24,6 @@ a plan's ``options`` holds every declared option, typed, plus :data:`LAUNCHER_OP
 
 from __future__ import annotations
 
-import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -121,9 +120,15 @@ class LauncherBackend(ABC):
     required_programs: ClassVar[tuple[str, ...]] = ()
     #: the options this backend accepts (besides :data:`LAUNCHER_OPTIONS`)
     options: ClassVar[tuple[BackendOption, ...]] = ()
+    #: the backend's one command runs on this machine and needs no live launcher (no :meth:`stage`, no
+    #: ``stop_job``): without ``--save-pid`` the launcher *becomes* it (``execve``, same pid) instead of waiting
+    #: on a child, so the command handles signals and exit codes itself (``local``, ``no-ssh``)
+    replaces_launcher: ClassVar[bool] = False
 
     def check_available(self) -> None:
         """Raise :class:`UsageError` naming the missing program when this backend cannot run here."""
+        import shutil  # lazy: the local backend needs no program lookup (launch overhead)
+
         for prog in self.required_programs:
             if shutil.which(prog) is None:
                 raise UsageError(

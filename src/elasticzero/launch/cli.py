@@ -23,10 +23,8 @@ import argparse
 import json
 import os
 import re
-import secrets
 import shlex
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -62,7 +60,7 @@ SSH_FLAGS = frozenset({"--ssh-port", "--no-ssh-check"})
 
 def make_job_id() -> str:
     """A job id unique per launch: ``ez-<UTC timestamp>-<random hex>`` (rendezvous id, scope of kills)."""
-    return f"ez-{time.strftime('%Y%m%d%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
+    return f"ez-{time.strftime('%Y%m%d%H%M%S', time.gmtime())}-{os.urandom(4).hex()}"  # secrets' source, unloaded
 
 
 def _nnodes(spec: str | None, n_nodes: int) -> str:
@@ -154,6 +152,8 @@ def default_pid_file(env: Mapping[str, str]) -> str:
     runtime = env.get("XDG_RUNTIME_DIR", "")
     if os.path.isabs(runtime) and os.path.isdir(runtime):
         return os.path.join(runtime, f"elasticzero-{os.getpid()}.pid")
+    import tempfile  # lazy: only a bare --save-pid without XDG_RUNTIME_DIR needs it
+
     return os.path.join(tempfile.mkdtemp(prefix="elasticzero-"), PID_FILE_NAME)
 
 

@@ -4,6 +4,12 @@ Each :class:`~elasticzero.launch.backend.Command` starts as a local process from
 with ``os.environ`` plus ``command.env``, in ``plan.cwd``, in its own session so a terminal's Ctrl-C reaches the
 launcher only; its output goes straight to the launcher's stdout/stderr.
 
+Exception: a backend whose one command needs no live launcher (``local``, ``no-ssh``:
+:attr:`~elasticzero.launch.backend.LauncherBackend.replaces_launcher`) run without ``--save-pid`` — the launcher
+``exec``s that command (:func:`exec_in_place`): the agent keeps the launcher's pid, so signals sent to the launcher
+reach it directly and it applies the same rules (stop the workers, exit ``128+signal``; root-cause exit code), with
+no second interpreter waiting beside it. With ``--save-pid`` the launcher stays, to remove the file at exit.
+
 Exit code: 0 when every command succeeds; otherwise the code of the first command that failed, ``128+signal``
 for a command killed by a signal. A transport command combines its processes' codes its own way (docs/launching.md,
 "Signals and exit codes"): ``pdsh -S`` and ``srun`` report the largest, hydra the bitwise OR, OpenMPI's
@@ -63,6 +69,8 @@ def execute(plan: LaunchPlan, backend: LauncherBackend) -> int:
     """
     commands = list(plan.commands) or backend.commands(plan)
     pid_file = plan.options.get("save_pid")
+    if backend.replaces_launcher and len(commands) == 1 and not pid_file:
+        return exec_in_place(plan, commands[0])
     if pid_file:
         write_pid_file(str(pid_file))
     received: list[int] = []
@@ -97,13 +105,43 @@ def write_pid_file(path: str) -> None:
         f.write(f"{os.getpid()}\n")
 
 
-def _start(plan: LaunchPlan, cmd: Command) -> subprocess.Popen[bytes]:
-    # the command's variables last and in their order (a transport may care: see elasticzero_plugins.mpich)
+def _command_env(cmd: Command) -> dict[str, str]:
+    """``os.environ`` plus the command's variables, last and in their order (see elasticzero_plugins.mpich)."""
     env = {k: v for k, v in os.environ.items() if k not in cmd.env}
     env.update(cmd.env)
+    return env
+
+
+def exec_in_place(plan: LaunchPlan, cmd: Command) -> int:
+    """Replace this process by ``cmd`` (``execvpe``: same pid, no launcher left to wait on it); 127 if it cannot.
+
+    For a backend whose one local command needs no live launcher (:attr:`LauncherBackend.replaces_launcher`): the
+    command then gets the signals sent to the launcher and its exit code is the launch's. As for a child, it runs
+    in ``plan.cwd`` with stdin from ``/dev/null`` and the signals Python ignores (SIGPIPE, SIGXFSZ) at default;
+    it stays in the caller's session, so a terminal's Ctrl-C reaches it (torch's agent starts its workers in
+    sessions of their own).
+    """
+    env = _command_env(cmd)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.chdir(plan.cwd)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        for name in ("SIGPIPE", "SIGXFSZ"):
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), signal.SIG_DFL)
+        os.execvpe(cmd.argv[0], list(cmd.argv), env)
+    except OSError as exc:
+        print(f"elasticzero-launch: cannot start {cmd.argv[0]!r}: {exc}", file=sys.stderr)
+    return 127
+
+
+def _start(plan: LaunchPlan, cmd: Command) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         list(cmd.argv),
-        env=env,
+        env=_command_env(cmd),
         cwd=plan.cwd,
         start_new_session=True,
         stdin=subprocess.DEVNULL,

@@ -9,8 +9,8 @@ tests and serialised as JSON without touching the network.
 from __future__ import annotations
 
 import json
+import os
 import re
-import secrets
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -82,7 +82,8 @@ class LaunchPlan:
     options: dict[str, Any] = field(default_factory=dict)
     commands: tuple[Command, ...] = ()
     #: random per plan: names what a backend stages on the nodes for this run (pdsh's env file)
-    nonce: str = field(default_factory=lambda: secrets.token_hex(8), compare=False)
+    #: (``os.urandom`` is what ``secrets.token_hex`` reads; importing ``secrets`` loads OpenSSL: ~10 ms per launch)
+    nonce: str = field(default_factory=lambda: os.urandom(8).hex(), compare=False)
 
     @property
     def world_size(self) -> int:

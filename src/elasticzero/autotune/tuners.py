@@ -7,7 +7,8 @@ OOM) is dropped before it starts, and a restarted tuner recomputes the same prop
 
 * :class:`GridTuner` — every point, in order (``max_trials`` keeps the first N).
 * :class:`RandomTuner` — a seeded random sample of ``max_trials`` points (default a quarter of the space).
-* :class:`ModelBasedTuner` — memory-model pruning, a local search, then successive halving:
+* :class:`ModelBasedTuner` — memory-model pruning, a local search, then successive halving — or one round when
+  an experiment's fixed cost dominates its steps:
 
   1. an OOM at (stage s, micro batch m) rules out every point of the same other settings with a micro batch
      ≥ m at a stage ≤ s (a larger batch needs more memory; what fits at stage s fits at s+1, so what does not
@@ -17,13 +18,22 @@ OOM) is dropped before it starts, and a restarted tuner recomputes the same prop
      until that point is a local optimum;
   3. successive halving on round 0's results: each round keeps the best 1/eta — plus every point the noise-aware
      comparison cannot tell apart from the last one kept — and measures them ``eta`` times longer, up to
-     ``measure_steps``; it stops when one point is left or the full ``measure_steps`` round is done.
+     ``measure_steps``; it stops when one point is left or the full ``measure_steps`` round is done. A point already
+     measured at least a round's steps is not measured again.
+
+Cost-aware (:func:`estimate_cost`, :meth:`ModelBasedTuner.one_round`): from the experiments so far the tuner
+estimates an experiment's fixed cost (launch, imports, model build, warm-up) and its cost per step. When measuring
+``measure_steps`` costs less than ``one_round_ratio`` (1.25) times measuring ``min_steps``, re-launching survivors
+for longer measurements buys nothing: round 0 measures ``measure_steps`` and halving jumps straight to
+``measure_steps``: only a survivor measured before the cost was known (the first success, at ``min_steps``) is
+measured again. Until then, and when the steps dominate, it is successive halving as above.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,11 +43,13 @@ from elasticzero.autotune.space import Point, TuningSpec
 
 __all__ = [
     "Candidate",
+    "CostModel",
     "GridTuner",
     "ModelBasedTuner",
     "RandomTuner",
     "best",
     "descend",
+    "estimate_cost",
     "make_tuner",
     "pruned_by_oom",
     "stalled",
@@ -75,11 +87,62 @@ class RandomTuner:
         return _missing([Candidate(p, self.spec.measure_steps) for p in order[:n]], history)
 
 
-class ModelBasedTuner:
-    def __init__(self, spec: TuningSpec) -> None:
-        self.spec = spec
+#: measuring ``measure_steps`` costing less than this many times ``min_steps``: one round (see the module docstring)
+ONE_ROUND_RATIO = 1.25
 
-    def rung_steps(self, rung: int) -> int:
+
+@dataclass(frozen=True)
+class CostModel:
+    """An experiment's seconds: ``fixed`` (launch, imports, model build, warm-up overhead) + ``per_step`` a step."""
+
+    fixed: float
+    per_step: float
+
+    def seconds(self, steps: int) -> float:
+        return self.fixed + self.per_step * steps
+
+
+def estimate_cost(history: History, warmup_steps: int) -> CostModel | None:
+    """The cost model from the successful experiments' seconds and steps (``None``: not known yet).
+
+    The cost per step is the median reported ``latency`` (s/step) when trials report it, else the least-squares slope
+    of seconds over steps run (needs two step counts); the fixed cost is the median of what each experiment's
+    steps (warm-up included) leave of its seconds.
+    """
+    runs = [(warmup_steps + c.steps, o) for c, o in history if o.ok and o.seconds > 0]
+    if not runs:
+        return None
+    latencies = [v for _, o in runs if (m := Measurement.from_metrics(o.metrics, "latency")) and (v := m.value) >= 0]
+    if latencies:
+        per_step = statistics.median(latencies)
+    elif len({n for n, _ in runs}) >= 2:
+        slope = statistics.linear_regression([float(n) for n, _ in runs], [o.seconds for _, o in runs]).slope
+        per_step = max(0.0, slope)
+    else:
+        return None
+    return CostModel(statistics.median(max(0.0, o.seconds - n * per_step) for n, o in runs), per_step)
+
+
+class ModelBasedTuner:
+    def __init__(self, spec: TuningSpec, one_round_ratio: float = ONE_ROUND_RATIO) -> None:
+        self.spec = spec
+        self.one_round_ratio = one_round_ratio
+
+    def one_round(self, history: History) -> bool | None:
+        """Whether the fixed cost dominates: ``measure_steps`` cost < ratio x ``min_steps`` (``None``: unknown)."""
+        cost = estimate_cost(history, self.spec.warmup_steps)
+        if cost is None:
+            return None
+        w = self.spec.warmup_steps
+        return cost.seconds(w + self.spec.measure_steps) < self.one_round_ratio * cost.seconds(w + self.spec.min_steps)
+
+    def probe_steps(self, history: History) -> int:
+        """Round 0's steps: ``measure_steps`` in one-round mode, else (and until the cost is known) ``min_steps``."""
+        return self.spec.measure_steps if self.one_round(history) else min(self.spec.min_steps, self.spec.measure_steps)
+
+    def rung_steps(self, rung: int, one_round: bool = False) -> int:
+        if one_round:
+            return self.spec.measure_steps if rung else min(self.spec.min_steps, self.spec.measure_steps)
         return min(self.spec.measure_steps, self.spec.min_steps * self.spec.eta**rung)
 
     def propose(self, points: Sequence[Point], history: History) -> list[Candidate]:
@@ -88,25 +151,34 @@ class ModelBasedTuner:
         first = {c.point: o for c, o in history if c.rung == 0}
         probe = descend(points, live, first, self.spec.metric, self.spec.max_trials)
         if probe:
-            return [Candidate(p, self.rung_steps(0), 0) for p in probe]
+            steps = self.probe_steps(history)
+            return [Candidate(p, steps, 0) for p in probe]
         alive = [p for p in live if p in first and first[p].ok]
+        return self._halve(alive, history, bool(self.one_round(history)))
+
+    def _halve(self, alive: list[Point], history: History, one_round: bool) -> list[Candidate]:
+        """Successive halving over round 0's points (see the module docstring); the experiments still wanted."""
+        longest: dict[Point, tuple[int, Outcome]] = {}
+        for c, o in history:  # each point's longest measurement (the latest of equals)
+            if c.steps >= longest.get(c.point, (0, o))[0]:
+                longest[c.point] = (c.steps, o)
+        top = max((c.steps for c, o in history if o.ok), default=0)  # best() chooses among the longest
         rung = 0
         while True:
-            cands = [Candidate(p, self.rung_steps(rung), rung) for p in alive]
-            missing = _missing(cands, history)
+            need = self.rung_steps(rung, one_round)
+            missing = [Candidate(p, need, rung) for p in alive if longest[p][0] < need]
             if missing:
                 return missing
-            if self.rung_steps(rung) >= self.spec.measure_steps:
+            if need >= self.spec.measure_steps:
                 return []
-            alive = self._survivors(cands, history)
-            if len(alive) <= 1:  # a clear winner: measuring it longer would not change the choice
-                return []
+            alive = self._survivors(alive, longest)
+            if len(alive) <= 1 and all(longest[p][0] >= top for p in alive):
+                return []  # a clear winner: measuring it longer would not change the choice
             rung += 1
 
-    def _survivors(self, cands: list[Candidate], history: History) -> list[Point]:
-        results = dict(history)
+    def _survivors(self, alive: list[Point], longest: dict[Point, tuple[int, Outcome]]) -> list[Point]:
         metric = self.spec.metric
-        measured = [(c.point, m) for c in cands if (m := results[c].measurement(metric)) is not None]
+        measured = [(p, m) for p in alive if (m := longest[p][1].measurement(metric)) is not None]
         measured.sort(key=lambda pm: metric.sort_key(pm[1].value))
         if not measured:
             return []

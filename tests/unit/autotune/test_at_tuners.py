@@ -12,7 +12,16 @@ from elasticzero.autotune.contract import METRICS_ENV, TrialReport, read_report
 from elasticzero.autotune.metrics import get_metric
 from elasticzero.autotune.outcome import Outcome, classify
 from elasticzero.autotune.space import Base, expand, parse_tuning
-from elasticzero.autotune.tuners import Candidate, ModelBasedTuner, best, make_tuner, pruned_by_oom, stalled
+from elasticzero.autotune.tuners import (
+    Candidate,
+    CostModel,
+    ModelBasedTuner,
+    best,
+    estimate_cost,
+    make_tuner,
+    pruned_by_oom,
+    stalled,
+)
 from elasticzero.autotune.window import MeasureWindow
 from elasticzero.engine.timers import PhaseTimers
 
@@ -162,7 +171,7 @@ def test_model_based_descends_from_the_largest_micro_batch_then_halves() -> None
     hist = [(start[0], Outcome("oom"))]  # rules out nothing else at stage 1 (no larger micro batch)
     nxt = tuner.propose(points, hist)
     assert names(nxt) == [("z1_mb2_ga4", 2)]
-    hist.append((nxt[0], _ok(20.0)))
+    hist.append((nxt[0], _ok(20.0)))  # no seconds, no latency: the cost is unknown, so successive halving
     near = tuner.propose(points, hist)  # micro step, stage step, then one stage up with a larger micro batch
     assert names(near) == [("z1_mb1_ga8", 2), ("z2_mb2_ga4", 2), ("z2_mb4_ga2", 2)]
     hist += [(near[0], _ok(10.0)), (near[1], _ok(25.0)), (near[2], _ok(30.0))]
@@ -205,3 +214,81 @@ def test_early_stopping() -> None:
     assert stalled(hist, THR, patience=3, noise=0.01) and not stalled(hist, THR, patience=4, noise=0.01)
     assert not stalled(hist, THR, patience=None, noise=0.01)
     assert not stalled([(Candidate(p, 1), Outcome("oom"))] * 5, THR, patience=2, noise=0.01)  # no best yet
+
+
+# ------------------------------------------------------------------------------------------------ cost-aware
+
+
+def _run(value: float, seconds: float, steps: int, latency: float | None = 0.04) -> Outcome:
+    metrics = {"throughput": value, "throughput_stdev": value / 10, "steps": float(steps)}
+    return Outcome("ok", metrics | ({"latency": latency} if latency is not None else {}), seconds=seconds)
+
+
+def test_estimate_cost_from_latency_or_from_two_step_counts() -> None:
+    p, q = _points({"micro_batch": [1, 2]})
+    assert estimate_cost([], 2) is None
+    assert estimate_cost([(Candidate(p, 9), Outcome("oom", seconds=5.0))], 2) is None  # failures say nothing
+    assert estimate_cost([(Candidate(p, 9), _run(1.0, 9.3, 9, latency=None))], 2) is None  # one step count, no rate
+    cost = estimate_cost([(Candidate(p, 9), _run(1.0, 9.44, 9)), (Candidate(q, 9), _run(1.0, 9.04, 9))], 2)
+    assert cost == CostModel(pytest.approx(8.8), pytest.approx(0.04))  # median of 9.44 - 11 x 0.04 and 9.04 - 0.44
+    slope = estimate_cost([(Candidate(p, 3), _run(1.0, 7.0, 3, None)), (Candidate(q, 9), _run(1.0, 13.0, 9, None))], 2)
+    assert slope == CostModel(pytest.approx(2.0), pytest.approx(1.0))  # seconds = 2 + 1 x (2 warm-up + steps)
+    assert slope.seconds(11) == pytest.approx(13.0)
+
+
+def _descent(tuner: ModelBasedTuner, points, values: dict[int, float], seconds) -> list:
+    """Run the tuner to the end on known values; ``seconds(steps)`` is each experiment's cost."""
+    hist: list = []
+    while cands := tuner.propose(points, hist):
+        c = cands[0]
+        hist.append((c, _run(values[c.point.micro_batch], seconds(c.steps), c.steps, latency=seconds(1) - seconds(0))))
+    return hist
+
+
+@pytest.mark.parametrize(
+    ("mb8", "runs", "chosen"),
+    [
+        # the first success, before the cost was known, at min_steps; the rest at 9; no survivor re-launched
+        (20.0, [(8, 3, 0), (4, 9, 0), (2, 9, 0)], 4),
+        # the first success wins: it alone lacks the full measurement, so it alone is measured again
+        (50.0, [(8, 3, 0), (4, 9, 0), (8, 9, 1)], 8),
+    ],
+)
+def test_fixed_cost_dominates_one_round_at_measure_steps(mb8: float, runs: list, chosen: int) -> None:
+    space = {"micro_batch": [1, 2, 4, 8]}
+    spec = parse_tuning({"space": space, "warmup_steps": 2, "min_steps": 3, "measure_steps": 9, "eta": 3}, "x")
+    points = _points(space)
+    tuner = ModelBasedTuner(spec)
+    hist = _descent(tuner, points, {1: 10.0, 2: 30.0, 4: 40.0, 8: mb8}, lambda s: 9.0 + 0.04 * (2 + s))
+    assert tuner.one_round(hist) is True  # 9.44 s at 9 steps vs 9.2 s at 3: 1.03x
+    assert [(c.point.micro_batch, c.steps, c.rung) for c, _ in hist] == runs
+    assert best(hist, THR)[0].point.micro_batch == chosen
+
+
+def test_step_cost_dominates_successive_halving_reuses_longer_measurements() -> None:
+    space = {"micro_batch": [1, 2, 4, 8]}
+    spec = parse_tuning({"space": space, "warmup_steps": 2, "min_steps": 3, "measure_steps": 9, "eta": 3}, "x")
+    points = _points(space)
+    tuner = ModelBasedTuner(spec)
+    values = {1: 10.0, 2: 30.0, 4: 40.0, 8: 39.0}
+    hist = _descent(tuner, points, values, lambda s: 1.0 + 1.0 * (2 + s))
+    assert tuner.one_round(hist) is False  # 12 s at 9 steps vs 6 s at 3: 2x
+    runs = [(c.point.micro_batch, c.steps, c.rung) for c, _ in hist]
+    assert runs == [(8, 3, 0), (4, 3, 0), (2, 3, 0), (4, 9, 1), (8, 9, 1)]  # round 0, then the best and its tie
+    assert best(hist, THR)[0].point.micro_batch == 4
+    assert ModelBasedTuner(spec, one_round_ratio=2.5).one_round(hist) is True  # the threshold is the constructor's
+
+
+def test_one_round_after_a_halving_start_measures_survivors_once_at_measure_steps() -> None:
+    space = {"micro_batch": [1, 2, 4]}
+    spec = parse_tuning({"space": space, "warmup_steps": 0, "min_steps": 2, "measure_steps": 18, "eta": 3}, "x")
+    points = _points(space)
+    p1, p2, p4 = points
+    tuner = ModelBasedTuner(spec)
+    # round 0 ran at min_steps (no rate known then); now the costs say the fixed part dominates
+    hist = [(Candidate(p, 2), _run(v, 30.0, 2, latency=0.01)) for p, v in ((p4, 50.0), (p2, 49.0), (p1, 10.0))]
+    assert tuner.one_round(hist) is True
+    again = tuner.propose(points, hist)  # noise-aware cut (mb2 ties mb4 within 2 standard errors), straight to 18
+    assert {(c.point.micro_batch, c.steps, c.rung) for c in again} == {(4, 18, 1), (2, 18, 1)}
+    hist += [(c, _run(50.0, 30.0, 18, latency=0.01)) for c in again]
+    assert tuner.propose(points, hist) == []

@@ -12,6 +12,7 @@ from elasticzero._lazy import lazy_getattr
 _LAZY = {
     "Checkpointer": "elasticzero.checkpoint.checkpointer",
     "FlatChunk": "elasticzero.checkpoint.chunks",
+    "RNGState": "elasticzero.checkpoint.rng",
     "Snapshot": "elasticzero.checkpoint.snapshot",
     "DiskTier": "elasticzero.checkpoint.disk",
     "ZeroSavePlanner": "elasticzero.checkpoint.planner",

@@ -25,13 +25,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from elasticzero import autotune
-from elasticzero.checkpoint import Checkpointer
+from elasticzero.checkpoint import Checkpointer, RNGState
 from elasticzero.config import build_pieces, elastic_batch, load_config
 from elasticzero.data import ByteCorpus, ElasticLoader, ElasticSampler, stdlib_corpus
 from elasticzero.engine.timers import PhaseTimers
@@ -52,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234, help="model init and data order seed (default 1234)")
     p.add_argument("--checkpoint-dir", type=Path, help="save here; resume from the newest checkpoint in it")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every K steps (and at the end)")
+    p.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
     p.add_argument("--size", default="small", help="GPT size from examples/gpt.py, vocabulary 256 (default small)")
     p.add_argument("--seq-len", type=int, default=128, help="bytes per sample (default 128)")
     p.add_argument("--eval-every", type=int, default=0, help="eval loss every K steps (always at the end)")
@@ -140,9 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         loader = ElasticLoader(train_set, sampler, num_workers=args.workers)
 
         state: dict[str, Any] = {"model": ZeroCheckpointState(opt) if zero else ReplicatedState(model, opt)}
-        state |= {"data": loader} | ({"scaler": scaler} if scaler is not None else {})
-        ckpt = Checkpointer(args.checkpoint_dir, keep_last=2) if args.checkpoint_dir else None
+        state |= {"data": loader, "rng": RNGState()} | ({"scaler": scaler} if scaler is not None else {})
+        ckpt_dir, async_save = args.checkpoint_dir, args.async_save
+        ckpt = Checkpointer(ckpt_dir, keep_last=2, async_save=async_save) if ckpt_dir else None
+        t_load = time.perf_counter()
         start = (ckpt.load_latest(state) if ckpt else None) or 0
+        load_s = time.perf_counter() - t_load
         if rank == 0:
             print(
                 f"train_gpt: params={num_params(model):,} world={world} zero={zero} "
@@ -155,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"train_gpt: valid world sizes: {batch.valid_world_sizes() if batch else 'any'}", flush=True)
 
         attempt = attempt_id() if args.record_samples is not None else 0
+        started = psutil.Process().create_time()  # this worker process's start (wall clock), for the record
         if args.hold_file is not None:
             hold(args.hold_file, start)
         batches, t0, tokens, timers = loader.endless(), time.perf_counter(), 0, PhaseTimers()
@@ -178,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             opt.zero_grad(set_to_none=True)
             if args.record_samples is not None:
                 record(args.record_samples, {"step": step, "rank": rank, "world": world, "attempt": attempt,
-                                             "resumed": start}, sampler)  # fmt: skip
+                                             "resumed": start, "started": started, "load_s": load_s},
+                       sampler)  # fmt: skip
             dist.all_reduce(total)
             if rank == 0 and (step % 10 == 0 or step in (start + 1, args.steps)):
                 rate = tokens / (time.perf_counter() - t0)
@@ -229,7 +236,7 @@ def attempt_id() -> int:
     return int(stamp.item())
 
 
-def record(path: Path, fields: dict[str, int], sampler: ElasticSampler) -> None:
+def record(path: Path, fields: dict[str, float], sampler: ElasticSampler) -> None:
     """The sample ids this rank trained on in one step (one JSON line; for tests of exactly-once resumption).
 
     ``fields``: step, rank, world, attempt (:func:`attempt_id`) and resumed (the step this attempt started after).
@@ -239,7 +246,7 @@ def record(path: Path, fields: dict[str, int], sampler: ElasticSampler) -> None:
     assert sampler.record is not None
     samples, sampler.record[:] = list(sampler.record), []
     with path.open("a") as fh:  # one short line per write: O_APPEND keeps the ranks' lines whole
-        fh.write(json.dumps({**fields, "samples": samples}) + "\n")
+        fh.write(json.dumps({**fields, "time": time.time(), "samples": samples}) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,340 @@
+"""Time lost per node failure (and per node join) of the real elastic job, for two checkpoint intervals side by side.
+
+    .venv/bin/python bench/elastic_recovery_bench.py                     # 6 kills + 6 joins per interval, K=5 and K=20
+    .venv/bin/python bench/elastic_recovery_bench.py --reps 10 --save-every 5,20,50 --seed 1
+
+The job is ``examples/train_gpt.py`` (ZeRO-2, gloo, tiny GPT, ``--async-save --save-every K``, ``--record-samples``)
+under two ``elasticzero-run --nnodes 1:2 --rdzv-backend c10d`` agents on this machine, each a "node" with one worker
+(the rendezvous settings are elasticzero-run's defaults). One job per block and interval; the blocks alternate the
+intervals (K=5, K=20, K=5, K=20: side by side under the same load). Each repetition in a job:
+
+1. **node loss** — at a random point between checkpoints (a random step 1..K after the checkpoint the world-2 run
+   resumed from, plus a random fraction of a step) the non-store agent and its worker are SIGKILLed together (the
+   agent's process tree: a machine dying). The survivor's agent restarts its worker at world 1 from the newest
+   committed checkpoint.
+2. **node join** — a random 3..K+2 steps into the world-1 run a new agent starts; the survivor's agent restarts its
+   worker for the joiner and the job goes on at world 2 from the newest committed checkpoint.
+
+Everything is read afterwards from the job's own per-step record (``--record-samples``: step, world, attempt,
+resumed step, the worker's process start time, its checkpoint-load seconds, the step's completion time) and the
+bench's kill/join wall-clock instants. For a loss, with ``last`` the last step completed before the kill, ``R`` the
+checkpoint the new world resumed from and ``s1`` its steady step time (median step interval, first step excluded):
+
+- steps redone = ``last - R``;
+- time lost = from ``last``'s completion until the job has completed ``last`` again at the new world size
+  (``t(first new step) + (redone - 1) * s1 - t(last)``), split into: in-flight (``last`` done -> kill: the partial
+  step under way), detect + re-rendezvous + restart (kill -> new worker process created), worker start (interpreter,
+  torch import, process group, model build), checkpoint load, first-step overhead (first step minus ``s1``: warm-up)
+  and the redone steps (``redone * s1``). The parts sum to the total.
+
+For a join: pause = last world-1 step -> first world-2 step (the survivor stops for the restart), join -> first
+world-2 step (from starting the new agent), steps redone (``last world-1 step - R``) and time lost (the same
+definition as above). Not a test: the figures depend on the machine's load, printed with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elasticzero.agent.proctree import descendants, kill_now, processes_with_env
+
+REPO = Path(__file__).resolve().parents[1]
+RUN = Path(sys.executable).with_name("elasticzero-run")
+EXAMPLE = REPO / "examples" / "train_gpt.py"
+TIMEOUT = 300.0  # seconds to wait for any one event before giving up on the job (a hang, not a measurement)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(pred: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+class Records:
+    """The job's ``--record-samples`` file, read incrementally: per attempt, per step, the ranks' records."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._offset, self._tail = path, 0, b""
+        self.attempts: dict[int, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+
+    def poll(self) -> Records:
+        if self.path.exists():
+            with self.path.open("rb") as fh:
+                fh.seek(self._offset)
+                data = self._tail + fh.read()
+                self._offset = fh.tell()
+            *lines, self._tail = data.split(b"\n")
+            for line in lines:
+                r = json.loads(line)
+                self.attempts[r["attempt"]][r["step"]].append(r)
+        return self
+
+    def done(self, attempt: int, step: int) -> bool:
+        """Every rank of ``attempt`` recorded ``step``."""
+        recs = self.attempts[attempt].get(step, [])
+        return bool(recs) and len(recs) == recs[0]["world"]
+
+    def newest(self) -> tuple[int, dict[str, Any]] | None:
+        """The newest attempt and one of its records (fields shared by its ranks)."""
+        if not self.attempts:
+            return None
+        attempt = max(self.attempts)
+        steps = self.attempts[attempt]
+        return attempt, steps[min(steps)][0]
+
+
+@dataclass
+class Job:
+    """One elastic job: agents (own sessions), a checkpoint interval, its record and the kill/join instants."""
+
+    tmp: Path
+    save_every: int
+    rng: random.Random
+    job_id: str = field(default_factory=lambda: f"ezrec-{uuid.uuid4().hex[:8]}")
+    endpoint: str = field(default_factory=lambda: f"127.0.0.1:{free_port()}")
+    agents: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    events: list[tuple[str, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.records = Records(self.tmp / "record.jsonl")
+
+    def argv(self) -> list[str]:
+        agent = [str(RUN), "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+        agent += ["--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job_id, "--max-restarts", "1000"]
+        job = [str(EXAMPLE), "--config", str(REPO / "examples" / "configs" / "gpt.yaml"), "--zero", "2"]
+        job += ["--size", "tiny", "--seq-len", "128", "--steps", "1000000", "--corpus-bytes", str(1 << 20)]
+        job += ["--checkpoint-dir", str(self.tmp / "ckpt"), "--save-every", str(self.save_every), "--async-save"]
+        return [*agent, *job, "--record-samples", str(self.records.path), "--hold-file", str(self.tmp / "hold")]
+
+    def start_agent(self) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "ELASTICZERO_JOB_ID": self.job_id}
+        with (self.tmp / f"agent{len(self.agents)}.log").open("wb") as log:
+            argv = self.argv()
+            self.agents.append(subprocess.Popen(argv, stdout=log, stderr=log, env=env, start_new_session=True))
+
+    def logs_match(self, pattern: str) -> bool:
+        rx = re.compile(pattern)
+        return any(rx.search(p.read_text(errors="replace")) for p in self.tmp.glob("agent*.log"))
+
+    def start(self) -> None:
+        """Two agents (the first hosts the c10d store), held before step 1 until the world of 2 has formed."""
+        (self.tmp / "hold").write_text("0")
+        self.start_agent()
+        host, port = self.endpoint.rsplit(":", 1)
+        wait_until(lambda: _connects(host, int(port)), "the rendezvous store")
+        self.start_agent()
+        wait_until(lambda: self.logs_match(r"world=2 .*resumed at step 0\b"), "the first world of 2")
+        (self.tmp / "hold").unlink()
+
+    def current(self, world: int, after: float) -> tuple[int, dict[str, Any]]:
+        """The running attempt at ``world`` whose worker started after ``after`` (waits for its first step)."""
+
+        def found() -> tuple[int, dict[str, Any]] | None:
+            new = self.records.poll().newest()
+            ok = new and new[1]["world"] == world and new[1]["started"] > after and self.records.done(*_first(new))
+            return new if ok else None
+
+        return wait_until(found, f"a world of {world}")
+
+    def reach(self, attempt: int, step: int) -> None:
+        wait_until(lambda: self.records.poll().done(attempt, step), f"step {step}")
+
+    def kill_node(self, world2_after: float) -> None:
+        """At a random point between checkpoints, SIGKILL the non-store agent with its worker (its process tree)."""
+        attempt, rec = self.current(2, world2_after)
+        self.reach(attempt, rec["resumed"] + self.rng.randint(1, self.save_every))
+        time.sleep(self.rng.random() * step_times(self.records.poll().attempts).get(2, 0.0))
+        victim = self.agents[-1]
+        tree = descendants([victim.pid])
+        self.events.append(("kill", time.time()))
+        kill_now(tree)
+        victim.wait(timeout=30)
+
+    def join_node(self) -> float:
+        """A random 3..K+2 steps into the world-1 run, start a new agent; returns the instant."""
+        attempt, rec = self.current(1, self.events[-1][1])
+        self.reach(attempt, rec["resumed"] + self.rng.randint(3, self.save_every + 2))
+        t_join = time.time()
+        self.events.append(("join", t_join))
+        self.start_agent()
+        return t_join
+
+    def stop(self) -> None:
+        procs = descendants(a.pid for a in self.agents) + processes_with_env("ELASTICZERO_JOB_ID", self.job_id)
+        kill_now(procs)
+        for a in self.agents:
+            a.wait(timeout=30)
+
+
+def _connects(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+def _first(new: tuple[int, dict[str, Any]]) -> tuple[int, int]:
+    return new[0], new[1]["resumed"] + 1
+
+
+def step_times(attempts: dict[int, dict[int, list[dict[str, Any]]]]) -> dict[int, float]:
+    """Per world size, the median interval between consecutive completed steps of one attempt, over all attempts
+    (an attempt's first step, with its warm-up, has no interval: it is excluded)."""
+    gaps: dict[int, list[float]] = defaultdict(list)
+    for steps in attempts.values():
+        done = {s: max(r["time"] for r in recs) for s, recs in steps.items()}
+        gaps[_info(steps)["world"]] += [done[s] - done[s - 1] for s in done if s - 1 in done]
+    return {world: statistics.median(g) for world, g in gaps.items() if g}
+
+
+# ---------------------------------------------------------------- analysis (pure: records + instants -> figures)
+
+KILL_PARTS = ("in-flight", "detect+rdzv+restart", "worker start", "ckpt load", "first-step extra", "redone steps")
+
+
+def analyse(attempts: dict[int, dict[int, list[dict[str, Any]]]], events: list[tuple[str, float]]) -> list[dict]:
+    """One row per kill/join: steps redone, time lost and its parts (seconds), from the record and the instants."""
+    order, steady = sorted(attempts), step_times(attempts)
+    rows = []
+    for kind, t in events:
+        before = [a for a in order if _info(attempts[a])["started"] < t]
+        after = [a for a in order if _info(attempts[a])["started"] > t]
+        if not before or not after:
+            continue
+        new = attempts[after[0]]
+        rows.append(_row(kind, t, attempts[before[-1]], new, steady[_info(new)["world"]]))
+    return rows
+
+
+def _info(steps: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
+    return steps[min(steps)][0]
+
+
+def _row(kind: str, t: float, old: dict[int, list[dict]], new: dict[int, list[dict]], step: float) -> dict[str, Any]:
+    last = max(old)
+    t_last = max(r["time"] for r in old[last])
+    info = _info(new)
+    resumed, load_s = info["resumed"], max(r["load_s"] for r in new[min(new)])
+    started = max(r["started"] for r in new[min(new)])  # the world runs once its last worker has started
+    t_ready = info["attempt"] / 1e9  # rank 0's clock after the checkpoint load (the attempt id)
+    t_first = max(r["time"] for r in new[resumed + 1])
+    redone = last - resumed
+    parts = {
+        "in-flight": t - t_last if kind == "kill" else 0.0,
+        "detect+rdzv+restart": started - (t if kind == "kill" else t_last),
+        "worker start": t_ready - started - load_s,
+        "ckpt load": load_s,
+        "first-step extra": t_first - t_ready - step,
+        "redone steps": redone * step,
+    }
+    row = {"kind": kind, "redone": redone, "step_s": step, "world": info["world"], "parts": parts}
+    row |= {"lost": sum(parts.values()), "pause": t_first - t_last, "from_event": t_first - t}
+    return row
+
+
+# ---------------------------------------------------------------- report
+
+
+def _stats(values: list[float]) -> str:
+    return f"{statistics.median(values):7.2f} [{min(values):6.2f}, {max(values):6.2f}]"
+
+
+def report(rows: dict[int, list[dict[str, Any]]]) -> None:
+    ks = sorted(rows)
+    head = "".join(f" | K={k:<3d} median [min, max]" for k in ks)
+    for kind, title in (("kill", "node loss (SIGKILL agent + worker)"), ("join", "node join (new agent)")):
+        print(f"\n{title}; seconds unless stated; n = " + ", ".join(f"{_n(rows[k], kind)} (K={k})" for k in ks))
+        print(f"{'':28s}{head}")
+        lines = [("steps redone", lambda r: r["redone"]), ("time lost (s)", lambda r: r["lost"])]
+        lines += [("  " + p, lambda r, p=p: r["parts"][p]) for p in KILL_PARTS]
+        lines += [("pause: last step -> first", lambda r: r["pause"])]
+        lines += [(f"{kind} -> first new step", lambda r: r["from_event"])]
+        lines += [("step time, new world", lambda r: r["step_s"])]
+        for name, get in lines:
+            cells = "".join(f" | {_stats([get(r) for r in rows[k] if r['kind'] == kind]):>26s}" for k in ks)
+            print(f"{name:28s}{cells}")
+        fractions = []
+        for k in ks:
+            sel = [r for r in rows[k] if r["kind"] == kind]
+            total = sum(r["lost"] for r in sel)
+            split = ", ".join(f"{p} {sum(r['parts'][p] for r in sel) / total:.0%}" for p in KILL_PARTS)
+            fractions.append(f"K={k}: {split}")
+        print("split of the total (sums over repetitions):\n  " + "\n  ".join(fractions))
+
+
+def _n(rows: list[dict[str, Any]], kind: str) -> int:
+    return sum(r["kind"] == kind for r in rows)
+
+
+def run_job(k: int, reps: int, rng: random.Random, keep: bool) -> list[dict[str, Any]]:
+    tmp = Path(tempfile.mkdtemp(prefix=f"ez-elastic-recovery-k{k}-"))
+    job = Job(tmp, k, rng)
+    try:
+        job.start()
+        t = 0.0
+        for rep in range(reps):
+            job.kill_node(t)
+            t = job.join_node()
+            print(f"  K={k:<3d} rep {rep + 1}: killed and re-joined; load average {os.getloadavg()[0]:.1f}", flush=True)
+        attempt, rec = job.current(2, t)  # the last join's world of 2 trains a few steps (its step time)
+        job.reach(attempt, rec["resumed"] + 4)
+    finally:
+        job.stop()
+    rows = analyse(job.records.poll().attempts, job.events)
+    print(f"  K={k}: {len(rows)} events analysed; job directory {tmp}{'' if keep else ' (kept only with --keep)'}")
+    if not keep:
+        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=6, help="kills (and joins) per interval, over all blocks (default 6)")
+    p.add_argument("--save-every", default="5,20", help="checkpoint intervals to compare (default 5,20)")
+    p.add_argument("--blocks", type=int, default=2, help="jobs per interval, alternating the intervals (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the kill and join points (default 0)")
+    p.add_argument("--keep", action="store_true", help="keep the job directories (logs, records, checkpoints)")
+    args = p.parse_args()
+    ks = [int(k) for k in args.save_every.split(",")]
+    rng = random.Random(args.seed)
+    print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
+    print(f"start {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; cpus {os.cpu_count()}; load average {os.getloadavg()}")
+    rows: dict[int, list[dict[str, Any]]] = {k: [] for k in ks}
+    for block in range(args.blocks):
+        for k in ks:
+            n = args.reps // args.blocks + (block < args.reps % args.blocks)
+            rows[k] += run_job(k, n, rng, args.keep)
+    print(f"end {time.strftime('%H:%M:%S')}; load average {os.getloadavg()}")
+    report(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

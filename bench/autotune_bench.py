@@ -5,17 +5,25 @@ Not a test: nothing asserts; every figure printed comes from this run or from th
 1. ``record`` (live): the grid over a 30-point space (stage 1-3 x micro batch 1-16 x 2 bucket sizes, 2 gloo ranks,
    the small GPT of ``examples/gpt.py`` trained by the real ZeRO engine and measured by ``PhaseTimers``) through
    ``elasticzero-autotune --tuner grid``; the tuner's ``results.csv`` is the recorded table.
-2. ``simulate``: the tuners replayed on the table, per seed: each experiment's measured value is drawn from the
-   recorded mean and per-step spread at the experiment's step count, its cost is the recorded launch overhead plus
-   its steps at the recorded step time. Quality = the *recorded* throughput of the point a tuner chose / the grid's
-   best; cost = its summed experiment seconds / the grid's. Random search gets the model-based tuner's cost as budget.
-   Medians over the seeds.
-3. ``confirm`` (live): one real model-based run; its choice and wall time next to the grid's.
+2. ``simulate``: the model-based tuner replayed on the table, per seed, as the live run pays: an experiment costs the
+   table's median fixed cost (launch, imports, model build, warm-up: its seconds less its steps at its latency) plus
+   its 2 + N steps at the point's recorded latency; its reported spread is the recorded per-step stdev as a sample of
+   N steps would give it. Its measured value is drawn from the recorded mean under three noise models: the recorded
+   per-step spread averaging out over N steps (``sd/sqrt(steps)``, optimistic: load bursts outlast a window); not
+   averaging out (``sd``); and, given ``--live`` (a live run's ``results.csv``), ``sd/sqrt(steps)`` plus the
+   run-to-run noise measured between that run and the table for the points both measured. Each model is run with the
+   cost-aware tuner and with one that always halves. Quality = the *recorded* throughput of the point chosen / the
+   grid's best; cost = the summed experiment seconds / the grid's. Random search gets the model-based tuner's cost as
+   budget (9 steps each, the same noise). Medians (and min / max) over the seeds.
+3. ``confirm`` (live): one real model-based run; its choice, experiment count and cost next to the grid's and next
+   to the simulator's prediction (noise from ``--live`` if given, else ``sd``), and the run-to-run noise between
+   it and the table.
 
 ::
 
     .venv/bin/python bench/autotune_bench.py record  --out bench/results/autotune_grid
-    .venv/bin/python bench/autotune_bench.py simulate --table bench/results/autotune_grid/results.csv --seeds 21
+    .venv/bin/python bench/autotune_bench.py simulate --table bench/results/autotune_grid/results.csv --seeds 21 \
+        [--live bench/results/autotune_grid_confirm/results/results.csv]
     .venv/bin/python bench/autotune_bench.py confirm --table bench/results/autotune_grid/results.csv
 """
 
@@ -100,7 +108,7 @@ def record(out: Path, port: int) -> None:
     print(f"grid: {wall:.0f} s wall; table {out / 'results' / 'results.csv'}; load {os.getloadavg()}")
 
 
-def confirm(table: Path, out: Path, port: int) -> None:
+def confirm(table: Path, out: Path, port: int, seeds: int, live: Path | None) -> None:
     rows = _table(table)
     grid_s = sum(r["seconds"] for r in rows.values())
     grid_best = max((r for r in rows.values() if r["ok"]), key=lambda r: r["throughput"])
@@ -110,80 +118,166 @@ def confirm(table: Path, out: Path, port: int) -> None:
     best = max((r for r in runs if r["status"] == "ok" and float(r["steps"]) == longest),
                key=lambda r: float(r["throughput"]))  # fmt: skip
     point = "_".join(best["name"].split("_")[:4])
-    live, recorded = float(best["throughput"]), rows[point]["throughput"]
+    live_thr, recorded = float(best["throughput"]), rows[point]["throughput"]
+    cost = sum(float(r["seconds"]) for r in runs) / grid_s
     print(f"live model-based: {len(runs)} experiments, {wall:.0f} s wall, chose {point}")
-    print(f"  its throughput: {live:.1f} samples/s live, {recorded:.1f} in the grid table")
+    print(f"  its throughput: {live_thr:.1f} samples/s live, {recorded:.1f} in the grid table")
     quality = rows[point]["throughput"] / grid_best["throughput"]
     print(f"  quality (its choice's recorded throughput / grid best {grid_best['point']}) {quality:.3f}")
-    print(f"  cost (its experiment seconds / the grid's) {sum(float(r['seconds']) for r in runs) / grid_s:.3f}")
+    print(f"  cost (its experiment seconds / the grid's) {cost:.3f}")
+    sigma = _run_noise(rows, live) if live is not None else None
+    noise, label = ("live", f"sd/sqrt(steps) + {sigma:.3f}") if sigma is not None else ("correlated", "sd")
+    pred = replay(table, seeds, noise, sigma or 0.0)
+    med = statistics.median
+    print(f"  simulator ({seeds} seeds, noise {label}): {med(pred['count']):.0f} experiments "
+          f"(range {min(pred['count'])}-{max(pred['count'])}), cost {med(pred['cost']):.3f}; live: {len(runs)}, "
+          f"{cost:.3f}")  # fmt: skip
+    mine = _run_noise(rows, out / "results" / "results.csv")
+    print("  run-to-run noise, this run vs the table: " + (f"{mine:.3f}" if mine is not None else "too few pairs"))
     print(f"  load {os.getloadavg()}")
 
 
 # ------------------------------------------------------------------------------------------------ simulation
 
 
+def _row(r: dict) -> dict:
+    ok = r["status"] == "ok"
+    return {
+        "point": "_".join(r["name"].split("_")[:4]),  # z1_mb4_ga4_bkt262144 (a rung suffix dropped)
+        "ok": ok,
+        "status": r["status"],
+        "throughput": float(r["throughput"]) if ok else 0.0,
+        "stdev": float(r.get("throughput_stdev") or 0.0),
+        "latency": float(r["latency"]) if ok else 0.0,
+        "steps": int(float(r["steps"])),
+        "seconds": float(r["seconds"]),
+    }
+
+
 def _table(path: Path) -> dict[str, dict]:
-    rows = {}
-    for r in csv.DictReader(open(path)):
-        point = "_".join(r["name"].split("_")[:4])  # z1_mb4_ga4_bkt262144 (a rung suffix dropped)
-        ok = r["status"] == "ok"
-        rows[point] = {
-            "point": point,
-            "ok": ok,
-            "status": r["status"],
-            "throughput": float(r["throughput"]) if ok else 0.0,
-            "stdev": float(r.get("throughput_stdev") or 0.0),
-            "latency": float(r["latency"]) if ok else 0.0,
-            "steps": int(float(r["steps"])),
-            "seconds": float(r["seconds"]),
-        }
-    return rows
+    rows = [_row(r) for r in csv.DictReader(open(path))]
+    return {r["point"]: r for r in rows}
 
 
-def simulate(table: Path, seeds: int) -> None:
-    from elasticzero.autotune.outcome import Outcome
-    from elasticzero.autotune.space import Base, expand, parse_tuning
-    from elasticzero.autotune.tuners import Candidate, best, make_tuner
+def _overhead(r: dict) -> float:
+    """What an experiment's steps (2 warm-up + measured, at its latency) leave of its seconds: the fixed cost."""
+    return r["seconds"] - (2 + r["steps"]) * r["latency"]
 
-    rows = _table(table)
-    spec = parse_tuning({"space": SPACE, "warmup_steps": 2, "measure_steps": 9, "min_steps": 3, "eta": 3}, "bench")
+
+def _run_noise(rows: dict, live: Path | None) -> float | None:
+    """Run-to-run relative noise from points measured both in the table and in a live run (any step count).
+
+    The log ratio live/table per pair; its mean (the two sessions' load differs) is removed, and its spread is two
+    runs' worth of noise: sd / sqrt(2).
+    """
+    if live is None:
+        return None
+    logs = [math.log(r["throughput"] / rows[p]["throughput"]) for p, r in _live_rows(live) if r["ok"] and p in rows]
+    return statistics.stdev(logs) / math.sqrt(2) if len(logs) >= 3 else None
+
+
+def _live_rows(path: Path) -> list[tuple[str, dict]]:
+    return [("_".join(r["name"].split("_")[:4]), _row(r)) for r in csv.DictReader(open(path))]
+
+
+class _Sim:
+    """One replay of a tuner on the table: experiments cost the table's fixed cost plus their steps at the point's
+    recorded latency; measured values are drawn from a noise model (see ``simulate``)."""
+
+    def __init__(self, rows: dict, fixed: float, noise: str, sigma: float, rng: random.Random) -> None:
+        self.rows, self.fixed, self.noise, self.sigma, self.rng = rows, fixed, noise, sigma, rng
+
+    def run(self, cand):
+        from elasticzero.autotune.outcome import Outcome
+
+        r = self.rows[cand.point.name]
+        seconds = self.fixed + (2 + cand.steps) * r["latency"]
+        if not r["ok"]:
+            return Outcome(r["status"], {}, "recorded", 1, r["seconds"])
+        rel = r["stdev"] / r["throughput"]  # the recorded per-step spread, relative
+        n = cand.steps
+        sd = {"table": rel / math.sqrt(n), "correlated": rel, "live": math.hypot(self.sigma, rel / math.sqrt(n))}
+        value = r["throughput"] * math.exp(self.rng.gauss(0.0, sd[self.noise]))
+        reported = r["stdev"] * math.sqrt(self.rng.gammavariate((n - 1) / 2, 2) / (n - 1)) if n > 1 else 0.0
+        metrics = {"throughput": value, "throughput_stdev": reported, "steps": n, "latency": r["latency"]}
+        return Outcome("ok", metrics, "", 0, seconds)
+
+    def tune(self, tuner, points) -> list:
+        hist: list = []
+        while cands := tuner.propose(points, hist):
+            hist.append((cands[0], self.run(cands[0])))
+        return hist
+
+    def random_at(self, points, budget: float, order_seed: int, steps: int) -> list:
+        from elasticzero.autotune.tuners import Candidate
+
+        order = list(points)
+        random.Random(order_seed).shuffle(order)
+        hist: list = []
+        for p in order:
+            if sum(o.seconds for _, o in hist) >= budget:
+                break
+            hist.append((Candidate(p, steps), self.run(Candidate(p, steps))))
+        return hist
+
+
+def _spec():
+    from elasticzero.autotune.space import parse_tuning
+
+    return parse_tuning({"space": SPACE, "warmup_steps": 2, "measure_steps": 9, "min_steps": 3, "eta": 3}, "bench")
+
+
+def replay(table: Path, seeds: int, noise: str, sigma: float, one_round_ratio: float | None = None) -> dict:
+    """Per seed: the model-based tuner's experiment count, quality and cost, and random search's at that cost."""
+    from elasticzero.autotune.space import Base, expand
+    from elasticzero.autotune.tuners import ModelBasedTuner, best
+
+    rows, spec = _table(table), _spec()
     points = [p for p in expand(spec, Base(1, 1, 16, 32), 2)[0] if p.name in rows]
     grid_s = sum(rows[p.name]["seconds"] for p in points)
     grid_best = max(rows[p.name]["throughput"] for p in points)
-
-    def run(cand: Candidate, rng: random.Random) -> Outcome:
-        r = rows[cand.point.name]
-        overhead = max(0.0, r["seconds"] - (2 + r["steps"]) * r["latency"])
-        seconds = overhead + (2 + cand.steps) * r["latency"]
-        if not r["ok"]:
-            return Outcome(r["status"], {}, "recorded", 1, r["seconds"])
-        value = rng.gauss(r["throughput"], r["stdev"] / math.sqrt(cand.steps))
-        return Outcome("ok", {"throughput": value, "throughput_stdev": r["stdev"], "steps": cand.steps}, "", 0, seconds)
-
-    quality, cost, rquality = [], [], []
+    fixed = statistics.median(_overhead(rows[p.name]) for p in points)
+    out: dict = {"count": [], "quality": [], "cost": [], "random": [], "grid_s": grid_s, "best": grid_best}
+    out |= {"points": len(points), "fixed": fixed}
     for seed in range(seeds):
-        rng = random.Random(seed)
-        tuner = make_tuner(spec)
-        hist: list = []
-        while cands := tuner.propose(points, hist):
-            hist.append((cands[0], run(cands[0], rng)))
+        sim = _Sim(rows, fixed, noise, sigma, random.Random(seed))
+        tuner = ModelBasedTuner(spec) if one_round_ratio is None else ModelBasedTuner(spec, one_round_ratio)
+        hist = sim.tune(tuner, points)
         spent = sum(o.seconds for _, o in hist)
         chosen = best(hist, spec.metric)
-        quality.append(rows[chosen[0].point.name]["throughput"] / grid_best if chosen else 0.0)
-        cost.append(spent / grid_s)
-        order = list(points)
-        random.Random(1000 + seed).shuffle(order)
-        rhist: list = []
-        for p in order:
-            if sum(o.seconds for _, o in rhist) >= spent:
-                break
-            rhist.append((Candidate(p, 9), run(Candidate(p, 9), rng)))
-        rbest = best(rhist, spec.metric)
-        rquality.append(rows[rbest[0].point.name]["throughput"] / grid_best if rbest else 0.0)
-    print(f"table {table}: {len(points)} points, grid {grid_s:.0f} s, best {grid_best:.1f} samples/s")
-    print(f"model-based over {seeds} seeds: median quality {statistics.median(quality):.3f} "
-          f"(min {min(quality):.3f}), median cost {statistics.median(cost):.3f} of the grid")  # fmt: skip
-    print(f"random search at the same cost: median quality {statistics.median(rquality):.3f} (min {min(rquality):.3f})")
+        out["count"].append(len(hist))
+        out["quality"].append(rows[chosen[0].point.name]["throughput"] / grid_best if chosen else 0.0)
+        out["cost"].append(spent / grid_s)
+        rbest = best(sim.random_at(points, spent, 1000 + seed, spec.measure_steps), spec.metric)
+        out["random"].append(rows[rbest[0].point.name]["throughput"] / grid_best if rbest else 0.0)
+    return out
+
+
+def _line(label: str, r: dict) -> str:
+    med = statistics.median
+    return (
+        f"{label:<50} {med(r['count']):>3.0f} ({min(r['count'])}-{max(r['count'])})  "
+        f"{med(r['quality']):.3f} ({min(r['quality']):.3f})  {med(r['cost']):.3f} ({max(r['cost']):.3f})  "
+        f"{med(r['random']):.3f} ({min(r['random']):.3f})"
+    )
+
+
+def simulate(table: Path, seeds: int, live: Path | None) -> None:
+    """Both tuning modes under each noise model (see the module docstring), medians over ``seeds``."""
+    sigma = _run_noise(_table(table), live)
+    models = [("table", 0.0), ("correlated", 0.0)] + ([("live", sigma)] if sigma is not None else [])
+    first = replay(table, 1, "table", 0.0)
+    print(f"table {table}: {first['points']} points, grid {first['grid_s']:.0f} s, best {first['best']:.1f} samples/s")
+    print(f"an experiment costs {first['fixed']:.2f} s (the median fixed cost) + its steps at the point's latency")
+    if live is not None:
+        got = f"{sigma:.3f}" if sigma is not None else "too few pairs"
+        print(f"run-to-run noise (relative) from {live} vs the table: {got}")
+    print(f"{seeds} seeds; median (min or max):")
+    print(f"{'noise model: tuner':<50} {'experiments':<11}  {'quality':<13}  {'cost':<13}  random at that cost")
+    for noise, sig in models:
+        label = {"table": "sd/sqrt(steps)", "correlated": "sd (no averaging)", "live": f"sd/sqrt(steps) + {sig:.3f}"}
+        print(_line(f"{label[noise]}: model-based", replay(table, seeds, noise, sig)))
+        print(_line(f"{label[noise]}: model-based, always halving", replay(table, seeds, noise, sig, 0.0)))
 
 
 def main() -> int:
@@ -200,14 +294,16 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "autotune_grid")
     p.add_argument("--table", type=Path)
     p.add_argument("--seeds", type=int, default=21)
+    p.add_argument("--live", type=Path, help="a live run's results.csv: the run-to-run noise is estimated from it")
     p.add_argument("--port", type=int, default=31700)
     a = p.parse_args()
     if a.mode == "record":
         record(a.out, a.port)
     elif a.mode == "simulate":
-        simulate(a.table or a.out / "results" / "results.csv", a.seeds)
+        simulate(a.table or a.out / "results" / "results.csv", a.seeds, a.live)
     else:
-        confirm(a.table or a.out / "results" / "results.csv", a.out.with_name(a.out.name + "_confirm"), a.port)
+        out = a.out.with_name(a.out.name + "_confirm")
+        confirm(a.table or a.out / "results" / "results.csv", out, a.port, a.seeds, a.live)
     return 0
 
 

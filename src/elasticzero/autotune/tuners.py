@@ -25,8 +25,10 @@ Cost-aware (:func:`estimate_cost`, :meth:`ModelBasedTuner.one_round`): from the 
 estimates an experiment's fixed cost (launch, imports, model build, warm-up) and its cost per step. When measuring
 ``measure_steps`` costs less than ``one_round_ratio`` (1.25) times measuring ``min_steps``, re-launching survivors
 for longer measurements buys nothing: round 0 measures ``measure_steps`` and halving jumps straight to
-``measure_steps``: only a survivor measured before the cost was known (the first success, at ``min_steps``) is
-measured again. Until then, and when the steps dominate, it is successive halving as above.
+``measure_steps``: nothing is measured twice. Until a first success tells the cost, probes measure
+``measure_steps`` (in the fixed-cost regime that is their only measurement; in the step regime it is one longer
+experiment, kept). A round's cut uses each point's measurements up to that round; a clear winner that lacks the
+longest measurement any point has gets it (the choice is made among equally long measurements).
 """
 
 from __future__ import annotations
@@ -137,8 +139,10 @@ class ModelBasedTuner:
         return cost.seconds(w + self.spec.measure_steps) < self.one_round_ratio * cost.seconds(w + self.spec.min_steps)
 
     def probe_steps(self, history: History) -> int:
-        """Round 0's steps: ``measure_steps`` in one-round mode, else (and until the cost is known) ``min_steps``."""
-        return self.spec.measure_steps if self.one_round(history) else min(self.spec.min_steps, self.spec.measure_steps)
+        """Round 0's steps: ``measure_steps`` in one-round mode and until a first success tells the cost."""
+        one = self.one_round(history)
+        full = one if one is not None else not any(o.ok for _, o in history)
+        return self.spec.measure_steps if full else min(self.spec.min_steps, self.spec.measure_steps)
 
     def rung_steps(self, rung: int, one_round: bool = False) -> int:
         if one_round:
@@ -158,22 +162,20 @@ class ModelBasedTuner:
 
     def _halve(self, alive: list[Point], history: History, one_round: bool) -> list[Candidate]:
         """Successive halving over round 0's points (see the module docstring); the experiments still wanted."""
-        longest: dict[Point, tuple[int, Outcome]] = {}
-        for c, o in history:  # each point's longest measurement (the latest of equals)
-            if c.steps >= longest.get(c.point, (0, o))[0]:
-                longest[c.point] = (c.steps, o)
         top = max((c.steps for c, o in history if o.ok), default=0)  # best() chooses among the longest
         rung = 0
         while True:
             need = self.rung_steps(rung, one_round)
-            missing = [Candidate(p, need, rung) for p in alive if longest[p][0] < need]
+            seen = _longest(history, rung)
+            missing = [Candidate(p, need, rung) for p in alive if seen[p][0] < need]
             if missing:
                 return missing
             if need >= self.spec.measure_steps:
                 return []
-            alive = self._survivors(alive, longest)
-            if len(alive) <= 1 and all(longest[p][0] >= top for p in alive):
-                return []  # a clear winner: measuring it longer would not change the choice
+            alive = self._survivors(alive, seen)
+            if len(alive) <= 1:  # a clear winner: only measured as long as the longest, for best() to compare
+                final = _longest(history, None)
+                return [Candidate(p, top, rung + 1) for p in alive if final[p][0] < top]
             rung += 1
 
     def _survivors(self, alive: list[Point], longest: dict[Point, tuple[int, Outcome]]) -> list[Point]:
@@ -186,6 +188,15 @@ class ModelBasedTuner:
         last = measured[keep - 1][1]
         tied = [p for p, m in measured[keep:] if not clearly_better(metric, last, m, rel_floor=self.spec.noise)]
         return [p for p, _ in measured[:keep]] + tied
+
+
+def _longest(history: History, rung: int | None) -> dict[Point, tuple[int, Outcome]]:
+    """Each point's longest measurement (the latest of equals) in rounds up to ``rung`` (every round: ``None``)."""
+    out: dict[Point, tuple[int, Outcome]] = {}
+    for c, o in history:
+        if (rung is None or c.rung <= rung) and c.steps >= out.get(c.point, (0, o))[0]:
+            out[c.point] = (c.steps, o)
+    return out
 
 
 def _prior(p: Point) -> tuple[object, ...]:

@@ -167,18 +167,21 @@ def test_model_based_descends_from_the_largest_micro_batch_then_halves() -> None
         return [(c.point.name, c.steps) for c in cands]
 
     start = tuner.propose(points, [])
-    assert names(start) == [("z1_mb4_ga2", 2)]  # lowest stage, largest micro batch
+    assert names(start) == [("z1_mb4_ga2", 18)]  # lowest stage, largest micro batch; full length until a success
     hist = [(start[0], Outcome("oom"))]  # rules out nothing else at stage 1 (no larger micro batch)
     nxt = tuner.propose(points, hist)
-    assert names(nxt) == [("z1_mb2_ga4", 2)]
+    assert names(nxt) == [("z1_mb2_ga4", 18)]
     hist.append((nxt[0], _ok(20.0)))  # no seconds, no latency: the cost is unknown, so successive halving
     near = tuner.propose(points, hist)  # micro step, stage step, then one stage up with a larger micro batch
     assert names(near) == [("z1_mb1_ga8", 2), ("z2_mb2_ga4", 2), ("z2_mb4_ga2", 2)]
     hist += [(near[0], _ok(10.0)), (near[1], _ok(25.0)), (near[2], _ok(30.0))]
     final = tuner.propose(points, hist)  # z2 mb4 is a local optimum: halving among round 0's results
-    assert names(final) == [("z2_mb4_ga2", 6), ("z2_mb2_ga4", 6)]
+    assert names(final) == [("z2_mb4_ga2", 6), ("z2_mb2_ga4", 6)]  # z1 mb2 (18 steps, 20.0) is cut
     assert "z2_mb1_ga8" not in {c.point.name for c, _ in hist}  # never measured
     hist += [(final[0], _ok(31.0, steps=6)), (final[1], _ok(24.0, steps=6))]
+    last = tuner.propose(points, hist)  # a clear winner, measured as long as z1 mb2 was, for best() to compare
+    assert names(last) == [("z2_mb4_ga2", 18)]
+    hist.append((last[0], _ok(30.0, steps=18)))
     assert tuner.propose(points, hist) == []
     assert best(hist, THR)[0].point.name == "z2_mb4_ga2"
 
@@ -248,10 +251,9 @@ def _descent(tuner: ModelBasedTuner, points, values: dict[int, float], seconds) 
 @pytest.mark.parametrize(
     ("mb8", "runs", "chosen"),
     [
-        # the first success, before the cost was known, at min_steps; the rest at 9; no survivor re-launched
-        (20.0, [(8, 3, 0), (4, 9, 0), (2, 9, 0)], 4),
-        # the first success wins: it alone lacks the full measurement, so it alone is measured again
-        (50.0, [(8, 3, 0), (4, 9, 0), (8, 9, 1)], 8),
+        # measure_steps from the start (until a success gives the cost, then because of it); nothing re-launched
+        (20.0, [(8, 9, 0), (4, 9, 0), (2, 9, 0)], 4),
+        (50.0, [(8, 9, 0), (4, 9, 0)], 8),
     ],
 )
 def test_fixed_cost_dominates_one_round_at_measure_steps(mb8: float, runs: list, chosen: int) -> None:
@@ -274,7 +276,9 @@ def test_step_cost_dominates_successive_halving_reuses_longer_measurements() -> 
     hist = _descent(tuner, points, values, lambda s: 1.0 + 1.0 * (2 + s))
     assert tuner.one_round(hist) is False  # 12 s at 9 steps vs 6 s at 3: 2x
     runs = [(c.point.micro_batch, c.steps, c.rung) for c, _ in hist]
-    assert runs == [(8, 3, 0), (4, 3, 0), (2, 3, 0), (4, 9, 1), (8, 9, 1)]  # round 0, then the best and its tie
+    # the first success in full (it tells the cost), the other probes at min_steps, then the best and its tie at 9 —
+    # except mb8, which already has its 9 steps
+    assert runs == [(8, 9, 0), (4, 3, 0), (2, 3, 0), (4, 9, 1)]
     assert best(hist, THR)[0].point.micro_batch == 4
     assert ModelBasedTuner(spec, one_round_ratio=2.5).one_round(hist) is True  # the threshold is the constructor's
 

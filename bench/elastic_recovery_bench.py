@@ -39,6 +39,7 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -57,7 +58,7 @@ from elasticzero.agent.proctree import descendants, kill_now, processes_with_env
 REPO = Path(__file__).resolve().parents[1]
 RUN = Path(sys.executable).with_name("elasticzero-run")
 EXAMPLE = REPO / "examples" / "train_gpt.py"
-TIMEOUT = 300.0  # seconds to wait for any one event before giving up on the job (a hang, not a measurement)
+TIMEOUT = 240.0  # seconds to wait for any one event before giving up on the job (a hang, not a measurement)
 
 
 def free_port() -> int:
@@ -116,6 +117,7 @@ class Job:
     tmp: Path
     save_every: int
     rng: random.Random
+    script: Path = EXAMPLE
     job_id: str = field(default_factory=lambda: f"ezrec-{uuid.uuid4().hex[:8]}")
     endpoint: str = field(default_factory=lambda: f"127.0.0.1:{free_port()}")
     agents: list[subprocess.Popen[bytes]] = field(default_factory=list)
@@ -127,7 +129,7 @@ class Job:
     def argv(self) -> list[str]:
         agent = [str(RUN), "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
         agent += ["--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job_id, "--max-restarts", "1000"]
-        job = [str(EXAMPLE), "--config", str(REPO / "examples" / "configs" / "gpt.yaml"), "--zero", "2"]
+        job = [str(self.script), "--config", str(REPO / "examples" / "configs" / "gpt.yaml"), "--zero", "2"]
         job += ["--size", "tiny", "--seq-len", "128", "--steps", "1000000", "--corpus-bytes", str(1 << 20)]
         job += ["--checkpoint-dir", str(self.tmp / "ckpt"), "--save-every", str(self.save_every), "--async-save"]
         return [*agent, *job, "--record-samples", str(self.records.path), "--hold-file", str(self.tmp / "hold")]
@@ -293,9 +295,9 @@ def _n(rows: list[dict[str, Any]], kind: str) -> int:
     return sum(r["kind"] == kind for r in rows)
 
 
-def run_job(k: int, reps: int, rng: random.Random, keep: bool) -> list[dict[str, Any]]:
+def run_job(k: int, reps: int, rng: random.Random, args: argparse.Namespace) -> list[dict[str, Any]]:
     tmp = Path(tempfile.mkdtemp(prefix=f"ez-elastic-recovery-k{k}-"))
-    job = Job(tmp, k, rng)
+    job, keep = Job(tmp, k, rng, args.script.resolve()), args.keep
     try:
         job.start()
         t = 0.0
@@ -321,7 +323,9 @@ def main() -> int:
     p.add_argument("--blocks", type=int, default=2, help="jobs per interval, alternating the intervals (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seeds the kill and join points (default 0)")
     p.add_argument("--keep", action="store_true", help="keep the job directories (logs, records, checkpoints)")
+    p.add_argument("--script", type=Path, default=EXAMPLE, help="the job (default examples/train_gpt.py)")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERMed bench still stops its agents (finally)
     ks = [int(k) for k in args.save_every.split(",")]
     rng = random.Random(args.seed)
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
@@ -330,7 +334,7 @@ def main() -> int:
     for block in range(args.blocks):
         for k in ks:
             n = args.reps // args.blocks + (block < args.reps % args.blocks)
-            rows[k] += run_job(k, n, rng, args.keep)
+            rows[k] += run_job(k, n, rng, args)
     print(f"end {time.strftime('%H:%M:%S')}; load average {os.getloadavg()}")
     report(rows)
     return 0

@@ -13,9 +13,9 @@ OOM) is dropped before it starts, and a restarted tuner recomputes the same prop
   1. an OOM at (stage s, micro batch m) rules out every point of the same other settings with a micro batch
      ≥ m at a stage ≤ s (a larger batch needs more memory; what fits at stage s fits at s+1, so what does not
      fit at s does not fit below it);
-  2. round 0 (``min_steps`` steps each) is a local search (:func:`descend`): from the lowest stage with the
-     largest micro batch the memory model allows, it measures the unmeasured neighbours of the best point so far
-     until that point is a local optimum;
+  2. round 0 (``min_steps`` steps each, or ``measure_steps``: see below) is a local search (:func:`descend`): from
+     the lowest stage with the largest micro batch the memory model allows, it measures the unmeasured neighbours
+     of the best point so far until that point is a local optimum;
   3. successive halving on round 0's results: each round keeps the best 1/eta — plus every point the noise-aware
      comparison cannot tell apart from the last one kept — and measures them ``eta`` times longer, up to
      ``measure_steps``; it stops when one point is left or the full ``measure_steps`` round is done. A point already

@@ -1,0 +1,385 @@
+"""DeepSpeed's columns for ``bench/checkpoint_bench.py``: ZeRO-2 save stall, and ``ds_to_universal`` + load at world 1.
+
+Runs under the DeepSpeed venv (``bash bench/_ds_venv.sh``), never the project's: it imports only torch, deepspeed,
+the standard library and ``examples/gpt.py``. One invocation measures, on the same 29.5M GPT, batch and seq length as
+checkpoint_bench's defaults (2 gloo ranks, ``DS_ACCELERATOR=cpu``, ZeRO stage 2, fp32 ``torch.optim.AdamW``):
+
+1. ``step_s`` — one training step (forward, ``engine.backward``, ``engine.step``);
+2. ``save_stall_s`` — how long ``engine.save_checkpoint(dir, tag)`` blocks the loop with DeepSpeed's default
+   (``torch.save``) checkpoint engine;
+3. ``decoupled_*`` — the same with its decoupled checkpoint engine (``"checkpoint": {"writer": {"type": "python",
+   "decoupled": true}}``: a writer process per rank). Its save returns after queueing the state, but the next
+   ``engine.step()`` waits for the write to commit before it mutates anything, so the loop is blocked for
+   ``decoupled_blocked_s`` = save call + that step's excess over a plain step. In 0.19.8 with ZeRO-2 on CPU its
+   save fails (the fp32 master partition is a non-leaf view that requires grad, which torch.multiprocessing refuses
+   to send to the writer process); the run then records ``decoupled_error`` and goes on;
+4. ``convert_s`` — ``python -m deepspeed.checkpoint.ds_to_universal`` (as DeepSpeed documents it, a separate
+   process; ``--inject_missing_state`` because a plain model has no Megatron universal-checkpoint info), with the
+   child's CPU seconds in ``convert_cpu_s``;
+5. ``load_s`` — one rank alone (world size 1) builds a fresh engine with ``"checkpoint": {"load_universal": true}``
+   and times ``engine.load_checkpoint(dir)`` (tag from ``latest_universal``); ``raw_read_universal_s`` /
+   ``raw_read_ckpt_s`` read the same files (page cache warm) as checkpoint_bench's ``_raw_read`` does.
+
+Every measure has its first call in ``<name>_first_s`` and the steady-state samples in ``<name>_s`` (two-rank
+measures: the slower rank per sample). Writes one JSON dict to ``--out`` and prints a small table.
+
+    /work/ds-venv/bin/python bench/_ds_checkpoint.py --out /tmp/ds_checkpoint.json
+    /work/ds-venv/bin/python bench/_ds_checkpoint.py --out F --size small --repeats 1   # quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+EXAMPLES = HERE.parent / "examples"
+UNIVERSAL_SUFFIX = "_universal"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="write the JSON dict here")
+    p.add_argument("--size", default="bench", help="GPT size from examples/gpt.py (default bench, ~29.5M)")
+    p.add_argument("--batch-size", type=int, default=2, help="micro-batch per rank (default 2)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sample (default 64)")
+    p.add_argument("--steps", type=int, default=4, help="timed steady-state steps (default 4)")
+    p.add_argument("--repeats", type=int, default=2, help="steady-state saves/conversions/loads after the first (2)")
+    p.add_argument("--dir", type=Path, default=None, help="checkpoint scratch directory (default: a temp dir, removed)")
+    p.add_argument("--no-decoupled", action="store_true", help="skip the decoupled checkpoint engine run")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per phase before its processes are killed")
+    p.add_argument("--role", choices=["train", "load"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--engine", choices=["torch", "decoupled"], default="torch", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# -- pure: configs and summaries --------------------------------------------------------------------------------------
+def ds_config(batch_size: int, engine: str = "torch", load_universal: bool = False) -> dict[str, Any]:
+    """The DeepSpeed config: ZeRO-2, no clipping (DeepSpeed's default clips at 1.0; checkpoint_bench does not)."""
+    checkpoint: dict[str, Any] = {"load_universal": load_universal}
+    if engine == "decoupled":
+        # data_parallel "replica": every rank writes its own shard. Left unset (DeepSpeed's default), 0.19.8 fails at
+        # initialize: AttributeError: 'UniversalParallelInfo' object has no attribute 'dp_rank'.
+        checkpoint["writer"] = {"type": "python", "decoupled": True, "data_parallel": "replica"}
+    return {
+        "train_micro_batch_size_per_gpu": batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+        "checkpoint": checkpoint,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def slowest_rank(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merge the ranks' results: for each ``*_s`` list, the per-sample maximum; other keys from rank 0."""
+    merged = dict(per_rank[0])
+    for key, value in per_rank[0].items():
+        if key.endswith("_s") and isinstance(value, list):
+            merged[key] = [max(samples) for samples in zip(*(r[key] for r in per_rank), strict=True)]
+    return merged
+
+
+def blocked_by_decoupled(stalls: list[float], next_steps: list[float], plain_step: float) -> list[float]:
+    """Loop time lost per decoupled save: the save call plus the next step's excess over a plain step."""
+    return [s + max(0.0, n - plain_step) for s, n in zip(stalls, next_steps, strict=True)]
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+# -- rank side (runs in the DeepSpeed venv) ---------------------------------------------------------------------------
+def _build_engine(args: argparse.Namespace, seed: int, engine: str, load_universal: bool) -> tuple[Any, Any]:
+    import deepspeed
+    import torch
+
+    sys.path.insert(0, str(EXAMPLES))
+    from gpt import GPT, config_for
+
+    cfg = config_for(args.size, block_size=max(args.seq_len, config_for(args.size).block_size))
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    config = ds_config(args.batch_size, engine, load_universal)
+    eng, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    torch.set_num_threads(1)
+    return eng, cfg
+
+
+def _stepper(eng: Any, cfg: Any, args: argparse.Namespace, rank: int) -> Any:
+    import torch
+
+    from gpt import lm_loss, synthetic_batch
+
+    x, y = synthetic_batch(cfg, args.batch_size, args.seq_len, torch.Generator().manual_seed(1 + rank))
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        eng.backward(lm_loss(eng(x), y))
+        eng.step()
+        return time.perf_counter() - t0
+
+    return step
+
+
+def _timed_save(eng: Any, directory: Path, tag: str) -> float:
+    from deepspeed import comm
+
+    comm.barrier()
+    t0 = time.perf_counter()
+    eng.save_checkpoint(str(directory), tag=tag)
+    return time.perf_counter() - t0
+
+
+def train_rank(args: argparse.Namespace) -> dict[str, Any]:
+    """One of 2 ranks: steps, then 1 + repeats saves with ``args.engine``; the last tag stays on disk."""
+    import deepspeed
+    from deepspeed import comm
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = comm.get_rank()
+    eng, cfg = _build_engine(args, seed=0, engine=args.engine, load_universal=False)
+    step = _stepper(eng, cfg, args, rank)
+    res: dict[str, Any] = {
+        "params": sum(p.numel() for p in eng.module.parameters()),
+        "deepspeed": deepspeed.__version__,
+    }
+    res["step_first_s"] = [step()]
+    res["step_s"] = [step() for _ in range(args.steps)]
+    root = args.dir / args.engine
+    stalls, next_steps = [], []
+    for i in range(1 + args.repeats):
+        stalls.append(_timed_save(eng, root, f"t{i}"))
+        next_steps.append(step())  # a decoupled engine commits (waits for its writer) inside this step
+        comm.barrier()
+        if rank == 0 and i:
+            shutil.rmtree(root / f"t{i - 1}")
+    res["save_stall_first_s"], res["save_stall_s"] = stalls[:1], stalls[1:]
+    res["next_step_first_s"], res["next_step_s"] = next_steps[:1], next_steps[1:]
+    res["tag"] = f"t{args.repeats}"
+    if args.engine == "decoupled":
+        eng.checkpoint_engine.cleanup()
+    comm.barrier()
+    return res
+
+
+def load_rank(args: argparse.Namespace) -> dict[str, Any]:
+    """World size 1: 1 + repeats loads of the universal checkpoint, each into a freshly built engine."""
+    import deepspeed
+    import torch
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    root = args.dir / "torch"
+    tag = (root / "latest_universal").read_text().strip()
+    loads, raw_u, raw_c, res = [], [], [], {}
+    for i in range(1 + args.repeats):
+        raw_u.append(raw_read(root / tag))
+        raw_c.append(raw_read(root / tag.removesuffix(UNIVERSAL_SUFFIX)))
+        eng, cfg = _build_engine(args, seed=1 + i, engine="torch", load_universal=True)
+        t0 = time.perf_counter()
+        path, _ = eng.load_checkpoint(str(root))
+        loads.append(time.perf_counter() - t0)
+        if path is None:
+            raise RuntimeError(f"load_checkpoint({root}) loaded nothing")
+        res["load_matches_saved_params"] = _matches_saved(eng, root / tag.removesuffix(UNIVERSAL_SUFFIX))
+        res["step_after_load_s"] = [_stepper(eng, cfg, args, 0)()]
+        del eng
+    res["load_first_s"], res["load_s"] = loads[:1], loads[1:]
+    res["raw_read_universal_s"], res["raw_read_ckpt_s"] = raw_u[1:], raw_c[1:]
+    res["universal_bytes"] = tree_bytes(root / tag)
+    res["ckpt_bytes"] = tree_bytes(root / tag.removesuffix(UNIVERSAL_SUFFIX))
+    torch.distributed.destroy_process_group()
+    return res
+
+
+def _matches_saved(eng: Any, tag_dir: Path) -> bool:
+    """The loaded module equals the model state the 2-rank run saved (bit-exact fp32)."""
+    import torch
+
+    saved = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    return all(torch.equal(p.detach(), saved[n]) for n, p in eng.module.named_parameters())
+
+
+def raw_read(directory: Path) -> float:
+    """Read every file under ``directory`` (recursively) once, 16 MiB at a time."""
+    t0 = time.perf_counter()
+    for f in sorted(directory.rglob("*")):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                while fh.read(1 << 24):
+                    pass
+    return time.perf_counter() - t0
+
+
+def tree_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
+# -- driver -----------------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    return {
+        **os.environ,
+        **{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)},
+        **{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CROSS_RANK": "0", "CROSS_SIZE": "1"},
+        **{"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"},
+    }
+
+
+def common_flags(args: argparse.Namespace) -> list[str]:
+    flags = [f"--size={args.size}", f"--batch-size={args.batch_size}", f"--seq-len={args.seq_len}"]
+    return [*flags, f"--steps={args.steps}", f"--repeats={args.repeats}", f"--dir={args.dir}"]
+
+
+def run_ranks(args: argparse.Namespace, role: str, world: int, engine: str = "torch") -> list[dict[str, Any]]:
+    """Start ``world`` processes of this file in ``role``; return their JSON results or raise with the log tail."""
+    port, procs, logs = free_port(), [], []
+    for rank in range(world):
+        out, log = args.dir / f"{role}-{engine}-{rank}.json", args.dir / f"{role}-{engine}-{rank}.log"
+        argv = [sys.executable, __file__, f"--role={role}", f"--engine={engine}", f"--out={out}", *common_flags(args)]
+        with open(log, "w") as log_f:
+            procs.append(
+                subprocess.Popen(argv, env=rank_env(rank, world, port), stdout=log_f, stderr=subprocess.STDOUT)
+            )
+        logs.append((out, log))
+    try:
+        for p in procs:
+            p.wait(timeout=args.timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (out, log) in zip(procs, logs, strict=True):
+        if p.returncode != 0 or not out.exists():
+            raise RuntimeError(f"{role} rank exited {p.returncode}: {error_line(log)} (log: {log})")
+    return [json.loads(out.read_text()) for out, _ in logs]
+
+
+def error_line(log: Path) -> str:
+    """The rank's own exception line (``[rankN]: XError: ...``), else the log's last non-blank line."""
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    ours = [ln for ln in lines if re.match(r"\[rank\d+\]: \w+(Error|Exception): ", ln)]
+    return ((ours or lines or ["no output"])[-1])[-600:]
+
+
+def convert(args: argparse.Namespace, tag: str) -> dict[str, list[float]]:
+    """Run ``ds_to_universal`` 1 + repeats times on ``tag`` (wall and child CPU seconds); leave the last output."""
+    root = args.dir / "torch"
+    src, dst = root / tag, root / f"{tag}{UNIVERSAL_SUFFIX}"
+    argv = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", f"--input_folder={src}"]
+    argv += [f"--output_folder={dst}", "--inject_missing_state"]
+    walls, cpus = [], []
+    for _ in range(1 + args.repeats):
+        shutil.rmtree(dst, ignore_errors=True)
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        done = subprocess.run(argv, env=rank_env(0, 1, 0), capture_output=True, text=True, timeout=args.timeout)
+        walls.append(time.perf_counter() - t0)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpus.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+        if done.returncode != 0:
+            raise RuntimeError(f"ds_to_universal exited {done.returncode}: {done.stderr.strip()[-600:]}")
+    (root / "latest_universal").write_text(dst.name)  # DeepSpeed's loader reads the tag from this file
+    res = {"convert_first_s": walls[:1], "convert_s": walls[1:]}
+    return {**res, "convert_cpu_first_s": cpus[:1], "convert_cpu_s": cpus[1:]}
+
+
+def decoupled_columns(args: argparse.Namespace) -> dict[str, Any]:
+    """The decoupled checkpoint engine's run, as ``decoupled_*`` keys (or ``decoupled_error``)."""
+    try:
+        r = slowest_rank(run_ranks(args, "train", 2, engine="decoupled"))
+    except RuntimeError as exc:
+        return {"decoupled_error": str(exc)}
+    plain = med(r["step_s"])
+    out = {f"decoupled_{k}": r[k] for k in ("step_s", "save_stall_first_s", "save_stall_s", "next_step_s")}
+    out["decoupled_blocked_first_s"] = blocked_by_decoupled(r["save_stall_first_s"], r["next_step_first_s"], plain)
+    out["decoupled_blocked_s"] = blocked_by_decoupled(r["save_stall_s"], r["next_step_s"], plain)
+    return out
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every phase (2-rank train+save, conversion, 1-rank load); one dict of ``*_s`` sample lists and facts."""
+    scratch = args.dir is None
+    args.dir = Path(tempfile.mkdtemp(prefix="ds_ckpt_bench_")) if scratch else args.dir
+    args.dir.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {"load_before": os.getloadavg()[0], "cpus": os.cpu_count()}
+    try:
+        train = slowest_rank(run_ranks(args, "train", 2))
+        res.update({k: v for k, v in train.items() if k not in ("next_step_first_s", "next_step_s")})
+        if not args.no_decoupled:
+            res.update(decoupled_columns(args))
+        res.update(convert(args, train["tag"]))
+        try:
+            res.update(run_ranks(args, "load", 1)[0])
+        except RuntimeError as exc:
+            res["load_error"] = str(exc)
+    finally:
+        if scratch:
+            shutil.rmtree(args.dir, ignore_errors=True)
+    res["load_after"] = os.getloadavg()[0]
+    return res
+
+
+ROWS = [
+    ("step_s", "training step (ZeRO-2, 2 ranks)"),
+    ("save_stall_s", "save_checkpoint stall (torch engine)"),
+    ("decoupled_save_stall_s", "save_checkpoint call (decoupled engine)"),
+    ("decoupled_blocked_s", "loop blocked per save (decoupled: call + next-step wait)"),
+    ("convert_s", "ds_to_universal (wall)"),
+    ("convert_cpu_s", "ds_to_universal (child CPU seconds)"),
+    ("raw_read_universal_s", "raw read of the universal files"),
+    ("raw_read_ckpt_s", "raw read of the saved checkpoint files"),
+    ("load_s", "load_checkpoint(load_universal) at world 1"),
+]
+
+
+def table(res: dict[str, Any]) -> str:
+    lines = ["| measure | first call s | steady median s | vs one step |", "|---|---|---|---|"]
+    step = med(res.get("step_s", []))
+    for key, label in ROWS:
+        if res.get(key):
+            first = res.get(key.removesuffix("_s") + "_first_s")
+            shown = f"{first[0]:.3f}" if first else "-"
+            lines.append(f"| {label} | {shown} | {med(res[key]):.3f} | {med(res[key]) / step:.2f} |")
+    for key in ("decoupled_error", "load_error"):
+        if key in res:
+            lines.append(f"\n{key}: {res[key]}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.role:
+        rank_fn = train_rank if args.role == "train" else load_rank
+        args.out.write_text(json.dumps(rank_fn(args)))
+        return 0
+    res = measure(args)
+    args.out.write_text(json.dumps(res, indent=1))
+    print(f"DeepSpeed {res.get('deepspeed')} ZeRO-2 fp32 AdamW, {res.get('params', 0) / 1e6:.1f}M params, CPU gloo")
+    print(f"load average {res['load_before']:.2f} -> {res['load_after']:.2f}, {res['cpus']} cpus\n" + table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

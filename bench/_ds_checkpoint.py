@@ -58,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4, help="timed steady-state steps (default 4)")
     p.add_argument("--repeats", type=int, default=2, help="steady-state saves/conversions/loads after the first (2)")
     p.add_argument("--dir", type=Path, default=None, help="checkpoint scratch directory (default: a temp dir, removed)")
+    p.add_argument("--load-stage", type=int, choices=[2, 3], default=2, help="ZeRO stage loaded at world 1 (2)")
     p.add_argument("--no-decoupled", action="store_true", help="skip the decoupled checkpoint engine run")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per phase before its processes are killed")
     p.add_argument("--role", choices=["train", "load"], default=None, help=argparse.SUPPRESS)
@@ -66,8 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # -- pure: configs and summaries --------------------------------------------------------------------------------------
-def ds_config(batch_size: int, engine: str = "torch", load_universal: bool = False) -> dict[str, Any]:
-    """The DeepSpeed config: ZeRO-2, no clipping (DeepSpeed's default clips at 1.0; checkpoint_bench does not)."""
+def ds_config(batch_size: int, engine: str = "torch", load_universal: bool = False, stage: int = 2) -> dict[str, Any]:
+    """DeepSpeed config: ZeRO ``stage``, no clipping (DeepSpeed's default clips at 1.0; checkpoint_bench does not)."""
     checkpoint: dict[str, Any] = {"load_universal": load_universal}
     if engine == "decoupled":
         # data_parallel "replica": every rank writes its own shard. Left unset (DeepSpeed's default), 0.19.8 fails at
@@ -77,7 +78,7 @@ def ds_config(batch_size: int, engine: str = "torch", load_universal: bool = Fal
         "train_micro_batch_size_per_gpu": batch_size,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": 2},
+        "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
         "checkpoint": checkpoint,
         "steps_per_print": 10**9,
@@ -104,7 +105,9 @@ def med(xs: list[float]) -> float:
 
 
 # -- rank side (runs in the DeepSpeed venv) ---------------------------------------------------------------------------
-def _build_engine(args: argparse.Namespace, seed: int, engine: str, load_universal: bool) -> tuple[Any, Any]:
+def _build_engine(
+    args: argparse.Namespace, seed: int, engine: str, load_universal: bool, stage: int = 2
+) -> tuple[Any, Any]:
     import deepspeed
     import torch
 
@@ -115,7 +118,7 @@ def _build_engine(args: argparse.Namespace, seed: int, engine: str, load_univers
     torch.manual_seed(seed)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    config = ds_config(args.batch_size, engine, load_universal)
+    config = ds_config(args.batch_size, engine, load_universal, stage)
     eng, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     torch.set_num_threads(1)
     return eng, cfg
@@ -190,7 +193,7 @@ def load_rank(args: argparse.Namespace) -> dict[str, Any]:
     for i in range(1 + args.repeats):
         raw_u.append(raw_read(root / tag))
         raw_c.append(raw_read(root / tag.removesuffix(UNIVERSAL_SUFFIX)))
-        eng, cfg = _build_engine(args, seed=1 + i, engine="torch", load_universal=True)
+        eng, cfg = _build_engine(args, seed=1 + i, engine="torch", load_universal=True, stage=args.load_stage)
         t0 = time.perf_counter()
         path, _ = eng.load_checkpoint(str(root))
         loads.append(time.perf_counter() - t0)
@@ -209,10 +212,13 @@ def load_rank(args: argparse.Namespace) -> dict[str, Any]:
 
 def _matches_saved(eng: Any, tag_dir: Path) -> bool:
     """The loaded module equals the model state the 2-rank run saved (bit-exact fp32)."""
+    import deepspeed
     import torch
 
     saved = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
-    return all(torch.equal(p.detach(), saved[n]) for n, p in eng.module.named_parameters())
+    params = dict(eng.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):  # a no-op below stage 3
+        return all(torch.equal(p.detach(), saved[n]) for n, p in params.items())
 
 
 def raw_read(directory: Path) -> float:
@@ -248,7 +254,8 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
 
 def common_flags(args: argparse.Namespace) -> list[str]:
     flags = [f"--size={args.size}", f"--batch-size={args.batch_size}", f"--seq-len={args.seq_len}"]
-    return [*flags, f"--steps={args.steps}", f"--repeats={args.repeats}", f"--dir={args.dir}"]
+    flags += [f"--steps={args.steps}", f"--repeats={args.repeats}", f"--load-stage={args.load_stage}"]
+    return [*flags, f"--dir={args.dir}"]
 
 
 def run_ranks(args: argparse.Namespace, role: str, world: int, engine: str = "torch") -> list[dict[str, Any]]:
@@ -279,8 +286,14 @@ def run_ranks(args: argparse.Namespace, role: str, world: int, engine: str = "to
 def error_line(log: Path) -> str:
     """The rank's own exception line (``[rankN]: XError: ...``), else the log's last non-blank line."""
     lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    ours = [ln for ln in lines if re.match(r"\[rank\d+\]: \w+(Error|Exception): ", ln)]
-    return ((ours or lines or ["no output"])[-1])[-600:]
+    ours = [i for i, ln in enumerate(lines) if re.match(r"\[rank\d+\]: \w+(Error|Exception)\b", ln)]
+    if not ours:
+        return (lines or ["no output"])[-1][-600:]
+    i = ours[-1]
+    if ": " in lines[i][9:]:
+        return lines[i][-600:]
+    src = [ln for ln in lines[:i] if ln.split("]: ", 1)[-1].strip(" ^")]  # a bare AssertionError: its source line
+    return f"{(src or [''])[-1].strip()} -> {lines[i]}"[-600:]
 
 
 def convert(args: argparse.Namespace, tag: str) -> dict[str, list[float]]:
@@ -323,7 +336,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     scratch = args.dir is None
     args.dir = Path(tempfile.mkdtemp(prefix="ds_ckpt_bench_")) if scratch else args.dir
     args.dir.mkdir(parents=True, exist_ok=True)
-    res: dict[str, Any] = {"load_before": os.getloadavg()[0], "cpus": os.cpu_count()}
+    res: dict[str, Any] = {"load_before": os.getloadavg()[0], "cpus": os.cpu_count(), "load_stage": args.load_stage}
     try:
         train = slowest_rank(run_ranks(args, "train", 2))
         res.update({k: v for k, v in train.items() if k not in ("next_step_first_s", "next_step_s")})
@@ -376,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     res = measure(args)
     args.out.write_text(json.dumps(res, indent=1))
-    print(f"DeepSpeed {res.get('deepspeed')} ZeRO-2 fp32 AdamW, {res.get('params', 0) / 1e6:.1f}M params, CPU gloo")
+    print(f"DeepSpeed {res.get('deepspeed')} ZeRO-2 fp32 AdamW, {res.get('params', 0) / 1e6:.1f}M params, CPU gloo;")
+    print(f"universal checkpoint loaded at world 1 into ZeRO-{args.load_stage}")
     print(f"load average {res['load_before']:.2f} -> {res['load_after']:.2f}, {res['cpus']} cpus\n" + table(res))
     return 0
 

@@ -24,10 +24,13 @@ a plan's ``options`` holds every declared option, typed, plus :data:`LAUNCHER_OP
 
 from __future__ import annotations
 
+import importlib
+import os
+import re
+import sys
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from elasticzero.errors import UsageError
@@ -127,9 +130,9 @@ class LauncherBackend(ABC):
 
     def check_available(self) -> None:
         """Raise :class:`UsageError` naming the missing program when this backend cannot run here."""
-        import shutil  # lazy: the local backend needs no program lookup (launch overhead)
-
         for prog in self.required_programs:
+            import shutil  # lazy: a backend without programs (local) never loads it (launch overhead)
+
             if shutil.which(prog) is None:
                 raise UsageError(
                     f"launcher {self.name!r} needs {prog!r} on PATH; install it or pick another --launcher"
@@ -196,14 +199,81 @@ def options_help(launchers: Mapping[str, type[LauncherBackend]]) -> str:
 
 def available_launchers() -> dict[str, type[LauncherBackend]]:
     """All registered backends by name (loads the entry points)."""
+    from importlib.metadata import entry_points
+
     found: dict[str, type[LauncherBackend]] = {}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         found[ep.name] = ep.load()
     return found
 
 
+#: ``entry_points.txt`` value: ``module[:attr[.attr…]] [extras]`` (importlib.metadata's ``EntryPoint.pattern``)
+_EP_VALUE = re.compile(r"(?P<module>[\w.]+)\s*(:\s*(?P<attr>[\w.]+)\s*)?((?P<extras>\[.*\])\s*)?$")
+_METADATA_DIRS = (".dist-info", ".egg-info")
+
+
+def _group_entries(path: str, group: str) -> Iterator[tuple[str, str]]:
+    """``(name, value)`` of ``group`` in one ``entry_points.txt`` (importlib.metadata's ``Sectioned`` rules)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return
+    section = None
+    for line in (raw.strip() for raw in lines):
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1].strip()
+        elif section == group:
+            name, _, value = line.partition("=")
+            yield name.strip(), value.strip()
+
+
+def declared_launchers(path: Sequence[str]) -> dict[str, str]:
+    """``{name: "module:attr"}`` of :data:`ENTRY_POINT_GROUP`, read straight from the distributions on ``path``.
+
+    importlib.metadata's rules for plain directories: every ``*.dist-info``/``*.egg-info`` directory of each
+    ``path`` entry in order, the first distribution of a (normalised) name shadowing later ones; a launcher name
+    registered twice keeps the last, as :func:`launcher_class` always did. Why not importlib.metadata itself: importing
+    it (email, zipfile, csv, …) was half the launcher's start-up. Anything else (zip files, custom finders) is
+    found by :func:`launcher_class`'s fallback to importlib.metadata.
+    """
+    found: dict[str, str] = {}
+    seen: set[str] = set()
+    for entry in path:
+        try:
+            children = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for kind in _METADATA_DIRS:  # a directory's dist-infos before its egg-infos, as importlib.metadata
+            for child in children:
+                stem, ext = os.path.splitext(child)
+                dist = re.sub(r"[-_.]+", "_", stem.partition("-")[0]).lower()
+                if ext != kind or dist in seen:
+                    continue
+                seen.add(dist)
+                found.update(_group_entries(os.path.join(entry or ".", child, "entry_points.txt"), ENTRY_POINT_GROUP))
+    return found
+
+
+def _load(name: str, value: str) -> type[LauncherBackend]:
+    m = _EP_VALUE.match(value)
+    if m is None:
+        raise UsageError(f"launcher {name!r}: bad entry point {value!r} in group {ENTRY_POINT_GROUP}; fix its package")
+    obj: Any = importlib.import_module(m.group("module"))
+    for attr in filter(None, (m.group("attr") or "").split(".")):
+        obj = getattr(obj, attr)
+    return obj  # type: ignore[no-any-return]
+
+
 def launcher_class(name: str) -> type[LauncherBackend]:
     """The backend class registered as ``name``; an unknown name lists the available ones."""
+    value = declared_launchers(sys.path).get(name)
+    if value is not None:
+        return _load(name, value)
+    from importlib.metadata import entry_points  # not found cheaply: the full registry (and the names to list)
+
     eps = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
     if name not in eps:
         names = ", ".join(sorted(eps)) or "none installed"

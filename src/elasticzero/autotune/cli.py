@@ -71,14 +71,9 @@ REFUSED = {
 
 
 def add_tuning_flags(parser: argparse.ArgumentParser) -> None:
-    """``elasticzero-autotune``'s own flags, on top of the launcher's."""
+    """``elasticzero-autotune``'s own flag, on top of the launcher's (whose autotuning flags it shares)."""
     g = parser.add_argument_group("autotuning")
-    g.add_argument("--tuning", metavar="FILE", help="tuning block file (default: 'autotuning' in the config)")
-    g.add_argument("--results-dir", "--results_dir", metavar="DIR", help="where results go (autotuning_results)")
-    g.add_argument("--fresh", action="store_true", help="start over: move the journal aside instead of resuming")
-    g.add_argument("--retry-failed", "--retry_failed", action="store_true", help="resume, re-running errors/timeouts")
     g.add_argument("--run", action="store_true", help="after tuning, train with the best config (autotuning off)")
-    g.add_argument("--config-flag", "--config_flag", metavar="FLAG", help="the script's config flag (--config)")
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -162,12 +162,20 @@ def build_parser(prog: str = PROG, usage: str | None = None) -> argparse.Argumen
     a.add_argument(
         "--autotuning", choices=["tune", "run"], help="tune the ZeRO config first (run: then train with the best)"
     )
+    a.add_argument("--tuning", metavar="FILE", help="autotuning: tuning block file (default: the config's)")
+    a.add_argument("--results-dir", "--results_dir", metavar="DIR", help="autotuning: results (autotuning_results)")
+    a.add_argument("--fresh", action="store_true", help="autotuning: start over instead of resuming")
+    a.add_argument("--retry-failed", "--retry_failed", action="store_true", help="autotuning: re-run errors/timeouts")
+    a.add_argument("--config-flag", "--config_flag", metavar="FLAG", help="autotuning: the script's config flag")
     a.add_argument("--no-python", "--no_python", action="store_true", help="SCRIPT is a program, not Python")
     a.add_argument(
         "--no-local-rank", "--no_local_rank", action="store_true", help="accepted; --local_rank is never passed"
     )
     return p
 
+
+#: flags (dests) that only mean something with ``--autotuning`` (``elasticzero-autotune`` has them too)
+AUTOTUNING_ONLY = ("tuning", "results_dir", "fresh", "retry_failed", "config_flag")
 
 #: a separate argument after ``--save-pid`` with this ending is almost certainly the pid path, not the script
 PID_SUFFIX = ".pid"
@@ -233,4 +241,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """Parsed launcher flags and the entry (``[SCRIPT, ARG…]``; empty when no script was given)."""
     parser = build_parser()
     flags, entry = split_entry(parser, argv)
-    return parser.parse_args(flags), entry
+    args = parser.parse_args(flags)
+    stray = [f"--{d.replace('_', '-')}" for d in AUTOTUNING_ONLY if getattr(args, d) and not args.autotuning]
+    if stray:
+        raise UsageError(f"{stray[0]} is an autotuning flag: add --autotuning tune|run (or use elasticzero-autotune)")
+    return args, entry

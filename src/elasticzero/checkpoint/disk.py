@@ -18,12 +18,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elasticzero.checkpoint import commit
-from elasticzero.checkpoint.planner import (
-    SafeFileSystemReader,
-    ZeroLoadPlanner,
-    ZeroSavePlanner,
-    read_metadata_file,
-)
+from elasticzero.checkpoint.planner import ZeroLoadPlanner, ZeroSavePlanner, read_metadata_file
+from elasticzero.checkpoint.reader import FastFileSystemReader
 from elasticzero.checkpoint.snapshot import Snapshot
 from elasticzero.errors import UsageError
 
@@ -116,7 +112,7 @@ class DiskTier:
         try:
             dcp.load(
                 template,
-                storage_reader=SafeFileSystemReader(directory),
+                storage_reader=FastFileSystemReader(directory),
                 planner=ZeroLoadPlanner(),
                 process_group=self.process_group,
             )

@@ -131,22 +131,31 @@ def _stepper(eng: Any, cfg: Any, args: argparse.Namespace, rank: int) -> Any:
 
     x, y = synthetic_batch(cfg, args.batch_size, args.seq_len, torch.Generator().manual_seed(1 + rank))
 
-    def step() -> float:
-        t0 = time.perf_counter()
+    def step() -> None:
         eng.backward(lm_loss(eng(x), y))
         eng.step()
-        return time.perf_counter() - t0
 
     return step
 
 
-def _timed_save(eng: Any, directory: Path, tag: str) -> float:
+def clocked(fn: Any, *fn_args: Any) -> tuple[float, float]:
+    """``fn(*fn_args)``'s wall seconds and this process's CPU seconds (all threads) while it ran."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    fn(*fn_args)
+    return time.perf_counter() - w0, time.process_time() - c0
+
+
+def record(res: dict[str, Any], name: str, samples: list[tuple[float, float]]) -> None:
+    """``samples`` (wall, cpu) as ``<name>_first_s`` / ``<name>_s`` and ``<name>_cpu_first_s`` / ``<name>_cpu_s``."""
+    for suffix, values in (("", [w for w, _ in samples]), ("_cpu", [c for _, c in samples])):
+        res[f"{name}{suffix}_first_s"], res[f"{name}{suffix}_s"] = values[:1], values[1:]
+
+
+def _timed_save(eng: Any, directory: Path, tag: str) -> tuple[float, float]:
     from deepspeed import comm
 
     comm.barrier()
-    t0 = time.perf_counter()
-    eng.save_checkpoint(str(directory), tag=tag)
-    return time.perf_counter() - t0
+    return clocked(eng.save_checkpoint, str(directory), tag)
 
 
 def train_rank(args: argparse.Namespace) -> dict[str, Any]:
@@ -162,18 +171,17 @@ def train_rank(args: argparse.Namespace) -> dict[str, Any]:
         "params": sum(p.numel() for p in eng.module.parameters()),
         "deepspeed": deepspeed.__version__,
     }
-    res["step_first_s"] = [step()]
-    res["step_s"] = [step() for _ in range(args.steps)]
+    record(res, "step", [clocked(step) for _ in range(1 + args.steps)])
     root = args.dir / args.engine
     stalls, next_steps = [], []
     for i in range(1 + args.repeats):
         stalls.append(_timed_save(eng, root, f"t{i}"))
-        next_steps.append(step())  # a decoupled engine commits (waits for its writer) inside this step
+        next_steps.append(clocked(step))  # a decoupled engine commits (waits for its writer) inside this step
         comm.barrier()
         if rank == 0 and i:
             shutil.rmtree(root / f"t{i - 1}")
-    res["save_stall_first_s"], res["save_stall_s"] = stalls[:1], stalls[1:]
-    res["next_step_first_s"], res["next_step_s"] = next_steps[:1], next_steps[1:]
+    record(res, "save_stall", stalls)
+    record(res, "next_step", next_steps)
     res["tag"] = f"t{args.repeats}"
     if args.engine == "decoupled":
         eng.checkpoint_engine.cleanup()
@@ -194,15 +202,11 @@ def load_rank(args: argparse.Namespace) -> dict[str, Any]:
         raw_u.append(raw_read(root / tag))
         raw_c.append(raw_read(root / tag.removesuffix(UNIVERSAL_SUFFIX)))
         eng, cfg = _build_engine(args, seed=1 + i, engine="torch", load_universal=True, stage=args.load_stage)
-        t0 = time.perf_counter()
-        path, _ = eng.load_checkpoint(str(root))
-        loads.append(time.perf_counter() - t0)
-        if path is None:
-            raise RuntimeError(f"load_checkpoint({root}) loaded nothing")
+        loads.append(clocked(eng.load_checkpoint, str(root)))  # tag from root/latest_universal
         res["load_matches_saved_params"] = _matches_saved(eng, root / tag.removesuffix(UNIVERSAL_SUFFIX))
-        res["step_after_load_s"] = [_stepper(eng, cfg, args, 0)()]
+        res["step_after_load_s"] = [clocked(_stepper(eng, cfg, args, 0))[0]]
         del eng
-    res["load_first_s"], res["load_s"] = loads[:1], loads[1:]
+    record(res, "load", loads)
     res["raw_read_universal_s"], res["raw_read_ckpt_s"] = raw_u[1:], raw_c[1:]
     res["universal_bytes"] = tree_bytes(root / tag)
     res["ckpt_bytes"] = tree_bytes(root / tag.removesuffix(UNIVERSAL_SUFFIX))
@@ -325,7 +329,8 @@ def decoupled_columns(args: argparse.Namespace) -> dict[str, Any]:
     except RuntimeError as exc:
         return {"decoupled_error": str(exc)}
     plain = med(r["step_s"])
-    out = {f"decoupled_{k}": r[k] for k in ("step_s", "save_stall_first_s", "save_stall_s", "next_step_s")}
+    keys = ("step_s", "step_cpu_s", "save_stall_first_s", "save_stall_s", "save_stall_cpu_s", "next_step_s")
+    out = {f"decoupled_{k}": r[k] for k in keys}
     out["decoupled_blocked_first_s"] = blocked_by_decoupled(r["save_stall_first_s"], r["next_step_first_s"], plain)
     out["decoupled_blocked_s"] = blocked_by_decoupled(r["save_stall_s"], r["next_step_s"], plain)
     return out
@@ -359,8 +364,7 @@ ROWS = [
     ("save_stall_s", "save_checkpoint stall (torch engine)"),
     ("decoupled_save_stall_s", "save_checkpoint call (decoupled engine)"),
     ("decoupled_blocked_s", "loop blocked per save (decoupled: call + next-step wait)"),
-    ("convert_s", "ds_to_universal (wall)"),
-    ("convert_cpu_s", "ds_to_universal (child CPU seconds)"),
+    ("convert_s", "ds_to_universal (separate process; CPU = child's)"),
     ("raw_read_universal_s", "raw read of the universal files"),
     ("raw_read_ckpt_s", "raw read of the saved checkpoint files"),
     ("load_s", "load_checkpoint(load_universal) at world 1"),
@@ -368,13 +372,15 @@ ROWS = [
 
 
 def table(res: dict[str, Any]) -> str:
-    lines = ["| measure | first call s | steady median s | vs one step |", "|---|---|---|---|"]
+    """Markdown: first call, steady-state median (wall and CPU seconds), and the ratio to one training step."""
+    lines = ["| measure | first call s | steady median s | steady CPU s | vs one step |", "|---|---|---|---|---|"]
     step = med(res.get("step_s", []))
     for key, label in ROWS:
         if res.get(key):
-            first = res.get(key.removesuffix("_s") + "_first_s")
-            shown = f"{first[0]:.3f}" if first else "-"
-            lines.append(f"| {label} | {shown} | {med(res[key]):.3f} | {med(res[key]) / step:.2f} |")
+            first, cpu = res.get(key.removesuffix("_s") + "_first_s"), res.get(key.removesuffix("_s") + "_cpu_s")
+            cells = [f"{first[0]:.3f}" if first else "-", f"{med(res[key]):.3f}", f"{med(cpu):.3f}" if cpu else "-"]
+            lines.append(f"| {label} | {' | '.join(cells)} | {med(res[key]) / step:.2f} |")
+    lines.append(f"\nloaded parameters equal the saved ones: {res.get('load_matches_saved_params')}")
     for key in ("decoupled_error", "load_error"):
         if key in res:
             lines.append(f"\n{key}: {res[key]}")

@@ -16,11 +16,14 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import sys
+import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from elasticzero.errors import UsageError, cli_main
+from elasticzero.launch.execute import STOP_SIGNALS  # the launcher's and torch's stop signals
 from elasticzero.proc import check_job_id, exit_status, signal_exit_code
 
 PROG = "elasticzero-run"
@@ -49,8 +52,11 @@ def _kill_job_argv(argv: Sequence[str]) -> bool:
     return bool(argv) and argv[0].split("=", 1)[0] in ("--kill-job", "--kill_job")
 
 
-def run(argv: Sequence[str] | None) -> int:
-    """Parse, validate, then launch (or kill a job); see the module docstring for exit codes."""
+def run(argv: Sequence[str] | None, startup_handlers: Mapping[int, object] | None = None) -> int:
+    """Parse, validate, then launch (or kill a job); see the module docstring for exit codes.
+
+    ``startup_handlers`` (from :func:`exit_on_stop_signals`) are put back right before the launch.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if _kill_job_argv(argv):
         return _kill_job(argv)
@@ -58,7 +64,7 @@ def run(argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     if args.kill_job is not None:
         raise UsageError("--kill-job must be the first flag and cannot be combined with a training script")
-    return _launch(args)
+    return _launch(args, startup_handlers or {})
 
 
 def _kill_job(argv: list[str]) -> int:
@@ -74,7 +80,7 @@ def _kill_job(argv: list[str]) -> int:
     return kill_main(check_job_id(ns.kill_job, "--kill-job"), ns.grace)
 
 
-def _launch(args: argparse.Namespace) -> int:
+def _launch(args: argparse.Namespace, startup_handlers: Mapping[int, object]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import _parse_rendezvous_config, config_from_args
@@ -105,6 +111,7 @@ def _launch(args: argparse.Namespace) -> int:
         entrypoint, entry_args = cmd, cmd_args
     else:
         entrypoint, entry_args = shim_argv(sys.executable, cmd, cmd_args, package_root())
+    restore_handlers(startup_handlers)  # from the rendezvous on, torch's signal rules (as for torchrun)
     try:
         result, agent = launch(config, entrypoint, entry_args, health_file=settings.health_file)
     except SignalException as exc:
@@ -146,10 +153,41 @@ def _standalone(args: argparse.Namespace) -> None:
         args.master_port = 29500
 
 
+def exit_on_stop_signals() -> dict[int, object]:
+    """Until the launch starts, a stop signal ends the process with ``128+signal`` (no traceback, nothing running).
+
+    Start-up (torch's import, parsing) takes seconds, and ``elasticzero-launch`` execs the agent for the ``local``
+    and ``no-ssh`` backends, so a Ctrl-C or SIGTERM meant for the launcher may land here. Returns the previous
+    handlers, which :func:`_launch` puts back before the rendezvous (from there torch's rules apply).
+    """
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(signal_exit_code(signum))
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}  # only the main thread may set handlers
+    previous = {int(s): signal.getsignal(s) for s in STOP_SIGNALS}
+    for s in STOP_SIGNALS:
+        if previous[s] is not signal.SIG_IGN:  # nohup's ignored SIGHUP stays ignored
+            signal.signal(s, stop)
+    return previous
+
+
+def restore_handlers(previous: Mapping[int, object]) -> None:
+    """Put back what :func:`exit_on_stop_signals` replaced."""
+    for s, handler in previous.items():
+        if handler is not None:  # None: set outside Python, cannot be put back
+            signal.signal(s, handler)  # type: ignore[arg-type]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console-script entry point of ``elasticzero-run``."""
-    logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING").upper())
-    return cli_main(PROG, run, argv)
+    startup = exit_on_stop_signals()
+    try:
+        logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING").upper())
+        return cli_main(PROG, lambda a: run(a, startup), argv)
+    finally:
+        restore_handlers(startup)  # called in-process (tests, tools): leave the caller's handlers as they were
 
 
 if __name__ == "__main__":

@@ -147,8 +147,12 @@ def main() -> None:
         for i in range(args.runs):
             if args.budget and time.monotonic() - start > args.budget:
                 break
-            tally.add(*one_run(args.steps, args.timeout))
+            codes, errs = one_run(args.steps, args.timeout)
+            tally.add(codes, errs)
             print(f"run {i + 1}: aborts {tally.aborts}, other failures {tally.other_failures}", flush=True)
+            for rank, (code, err) in enumerate(zip(codes, errs, strict=True)):
+                if code:
+                    print(f"  rank {rank} exit {code}: {err[-800:].decode(errors='replace')!r}", flush=True)
     finally:
         for b in burners:
             b.terminate()

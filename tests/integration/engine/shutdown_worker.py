@@ -1,8 +1,10 @@
 """One rank of the shutdown test: train with every engine piece, destroy the process group, report threads.
 
-Run as ``python shutdown_worker.py OUT`` with MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set. Writes ``OUT.rank<r>``
-(JSON): the process's thread count before ``init_process_group`` and after ``destroy_process_group`` while every
-engine object is still alive, and the error each object gives when used after the destroy.
+Run as ``python shutdown_worker.py OUT [late]`` with MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set. Writes
+``OUT.rank<r>`` (JSON): the process's thread count before ``init_process_group`` and after ``destroy_process_group``
+while every engine object is still alive, and the error each object gives when used after the destroy. ``late``:
+the engine (and with it torch.distributed.nn) is imported only after ``init_process_group``, which pins the default
+group in torch's default arguments until the first engine object unpins it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import torch.distributed as dist
 from torch import nn
 
 import elasticzero
-from elasticzero.engine.zero import comm
 from elasticzero.errors import UsageError
 
 
@@ -25,13 +26,19 @@ def threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def main(out: str) -> None:
+def main(out: str, late: bool) -> None:
     # torch.distributed.nn binds the default group in default arguments when imported after init_process_group
     # (torch._dynamo imports it, on the first torch.optim optimizer) and keeps it alive; the engine's comm module,
-    # imported above like a script imports elasticzero, imports it first, so it binds None.
+    # imported before init like a script imports the engine, imports it first, so it binds None. Imported late, the
+    # first engine object puts None back.
     torch.set_num_threads(1)
+    if not late:
+        from elasticzero.engine.zero import comm
     before = threads()
     dist.init_process_group("gloo")
+    if late:
+        from elasticzero.engine.zero import comm
+    pinned_at_import = comm.default_group_pinned()
     rank = dist.get_rank()
     group = dist.new_group([0, 1])  # an explicit group, passed to the scaler and one optimizer
     torch.manual_seed(0)
@@ -70,8 +77,9 @@ def main(out: str) -> None:
         errors["scaler"] = str(e)
     with open(f"{out}.rank{rank}", "w") as f:
         report = {"unsettled": unsettled, "before_init": before, "live": live, "after_destroy": after, "pinned": pinned}
+        report["pinned_at_import"] = pinned_at_import
         json.dump({**report, "errors": errors}, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], late=sys.argv[2:] == ["late"])

@@ -23,16 +23,14 @@ from ez_testing import free_port
 WORKER = Path(__file__).with_name("shutdown_worker.py")
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("shutdown") / "result"
+def run_ranks(out: Path, *mode: str) -> list[dict[str, Any]]:
     port = str(free_port())
     procs = []
     for rank in range(2):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2")
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(WORKER), str(out)],
+                [sys.executable, str(WORKER), str(out), *mode],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -48,12 +46,26 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return results
 
 
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_ranks(tmp_path_factory.mktemp("shutdown") / "result")
+
+
 def test_destroy_joins_the_group_threads_while_engine_objects_live(ranks: list[dict[str, Any]]) -> None:
     # no torch._dynamo imported up front by the script: the engine keeps torch.distributed.nn from pinning the group
     for r in ranks:
         assert r["pinned"] is False, r
         assert r["live"] > r["before_init"], r  # the groups' threads existed while training
         assert r["after_destroy"] == r["before_init"], r  # ... and are joined by destroy_process_group()
+
+
+def test_engine_imported_after_init_unpins_the_default_group(tmp_path: Path) -> None:
+    # the script initialises the group before importing the engine: torch.distributed.nn's defaults pin the group
+    # until the first engine object puts None back; then destroy_process_group() joins the threads as above
+    for r in run_ranks(tmp_path / "result", "late"):
+        assert r["pinned_at_import"] is True, r
+        assert r["pinned"] is False, r
+        assert r["after_destroy"] == r["before_init"], r
 
 
 def test_use_after_destroy_is_one_clear_error(ranks: list[dict[str, Any]]) -> None:

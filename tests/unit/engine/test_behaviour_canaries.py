@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import inspect
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn_functional
 from torch import nn
@@ -40,3 +43,44 @@ def test_transformers_reads_the_sharded_flag_that_stage3_sets() -> None:
         f"transformers no longer reads {hf.SHARDED_FLAG!r}: stage-3 generate() needs synced_gpus=True passed by hand; "
         "revisit engine/hf.py (see docs/architecture.md)"
     )
+
+
+def _binds_world_at_import(source: str) -> bool:
+    """Whether a function in ``source`` has ``group.WORLD`` (``dist.group.WORLD``) as a default argument."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            defaults = [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
+            if any(ast.unparse(d) in ("group.WORLD", "dist.group.WORLD") for d in defaults):
+                return True
+    return False
+
+
+def test_every_torch_module_that_binds_the_default_group_at_import_is_unpinned() -> None:
+    """comm.unpin_default_group covers the torch modules whose functions take ``group.WORLD`` as a default argument
+    (evaluated at import): a new one in torch's source must be added to comm._PINNING_MODULES."""
+    root = Path(torch.__file__).parent
+    binding = {
+        ".".join(("torch", *path.relative_to(root).with_suffix("").parts))
+        for path in (root / "distributed").rglob("*.py")
+        if "group.WORLD" in (text := path.read_text(encoding="utf-8", errors="replace"))
+        and _binds_world_at_import(text)
+    }
+    assert binding, "torch no longer binds group.WORLD as a default argument anywhere: re-check comm._PINNING_MODULES"
+    missing = sorted(binding - set(comm._PINNING_MODULES))
+    assert not missing, (
+        f"torch modules bind group.WORLD as a default argument and comm.unpin_default_group does not cover them: "
+        f"{missing}; add them to engine/zero/comm.py _PINNING_MODULES if None means the default group there"
+    )
+
+
+def test_unpin_puts_none_back_where_a_late_import_bound_the_live_group(group: None) -> None:
+    world = dist.group.WORLD
+    saved = dist_nn_functional.broadcast.__defaults__
+    dist_nn_functional.broadcast.__defaults__ = (world,)  # what importing the module after init_process_group binds
+    try:
+        assert comm.default_group_pinned()
+        assert comm.unpin_default_group() == 1
+        assert dist_nn_functional.broadcast.__defaults__ == (None,)
+        assert not comm.default_group_pinned()
+    finally:
+        dist_nn_functional.broadcast.__defaults__ = saved

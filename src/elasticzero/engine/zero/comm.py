@@ -14,6 +14,7 @@ tags between two :meth:`CommStats.snapshot` calls.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import time
@@ -28,11 +29,12 @@ import torch
 import torch.distributed as dist
 
 # torch.distributed.nn.functional binds ``group.WORLD`` into its functions' default arguments when it is imported. It
-# is imported by torch._dynamo, i.e. by the first torch.optim optimizer a script builds: after init_process_group,
-# that pins the default group, so destroy_process_group() no longer joins gloo's threads, and a thread still letting
-# go of the last collective's tensors while the interpreter finalizes aborts the process (see settle). Imported here,
-# with the engine, before the script initialises the group, the defaults bind None.
-import torch.distributed.nn.functional as _dist_nn_functional
+# is imported by torch._dynamo, i.e. by the first torch.optim optimizer a script builds (or by transformers): after
+# init_process_group, that pins the default group, so destroy_process_group() no longer joins gloo's threads, and a
+# thread still letting go of the last collective's tensors while the interpreter finalizes aborts the process (see
+# settle). Imported here, with the engine, before the script initialises the group, the defaults bind None; when the
+# script initialised the group first, unpin_default_group() puts None back (what the defaults would have been).
+import torch.distributed.nn.functional  # (see above: imported before the script initialises the group)
 
 from elasticzero.engine.zero import ring
 from elasticzero.errors import UsageError
@@ -94,14 +96,7 @@ class WeakGroup:
             raise UsageError(f"{owner} needs torch.distributed initialised (init_process_group)")
         self._ref = weakref.ref(pg)
         self._owner = owner
-        if default_group_pinned():
-            warnings.warn(
-                "elasticzero: torch.distributed.nn was imported after init_process_group and holds the default "
-                "group, so destroy_process_group() cannot join gloo's threads (an abort at exit is possible): import "
-                "elasticzero's engine (e.g. `from elasticzero import ZeroStage2`) before init_process_group",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        unpin_default_group()
 
     def __call__(self) -> Any:
         """The group; a :class:`UsageError` once it was destroyed."""
@@ -114,10 +109,51 @@ class WeakGroup:
         return pg
 
 
+# modules of torch whose functions bind ``dist.group.WORLD`` as a default argument at import (checked against torch's
+# source by tests/unit/engine/test_behaviour_canaries.py); None means "the default group at call time" in all of them
+_PINNING_MODULES = (
+    "torch.distributed.nn.functional",
+    "torch.distributed.optim.zero_redundancy_optimizer",
+    "torch.distributed.fsdp.sharded_grad_scaler",
+)
+
+
+def _pinning_functions() -> list[Any]:
+    """Functions (and ``__init__`` s) of the already imported pinning modules."""
+    found = []
+    for name in _PINNING_MODULES:
+        module = sys.modules.get(name)
+        for obj in vars(module).values() if module is not None else ():
+            if isinstance(obj, type) and obj.__module__ == name:
+                obj = obj.__dict__.get("__init__")
+            if inspect.isfunction(obj) and obj.__module__ == name:
+                found.append(obj)
+    return found
+
+
 def default_group_pinned() -> bool:
-    """Whether torch.distributed.nn's default arguments hold the live default group (imported after init)."""
+    """Whether a torch function's default argument holds the live default group (its module imported after init)."""
     world = dist.group.WORLD
-    return world is not None and any(d is world for d in _dist_nn_functional.all_reduce.__defaults__ or ())
+    return world is not None and any(
+        d is world for f in _pinning_functions() for d in (*(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values())
+    )
+
+
+def unpin_default_group() -> int:
+    """Replace default arguments that hold the live default group with None (the value they have when their module is
+    imported before ``init_process_group``; every such function resolves None to the default group when called), so
+    ``destroy_process_group()`` can free the group and join its threads. Returns how many defaults were replaced."""
+    world, replaced = dist.group.WORLD, 0
+    if world is None:
+        return 0
+    for f in _pinning_functions():
+        if any(d is world for d in f.__defaults__ or ()):
+            replaced += sum(d is world for d in f.__defaults__)
+            f.__defaults__ = tuple(None if d is world else d for d in f.__defaults__)
+        if any(d is world for d in (f.__kwdefaults__ or {}).values()):
+            replaced += sum(d is world for d in f.__kwdefaults__.values())
+            f.__kwdefaults__ = {k: None if d is world else d for k, d in f.__kwdefaults__.items()}
+    return replaced
 
 
 def _record(stats: CommStats | None, op: str, tag: str, tensor: torch.Tensor) -> None:

@@ -8,8 +8,10 @@ Not a test (it runs minutes); the count goes in the issue's closing note::
     .venv/bin/python bench/exit_stress.py --runs 300 --load 2          # the proof run
     .venv/bin/python bench/exit_stress.py --runs 20 --load 2 --budget 480   # a bounded smoke
 
-Each run is two fresh processes (``python bench/exit_stress.py --rank R ...``) rendezvousing over TCP on a free port,
-so the interpreter's real exit path is exercised. ``--budget`` stops starting runs after that many seconds.
+Each run is two fresh processes (``python bench/exit_stress.py --rank R ...``) rendezvousing over a TCPStore whose
+listening socket the parent binds and hands to rank 0 (no free-port race with parallel instances), so the
+interpreter's real exit path is exercised. Failed runs print both ranks' exit codes and stderr tails as they happen.
+``--budget`` stops starting runs after that many seconds.
 """
 
 from __future__ import annotations
@@ -45,12 +47,6 @@ class Tally:
             )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def burn() -> None:
     """A CPU-bound loop (the 'loaded machine')."""
     x = 0
@@ -69,7 +65,10 @@ def rank_main(rank: int, world: int, steps: int) -> None:
     import elasticzero
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    listen_fd = int(os.environ.get("EZ_STRESS_LISTEN_FD", "-1"))  # rank 0: the socket the parent bound for it
+    store = dist.TCPStore(host, port, world, rank == 0, master_listen_fd=listen_fd if rank == 0 else None)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=128,
@@ -101,16 +100,22 @@ def rank_main(rank: int, world: int, steps: int) -> None:
 
 
 def one_run(steps: int, timeout: float) -> tuple[list[int], list[bytes]]:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--rank", str(r), "--world", "2", "--steps", str(steps)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        for r in range(2)
-    ]
+    # the parent binds the store's port and hands the listening socket to rank 0: no free-port race with other jobs
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port, fd = listener.getsockname()[1], listener.fileno()
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--rank", str(r), "--world", "2", "--steps", str(steps)],
+                env={**env, "EZ_STRESS_LISTEN_FD": str(fd)} if r == 0 else env,
+                pass_fds=(fd,) if r == 0 else (),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            for r in range(2)
+        ]
     codes, errs = [], []
     for p in procs:
         try:
@@ -130,7 +135,7 @@ def main() -> None:
     ap.add_argument("--load", type=int, default=2, help="CPU-burning processes beside the runs")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--budget", type=float, default=0.0, help="seconds; stop starting runs after this (0: none)")
-    ap.add_argument("--timeout", type=float, default=180.0, help="seconds per run")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run (a hang, not a slow run)")
     ap.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -7,6 +7,7 @@ use that group concurrently when saves run in the background.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 from collections.abc import Callable
 from pathlib import Path
@@ -108,7 +109,19 @@ class DiskTier:
         file's size (and CRC-32 if ``verify``) and that the checkpoint has every entry of the template with the
         same shape. Any problem: one ``UsageError`` on every rank, naming the file and what is wrong."""
         directory = self.root / commit.step_dir(step)
-        self._raise_any(lambda: self._check(directory, template, verify))
+        self._raise_any(lambda: self._check(directory, template, False))
+        with concurrent.futures.ThreadPoolExecutor(1, "elasticzero-crc") as pool:
+            # CRC-32s while DCP reads into the fresh template (zlib and preadv release the GIL); checked before
+            # anything live is touched, and a damaged file is named before what reading it did
+            crc = pool.submit(self._crc_errors, directory) if verify else None
+            failed = self._load_into(directory, template)
+            if crc is not None:
+                self._raise_any(crc.result)
+        if failed is not None:
+            raise failed
+        return self.read_manifest(directory)
+
+    def _load_into(self, directory: Path, template: dict[str, Any]) -> UsageError | None:
         try:
             dcp.load(
                 template,
@@ -117,8 +130,18 @@ class DiskTier:
                 process_group=self.process_group,
             )
         except CheckpointException as exc:
-            raise UsageError(f"{directory}: {_first_failure(exc)}") from exc
-        return self.read_manifest(directory)
+            err = UsageError(f"{directory}: {_first_failure(exc)}")
+            err.__cause__ = exc
+            return err
+        return None
+
+    def _crc_errors(self, directory: Path) -> list[str]:
+        files = commit.read_manifest(directory)["files"]
+        return commit.file_errors(directory, files, self._mine(files), True)
+
+    def _mine(self, files: dict[str, Any]) -> list[str]:
+        """The files this rank checks (the ranks split them round-robin)."""
+        return [n for i, n in enumerate(sorted(files)) if i % self.world_size == self.rank]
 
     def read_manifest(self, directory: Path) -> dict[str, Any]:
         return commit.read_manifest(directory)
@@ -129,8 +152,7 @@ class DiskTier:
         except UsageError as exc:
             return [str(exc)]
         files = manifest["files"]
-        mine = [n for i, n in enumerate(sorted(files)) if i % self.world_size == self.rank]
-        errors = commit.file_errors(directory, files, mine, verify)
+        errors = commit.file_errors(directory, files, self._mine(files), verify)
         errors += commit.file_errors(directory, files, [".metadata"], False) if ".metadata" in files else []
         if not errors:
             read_metadata_file(str(directory / ".metadata"))  # UsageError if it is not DCP's metadata

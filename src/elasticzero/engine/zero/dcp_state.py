@@ -105,7 +105,7 @@ class ZeroCheckpointState:
             inner = opt.optim.state[m]
             for k, v in fresh[m].items():
                 if k not in inner:
-                    inner[k] = v.clone() if torch.is_tensor(v) else v
+                    inner[k] = v  # the probe's tensors were built aside for this (cleared below): adopt, no copy
             for k, by_name in scalars.items():  # a bucket of this layout takes them from its first parameter
                 like = fresh[m].get(k)
                 value = by_name[b.names[0]]

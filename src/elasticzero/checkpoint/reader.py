@@ -258,6 +258,8 @@ def _pread(fd: int, n: int, offset: int) -> bytes:
 def preadv_into(fd: int, dest: torch.Tensor, offset: int) -> None:
     """Fill contiguous CPU ``dest`` with the file's bytes at ``offset`` (short read: :class:`BadItem`)."""
     nbytes = dest.numel() * dest.element_size()
+    if nbytes == 0:
+        return
     view = memoryview((ctypes.c_ubyte * nbytes).from_address(dest.data_ptr())).cast("B")
     done = 0
     while done < nbytes:

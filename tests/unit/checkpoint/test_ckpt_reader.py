@@ -41,6 +41,7 @@ def _state() -> dict[str, Any]:
         "ids": torch.arange(-5, 12, dtype=torch.int64),
         "mask": torch.rand(9, generator=g) > 0.5,
         "scalar": torch.tensor(3.25, dtype=torch.float64),
+        "empty": torch.zeros(0, 3),
         "transposed": torch.randn(4, 6, generator=g).t(),  # saved with its strides: torch's path reads it
         "plain": {"step": 7, "name": "x"},
     }
@@ -76,7 +77,7 @@ def test_fast_reader_is_bit_exact_and_reads_directly(tmp_path: Path) -> None:
     dcp.load(got, storage_reader=reader, planner=ZeroLoadPlanner(), no_dist=True)
     assert got["plain"] == {"step": 7, "name": "x"} == want["plain"]
     pairs = list(zip(tensors_of(want), tensors_of(got), strict=True))
-    assert len(pairs) == 7
+    assert len(pairs) == 8
     for a, b in pairs:
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
     assert torch.equal(got["master"].tensor, _state()["master"].tensor[150:600])

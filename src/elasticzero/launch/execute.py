@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -42,6 +41,8 @@ from elasticzero.errors import UsageError
 from elasticzero.proc import exit_status, parent_death_preexec, signal_exit_code
 
 if TYPE_CHECKING:
+    import subprocess  # imported when commands start: a launcher that execs its one command never needs it
+
     from elasticzero.launch.backend import Command, LauncherBackend
     from elasticzero.launch.plan import LaunchPlan
 
@@ -139,6 +140,8 @@ def exec_in_place(plan: LaunchPlan, cmd: Command) -> int:
 
 
 def _start(plan: LaunchPlan, cmd: Command) -> subprocess.Popen[bytes]:
+    import subprocess
+
     return subprocess.Popen(
         list(cmd.argv),
         env=_command_env(cmd),
@@ -180,6 +183,8 @@ def _run(plan: LaunchPlan, backend: LauncherBackend, commands: list[Command], re
 
 def _stop(plan: LaunchPlan, backend: LauncherBackend, procs: list[subprocess.Popen[bytes]]) -> None:
     """Stop the job: backend cleanup on every node, then the local commands (TERM, then KILL)."""
+    import subprocess
+
     if isinstance(backend, StopsJob):
         backend.stop_job(plan)
     for p in procs:

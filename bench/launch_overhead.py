@@ -33,7 +33,7 @@ EZ, TORCHRUN, BASELINE = "elasticzero-launch", "torchrun", "ez-launch@baseline"
 
 
 def commands(script: str, nproc: int, baseline: bool) -> dict[str, list[str]]:
-    """The commands compared: our launcher (local backend → elasticzero-run) and torchrun --standalone."""
+    """The commands compared: our launcher (local backend: it execs elasticzero-run) and torchrun --standalone."""
     ez = [str(BIN / "elasticzero-launch"), "--nproc-per-node", str(nproc), script]
     cmds = {EZ: ez, TORCHRUN: [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc), script]}
     if baseline:
@@ -81,7 +81,8 @@ def report(times: dict[str, list[float]], cpus: dict[str, list[float]], load_bef
             min(times[name]) / min(times[TORCHRUN]),
             statistics.median(cpus[name]) / statistics.median(cpus[TORCHRUN]),
         )
-        print(f"{'':>20}  fastest-run ratio {fast:.2f}x; CPU-median ratio {cpu:.2f}x")
+        cpu_pairs = statistics.median(a / b for a, b in zip(cpus[name], cpus[TORCHRUN], strict=True))
+        print(f"{'':>20}  fastest-run ratio {fast:.2f}x; CPU-median ratio {cpu:.2f}x; per-round CPU {cpu_pairs:.2f}x")
     load = " ".join(f"{x:.1f}" for x in load_before), " ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"{'load average':>20}: before {load[0]}; after {load[1]}  ({os.cpu_count()} cpus)")
 

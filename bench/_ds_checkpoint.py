@@ -174,12 +174,16 @@ def train_rank(args: argparse.Namespace) -> dict[str, Any]:
     record(res, "step", [clocked(step) for _ in range(1 + args.steps)])
     root = args.dir / args.engine
     stalls, next_steps = [], []
-    for i in range(1 + args.repeats):
-        stalls.append(_timed_save(eng, root, f"t{i}"))
-        next_steps.append(clocked(step))  # a decoupled engine commits (waits for its writer) inside this step
-        comm.barrier()
-        if rank == 0 and i:
-            shutil.rmtree(root / f"t{i - 1}")
+    try:
+        for i in range(1 + args.repeats):
+            stalls.append(_timed_save(eng, root, f"t{i}"))
+            next_steps.append(clocked(step))  # a decoupled engine commits (waits for its writer) inside this step
+            comm.barrier()
+            if rank == 0 and i:
+                shutil.rmtree(root / f"t{i - 1}")
+    except Exception:
+        _stop_writer(eng)
+        raise
     record(res, "save_stall", stalls)
     record(res, "next_step", next_steps)
     res["tag"] = f"t{args.repeats}"
@@ -187,6 +191,14 @@ def train_rank(args: argparse.Namespace) -> dict[str, Any]:
         eng.checkpoint_engine.cleanup()
     comm.barrier()
     return res
+
+
+def _stop_writer(eng: Any) -> None:
+    """Kill a decoupled engine's writer process: it is not a daemon, so exit would otherwise wait for it forever."""
+    proc = getattr(eng.checkpoint_engine, "ckpt_process", None)
+    if proc is not None and proc.is_alive():
+        proc.kill()
+        proc.join()
 
 
 def load_rank(args: argparse.Namespace) -> dict[str, Any]:
@@ -274,17 +286,27 @@ def run_ranks(args: argparse.Namespace, role: str, world: int, engine: str = "to
             )
         logs.append((out, log))
     try:
-        for p in procs:
-            p.wait(timeout=args.timeout)
+        wait_all(procs, args.timeout)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for p, (out, log) in zip(procs, logs, strict=True):
-        if p.returncode != 0 or not out.exists():
-            raise RuntimeError(f"{role} rank exited {p.returncode}: {error_line(log)} (log: {log})")
+    pairs = zip(procs, logs, strict=True)
+    failed = [(p.returncode, log) for p, (out, log) in pairs if p.returncode or not out.is_file()]
+    if failed:  # the rank that failed by itself first, not one killed above (negative exit code)
+        code, log = max(failed, key=lambda f: (f[0] or 0) > 0)
+        raise RuntimeError(f"{role} rank exited {code}: {error_line(log)} (log: {log})")
     return [json.loads(out.read_text()) for out, _ in logs]
+
+
+def wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    """Wait until every process exits, or one fails (its peers would block in a collective), or ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.returncode not in (None, 0) for p in procs):
+            return
+        time.sleep(0.5)
 
 
 def error_line(log: Path) -> str:

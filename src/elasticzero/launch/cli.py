@@ -364,7 +364,7 @@ def _execute(plan: LaunchPlan, backend: backend_mod.LauncherBackend) -> int:
     from elasticzero.launch.execute import execute  # lazy: execution lives with the backends
 
     if plan.options.get("save_pid") != "":
-        return int(execute(plan, backend))
+        return int(execute(plan, backend, replace_process=True))  # local/no-ssh: this process becomes the agent
     path = default_pid_file(os.environ)  # execution starts here: the only place the default path is made
     pid_dir = _made_pid_dir(path)
     try:

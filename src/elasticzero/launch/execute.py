@@ -63,14 +63,17 @@ class StopsJob(Protocol):
     def stop_job(self, plan: LaunchPlan) -> None: ...
 
 
-def execute(plan: LaunchPlan, backend: LauncherBackend) -> int:
+def execute(plan: LaunchPlan, backend: LauncherBackend, *, replace_process: bool = False) -> int:
     """Start ``plan.commands`` (or the backend's commands for ``plan``), wait, and return the exit code.
 
-    The caller runs ``backend.preflight(plan)`` first (``elasticzero-launch`` does).
+    The caller runs ``backend.preflight(plan)`` first (``elasticzero-launch`` does). ``replace_process=True`` (the
+    ``elasticzero-launch`` process, which has nothing left to do after the job) lets a backend that
+    :attr:`~elasticzero.launch.backend.LauncherBackend.replaces_launcher` take this process over
+    (:func:`exec_in_place`); a library caller keeps its process and gets a child.
     """
     commands = list(plan.commands) or backend.commands(plan)
     pid_file = plan.options.get("save_pid")
-    if backend.replaces_launcher and len(commands) == 1 and not pid_file:
+    if replace_process and backend.replaces_launcher and len(commands) == 1 and not pid_file:
         return exec_in_place(plan, commands[0])
     if pid_file:
         write_pid_file(str(pid_file))

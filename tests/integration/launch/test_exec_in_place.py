@@ -2,7 +2,8 @@
 
 One small launcher script per case, run as a real process: the command it execs records its pid, working
 directory, stdin and environment; the launcher's exit code is the command's own, and an unstartable command is
-127 with one line. With ``--save-pid`` the launcher stays the parent (it must remove the file at exit).
+127 with one line. With ``--save-pid`` the launcher stays the parent (it must remove the file at exit), and so
+does a library caller that did not ask for ``replace_process``.
 """
 
 from __future__ import annotations
@@ -39,16 +40,18 @@ class InPlace(LauncherBackend):
 plan = LaunchPlan(job_id="ez-exec-1", backend="inplace", nodes=(NodeSpec("localhost", 0, (0,)),),
                   master_addr="127.0.0.1", master_port=29500, entry=("noop.py",), cwd={cwd!r},
                   agent=AgentOptions(nnodes="1"), options={{"save_pid": sys.argv[3] or None}})
-sys.exit(execute(plan, InPlace()))
+sys.exit(execute(plan, InPlace(), replace_process=sys.argv[4] == "exec"))
 """
 
 
-def _launch(tmp_path: Path, python: str, save_pid: str = "") -> tuple[subprocess.CompletedProcess[str], int, Path]:
+def _launch(
+    tmp_path: Path, python: str, save_pid: str = "", mode: str = "exec"
+) -> tuple[subprocess.CompletedProcess[str], int, Path]:
     script, record = tmp_path / "launcher.py", tmp_path / "record.json"
     script.write_text(textwrap.dedent(LAUNCHER.format(cwd=str(tmp_path / "cwd"))))
     (tmp_path / "cwd").mkdir(exist_ok=True)
     proc = subprocess.Popen(
-        [sys.executable, str(script), python, str(record), save_pid],
+        [sys.executable, str(script), python, str(record), save_pid, mode],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -69,9 +72,12 @@ def test_launcher_becomes_the_command_and_a_failed_start_is_127(tmp_path: Path) 
     assert p.stderr.strip().startswith("elasticzero-launch: cannot start ") and "no-such-python" in p.stderr
 
 
-def test_save_pid_keeps_the_launcher_as_parent(tmp_path: Path) -> None:
+def test_save_pid_or_a_library_caller_keeps_the_process(tmp_path: Path) -> None:
     pid_file = tmp_path / "launcher.pid"
     p, pid, record = _launch(tmp_path, sys.executable, str(pid_file))
     assert p.returncode == 7, p.stderr
     assert json.loads(record.read_text())["pid"] != pid  # a child: the launcher stayed to remove the pid file
     assert not pid_file.exists()
+    p, pid, record = _launch(tmp_path, sys.executable, mode="library")  # execute() without replace_process
+    assert p.returncode == 7, p.stderr
+    assert json.loads(record.read_text())["pid"] != pid

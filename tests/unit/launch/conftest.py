@@ -103,7 +103,7 @@ def launch_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fake_backend_dir
     monkeypatch.syspath_prepend(str(fake_backend_dir))
     record = Executions()
 
-    def execute(plan: Any, backend: Any) -> int:
+    def execute(plan: Any, backend: Any, **_: Any) -> int:
         record.calls.append((plan, backend))
         return record.rc
 

@@ -486,7 +486,7 @@ def test_default_pid_file_without_runtime_dir_is_in_a_fresh_private_dir(
         monkeypatch.setenv("XDG_RUNTIME_DIR", xdg)
     seen: list[tuple[str, int]] = []
 
-    def execute(plan: Any, backend: Any) -> int:
+    def execute(plan: Any, backend: Any, **_: Any) -> int:
         path = Path(plan.options["save_pid"])
         seen.append((str(path.relative_to(temp)), stat.S_IMODE(path.parent.stat().st_mode)))
         return 0

@@ -5,10 +5,11 @@ with ``os.environ`` plus ``command.env``, in ``plan.cwd``, in its own session so
 launcher only; its output goes straight to the launcher's stdout/stderr.
 
 Exception: a backend whose one command needs no live launcher (``local``, ``no-ssh``:
-:attr:`~elasticzero.launch.backend.LauncherBackend.replaces_launcher`) run without ``--save-pid`` — the launcher
-``exec``s that command (:func:`exec_in_place`): the agent keeps the launcher's pid, so signals sent to the launcher
-reach it directly and it applies the same rules (stop the workers, exit ``128+signal``; root-cause exit code), with
-no second interpreter waiting beside it. With ``--save-pid`` the launcher stays, to remove the file at exit.
+:attr:`~elasticzero.launch.backend.LauncherBackend.replaces_launcher`) run by ``elasticzero-launch``
+(``replace_process=True``) without ``--save-pid`` — the launcher ``exec``s that command (:func:`exec_in_place`):
+the agent keeps the launcher's pid, so signals sent to the launcher reach it directly and it applies the same rules
+(stop the workers, exit ``128+signal``; root-cause exit code), with no second interpreter waiting beside it.
+With ``--save-pid`` the launcher stays, to remove the file at exit.
 
 Exit code: 0 when every command succeeds; otherwise the code of the first command that failed, ``128+signal``
 for a command killed by a signal. A transport command combines its processes' codes its own way (docs/launching.md,

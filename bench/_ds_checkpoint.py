@@ -339,7 +339,7 @@ def convert(args: argparse.Namespace, tag: str) -> dict[str, list[float]]:
         cpus.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
         if done.returncode != 0:
             raise RuntimeError(f"ds_to_universal exited {done.returncode}: {done.stderr.strip()[-600:]}")
-    (root / "latest_universal").write_text(dst.name)  # DeepSpeed's loader reads the tag from this file
+    # ds_to_universal itself writes root/latest_universal (= dst.name), where load_checkpoint reads the tag
     res = {"convert_first_s": walls[:1], "convert_s": walls[1:]}
     return {**res, "convert_cpu_first_s": cpus[:1], "convert_cpu_s": cpus[1:]}
 

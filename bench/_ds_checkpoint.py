@@ -19,9 +19,13 @@ checkpoint_bench's defaults (2 gloo ranks, ``DS_ACCELERATOR=cpu``, ZeRO stage 2,
 5. ``load_s`` — one rank alone (world size 1) builds a fresh engine with ``"checkpoint": {"load_universal": true}``
    and times ``engine.load_checkpoint(dir)`` (tag from ``latest_universal``); ``raw_read_universal_s`` /
    ``raw_read_ckpt_s`` read the same files (page cache warm) as checkpoint_bench's ``_raw_read`` does.
+   ``--load-stage 3`` loads into ZeRO-3 instead; in 0.19.8 that fails for a ZeRO-2 checkpoint (the ZeRO-3 loader
+   looks for ``zero_pp_rank_0_mp_rank_*_model_states.pt``, the converted ZeRO-2 checkpoint has ``mp_rank_00_...``:
+   ``assert len(self.ckpt_list) > 0`` in ``state_dict_factory``), recorded as ``load_error``.
 
 Every measure has its first call in ``<name>_first_s`` and the steady-state samples in ``<name>_s`` (two-rank
-measures: the slower rank per sample). Writes one JSON dict to ``--out`` and prints a small table.
+measures: the slower rank per sample), and where it means something the process CPU seconds in ``<name>_cpu_s``
+(far less inflated by machine load than wall times). Writes one JSON dict to ``--out`` and prints a small table.
 
     /work/ds-venv/bin/python bench/_ds_checkpoint.py --out /tmp/ds_checkpoint.json
     /work/ds-venv/bin/python bench/_ds_checkpoint.py --out F --size small --repeats 1   # quick check

@@ -109,23 +109,24 @@ class DiskTier:
         file's size (and CRC-32 if ``verify``) and that the checkpoint has every entry of the template with the
         same shape. Any problem: one ``UsageError`` on every rank, naming the file and what is wrong."""
         directory = self.root / commit.step_dir(step)
-        self._raise_any(lambda: self._check(directory, template, False))
+        read: dict[str, Any] = {}  # what the check read and the load reuses (.metadata)
+        self._raise_any(lambda: self._check(directory, template, False, read))
         with concurrent.futures.ThreadPoolExecutor(1, "elasticzero-crc") as pool:
             # CRC-32s while DCP reads into the fresh template (zlib and preadv release the GIL); checked before
             # anything live is touched, and a damaged file is named before what reading it did
             crc = pool.submit(self._crc_errors, directory) if verify else None
-            failed = self._load_into(directory, template)
+            failed = self._load_into(directory, template, read.get("metadata"))
             if crc is not None:
                 self._raise_any(crc.result)
         if failed is not None:
             raise failed
         return self.read_manifest(directory)
 
-    def _load_into(self, directory: Path, template: dict[str, Any]) -> UsageError | None:
+    def _load_into(self, directory: Path, template: dict[str, Any], metadata: Any) -> UsageError | None:
         try:
             dcp.load(
                 template,
-                storage_reader=FastFileSystemReader(directory),
+                storage_reader=FastFileSystemReader(directory, metadata=metadata),
                 planner=ZeroLoadPlanner(),
                 process_group=self.process_group,
             )
@@ -146,7 +147,7 @@ class DiskTier:
     def read_manifest(self, directory: Path) -> dict[str, Any]:
         return commit.read_manifest(directory)
 
-    def _check(self, directory: Path, template: dict[str, Any], verify: bool) -> list[str]:
+    def _check(self, directory: Path, template: dict[str, Any], verify: bool, read: dict[str, Any]) -> list[str]:
         try:
             manifest = commit.read_manifest(directory)
         except UsageError as exc:
@@ -155,7 +156,7 @@ class DiskTier:
         errors = commit.file_errors(directory, files, self._mine(files), verify)
         errors += commit.file_errors(directory, files, [".metadata"], False) if ".metadata" in files else []
         if not errors:
-            read_metadata_file(str(directory / ".metadata"))  # UsageError if it is not DCP's metadata
+            read["metadata"] = read_metadata_file(str(directory / ".metadata"))  # UsageError if not DCP's metadata
         return errors
 
     def _raise_any(self, check: Callable[[], list[str]]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import pickle
 from typing import Any
 
@@ -189,11 +190,19 @@ def read_metadata_file(path: str) -> Metadata:
 
 class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose ``read_metadata`` imports only DCP's metadata classes (torch's uses ``pickle.load``
-    on the file); tensors are read by torch with ``weights_only=True`` already."""
+    on the file); tensors are read by torch with ``weights_only=True`` already.
+
+    ``metadata``: the checkpoint's ``.metadata`` when the caller has already read it with :func:`read_metadata_file`
+    (it is not read and unpickled again)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, metadata: Metadata | None = None) -> None:
+        super().__init__(path)
+        self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        md = read_metadata_file(str(self._get_metadata_path(rank)))
+        known = self._metadata if rank is None else None
+        md = known if known is not None else read_metadata_file(str(self._get_metadata_path(rank)))
         meta = getattr(md, "storage_meta", None) or StorageMeta()
         meta.load_id = self.load_id
         md.storage_meta = meta

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elasticzero.checkpoint import commit
 from elasticzero.checkpoint.planner import ZeroLoadPlanner, ZeroSavePlanner, read_metadata_file
 from elasticzero.checkpoint.reader import FastFileSystemReader
 from elasticzero.checkpoint.snapshot import Snapshot
+from elasticzero.checkpoint.writer import ChecksummingFileSystemWriter
 from elasticzero.errors import UsageError
 
 PhaseHook = Callable[[str, int], None]
@@ -59,10 +59,10 @@ class DiskTier:
         if self.rank == 0:
             (self.root / tmp_name).mkdir(parents=True)
         dist.barrier(group=self.process_group)
-        writer = FileSystemWriter(self.root / tmp_name, sync_files=True)
+        writer = ChecksummingFileSystemWriter(self.root / tmp_name, sync_files=True)
         dcp.save(snap.state, storage_writer=writer, planner=ZeroSavePlanner(), process_group=self.process_group)
         self._hook("written", snap.step)
-        files = self._checksums(self.root / tmp_name)
+        files = self._gather_files(self.root / tmp_name, writer.files)
         final = self.root / commit.step_dir(snap.step)
         if self.rank == 0:
             self._commit(tmp_name, snap, files)
@@ -87,16 +87,14 @@ class DiskTier:
         commit.delete(self.root, commit.to_delete(commit.list_dir(self.root), self.keep_last, snap.step))
         self._hook("retained", snap.step)
 
-    def _checksums(self, directory: Path) -> dict[str, Any]:
-        """Size and CRC-32 of every file, computed by the ranks round-robin and gathered on every rank."""
-        names = sorted(p.name for p in directory.iterdir() if p.is_file())
-        mine = {
-            n: {"size": (directory / n).stat().st_size, "crc32": commit.crc32_of(directory / n)}
-            for i, n in enumerate(names)
-            if i % self.world_size == self.rank
-        }
+    def _gather_files(self, directory: Path, written: dict[str, dict[str, int]]) -> dict[str, Any]:
+        """Size and CRC-32 of every file, each computed by the rank that wrote it while writing it, gathered on every
+        rank. A file on disk whose size differs from what went through the stream raises (nothing is committed)."""
+        for name, rec in written.items():
+            if (directory / name).stat().st_size != rec["size"]:
+                raise RuntimeError(f"{directory / name}: size on disk differs from the bytes written")
         parts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(parts, mine, group=self.process_group)
+        dist.all_gather_object(parts, written, group=self.process_group)
         return {k: v for p in parts for k, v in p.items()}
 
     # -- load ---------------------------------------------------------------------------------------------------------

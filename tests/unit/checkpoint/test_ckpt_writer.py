@@ -1,0 +1,68 @@
+"""ChecksummingFileSystemWriter (checkpoint/writer.py) in one process, no process group: the sizes and CRC-32s it
+records while writing equal those of the files on disk, it records every file (``.metadata`` under its final name),
+the files are plain DCP (torch's ``FileSystemReader`` loads them bit-exact), and the async writer thread's
+``writer_nice`` lowers only that thread's priority."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from elasticzero.checkpoint import commit
+from elasticzero.checkpoint.checkpointer import _lower_priority
+from elasticzero.checkpoint.chunks import FlatChunk
+from elasticzero.checkpoint.planner import ZeroLoadPlanner, ZeroSavePlanner
+from elasticzero.checkpoint.snapshot import fresh_like
+from elasticzero.checkpoint.writer import ChecksummingFileSystemWriter
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "master": FlatChunk(torch.randn(3000, generator=g)[500:2600].clone(), 500, 3000),
+        "bf16": torch.randn(70, 5, generator=g).to(torch.bfloat16),
+        "big": torch.randn(1 << 18, generator=g),  # 1 MiB: torch.save hands it over as one large buffer
+        "plain": {"step": 7, "name": "x"},
+    }
+
+
+@pytest.mark.parametrize("thread_count", [1, 2])
+def test_recorded_crcs_are_those_of_the_files_and_dcp_reads_them(tmp_path: Path, thread_count: int) -> None:
+    writer = ChecksummingFileSystemWriter(tmp_path / "c", sync_files=False, thread_count=thread_count)
+    dcp.save(_state(), storage_writer=writer, planner=ZeroSavePlanner(), no_dist=True)
+    on_disk = {p.name for p in (tmp_path / "c").iterdir()}
+    assert set(writer.files) == on_disk and ".metadata" in on_disk and len(on_disk) == 1 + thread_count
+    for name, rec in writer.files.items():
+        path = tmp_path / "c" / name
+        assert rec == {"size": path.stat().st_size, "crc32": commit.crc32_of(path)}, name
+    template = fresh_like(_state())
+    template["plain"] = {"step": 0, "name": ""}
+    dcp.load(template, storage_reader=FileSystemReader(tmp_path / "c"), planner=ZeroLoadPlanner(), no_dist=True)
+    want = _state()
+    assert torch.equal(template["master"].tensor, want["master"].tensor)
+    assert torch.equal(template["bf16"], want["bf16"]) and torch.equal(template["big"], want["big"])
+    assert template["plain"] == {"step": 7, "name": "x"}
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread niceness is Linux's")
+def test_writer_nice_lowers_only_the_writer_thread() -> None:
+    seen: dict[str, int] = {}
+
+    def writer_thread() -> None:
+        _lower_priority(19)
+        seen["writer"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    t = threading.Thread(target=writer_thread)
+    t.start()
+    t.join()
+    assert seen["writer"] == 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before

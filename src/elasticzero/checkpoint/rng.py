@@ -6,13 +6,16 @@ Dropout masks and other random draws come from per-rank generators: torch's CPU 
 rank's stream should the third of three ranks continue?), so the generators are left as the script seeded them and
 :attr:`RNGState.restored` says so — the data order does not depend on them (it is the sampler's state).
 
-The state is plain Python values (bytes, ints, floats) gathered from every rank at ``state_dict()``: DCP stores it
-once, and loading it unpickles nothing but plain values (``weights_only``). ``state_dict()`` is collective over
-``process_group`` (call it on every rank, as ``Checkpointer.save`` does).
+The state is plain values gathered from every rank at ``state_dict()``: one JSON document per rank, as bytes, in one
+list — a single DCP entry whatever the world size (a list of dicts would be flattened into per-rank keys, and a
+template at another world size would not match them). DCP stores it once; loading it unpickles nothing but plain
+values (``weights_only``). ``state_dict()`` is collective over ``process_group`` (call it on every rank, as
+``Checkpointer.save`` does).
 """
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -51,6 +54,23 @@ def restore_local(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in cuda])
 
 
+def encode(state: dict[str, Any]) -> bytes:
+    """One rank's :func:`local_state` as a JSON document (bytes hex-encoded)."""
+    doc = {**state, "torch": state["torch"].hex()}
+    if "cuda" in state:
+        doc["cuda"] = [s.hex() for s in state["cuda"]]
+    return json.dumps(doc).encode()
+
+
+def decode(blob: bytes) -> dict[str, Any]:
+    """:func:`encode`'s inverse."""
+    doc = json.loads(blob)
+    state = {**doc, "torch": bytes.fromhex(doc["torch"])}
+    if "cuda" in doc:
+        state["cuda"] = [bytes.fromhex(s) for s in doc["cuda"]]
+    return state
+
+
 class RNGState:
     """A ``Stateful`` for the checkpoint: ``state = {..., "rng": RNGState()}``.
 
@@ -66,7 +86,7 @@ class RNGState:
     def state_dict(self) -> dict[str, Any]:
         world = dist.get_world_size(self.process_group)
         ranks: list[Any] = [None] * world
-        dist.all_gather_object(ranks, local_state(), group=self.process_group)
+        dist.all_gather_object(ranks, encode(local_state()), group=self.process_group)
         return {"version": STATE_VERSION, "world_size": world, "ranks": ranks}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -75,4 +95,4 @@ class RNGState:
         world = dist.get_world_size(self.process_group)
         self.restored = int(state["world_size"]) == world
         if self.restored:
-            restore_local(state["ranks"][dist.get_rank(self.process_group)])
+            restore_local(decode(state["ranks"][dist.get_rank(self.process_group)]))

@@ -136,7 +136,10 @@ class DiskTier:
 
     def _crc_errors(self, directory: Path) -> list[str]:
         files = commit.read_manifest(directory)["files"]
-        return commit.file_errors(directory, files, self._mine(files), True)
+        try:
+            return commit.file_errors(directory, files, self._mine(files), True)
+        except OSError as exc:  # an error string, so every rank still reaches the collective that reports it
+            return [f"{directory}: a file could not be read for its CRC-32 ({exc})"]
 
     def _mine(self, files: dict[str, Any]) -> list[str]:
         """The files this rank checks (the ranks split them round-robin)."""

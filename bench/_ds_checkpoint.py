@@ -370,7 +370,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {"load_before": os.getloadavg()[0], "cpus": os.cpu_count(), "load_stage": args.load_stage}
     try:
         train = slowest_rank(run_ranks(args, "train", 2))
-        res.update({k: v for k, v in train.items() if k not in ("next_step_first_s", "next_step_s")})
+        res.update({k: v for k, v in train.items() if not k.startswith("next_step")})  # decoupled-only
         if not args.no_decoupled:
             res.update(decoupled_columns(args))
         res.update(convert(args, train["tag"]))

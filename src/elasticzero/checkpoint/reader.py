@@ -6,7 +6,7 @@ item a few hundred microseconds of Python plus two copies of the bytes. Each ite
 torch-save format) is one uncompressed zip archive inside the ``.distcp`` file: the records are stored (method 0),
 64-byte aligned, and a tensor's bytes are the ``data/<key>`` record. :class:`FastFileSystemReader` opens each file
 once, walks the requests in file order, parses each item's zip central directory and its ``data.pkl`` (a pickle
-restricted to the five names a plain tensor uses, mapped to recorders here: nothing is imported or called), and
+restricted to what ``torch.save`` of one plain tensor pickles, mapped to recorders: nothing is imported or called), and
 ``os.preadv``\\ s the requested byte range into the destination tensor's memory — one copy, the GIL released.
 
 An item this cannot do exactly as torch would (a transform, a destination that is not contiguous or of another

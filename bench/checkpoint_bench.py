@@ -35,6 +35,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+DS_PYTHON = Path(os.environ.get("EZ_DS_VENV", "/work/ds-venv")) / "bin" / "python"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dir", type=Path, default=None, help="checkpoint scratch directory (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
     p.add_argument("--out", type=Path, default=None, help="also write the raw JSON here")
+    p.add_argument("--ds-python", type=Path, default=DS_PYTHON, help="DeepSpeed venv python (bash bench/_ds_venv.sh)")
+    p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed columns")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -294,10 +297,53 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     load_before = os.getloadavg()
     results = run(args)
+    ds = None if args.no_deepspeed else deepspeed(args)
     if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
+        args.out.write_text(json.dumps({"ours": results, "deepspeed": ds}, indent=1))
     report(results, load_before)
+    if ds is not None:
+        report_deepspeed(ds, results)
     return 0
+
+
+def deepspeed(args: argparse.Namespace) -> dict[str, Any] | None:
+    """DeepSpeed's figures for the same model and batch (bench/_ds_checkpoint.py in its own venv), same invocation."""
+    if not args.ds_python.exists():
+        print(f"(DeepSpeed columns skipped: no {args.ds_python}; bash bench/_ds_venv.sh)")
+        return None
+    with tempfile.TemporaryDirectory(prefix="ckpt_bench_ds_") as tmp:
+        out = Path(tmp) / "ds.json"
+        argv = [str(args.ds_python), str(HERE / "_ds_checkpoint.py"), "--out", str(out), "--no-decoupled"]
+        argv += ["--size", args.size, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
+        subprocess.run(argv, check=True, timeout=args.timeout * 2, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+
+
+def report_deepspeed(ds: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    """DeepSpeed's save stall and its new-world-size load (ds_to_universal + load) beside ours."""
+    ours_step = max(steady(r["step_s"]) for r in results)
+    ours_save = max(steady(r["dcp_save_stall_s"]) for r in results)
+    ours_async = max(steady(r["ours_async_stall_s"]) for r in results)
+    r0 = results[0]
+    print(f"\nDeepSpeed {ds.get('deepspeed', '?')} (ZeRO-2 fp32, same model and batch, 2 ranks; load at world 1):")
+    print("| measure | DeepSpeed s | vs its step / raw read | elasticzero s | ours vs DeepSpeed |")
+    print("|---|---|---|---|---|")
+    ds_step, ds_save = med(ds["step_s"]), med(ds["save_stall_s"])
+    print(f"| training step | {ds_step:.3f} | 1.000 | {ours_step:.3f} | {ours_step / ds_step:.3f} |")
+    print(f"| save stall (ours: async) | {ds_save:.3f} | {ds_save / ds_step:.3f} | {ours_async:.3f} | "
+          f"{ours_async / ds_save:.3f} |")  # fmt: skip
+    print(f"| save stall (ours: dcp.save) | {ds_save:.3f} | {ds_save / ds_step:.3f} | {ours_save:.3f} | "
+          f"{ours_save / ds_save:.3f} |")  # fmt: skip
+    raw = med(ds["raw_read_ckpt_s"])
+    new_world = med(ds["convert_s"]) + med(ds["load_s"])
+    ours_load, ours_raw = med(r0["load_ours_s"]), med(r0["raw_read_s"])
+    print(f"| ds_to_universal | {med(ds['convert_s']):.3f} | {med(ds['convert_s']) / raw:.1f} | - | - |")
+    print(f"| load at world 1 (ours: CRC verified) | {med(ds['load_s']):.3f} | {med(ds['load_s']) / raw:.1f} | "
+          f"{ours_load:.3f} | {ours_load / med(ds['load_s']):.3f} |")  # fmt: skip
+    print(f"| new world size: convert + load | {new_world:.3f} | {new_world / raw:.1f} | {ours_load:.3f} | "
+          f"{ours_load / new_world:.3f} |")  # fmt: skip
+    print(f"(raw read: DeepSpeed's files {raw:.3f} s, ours {ours_raw:.3f} s; DeepSpeed's loaded parameters equal the "
+          f"saved ones: {ds.get('load_matches_saved_params', '?')})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -135,6 +136,54 @@ def confirm(table: Path, out: Path, port: int, seeds: int, live: Path | None) ->
     mine = _run_noise(rows, out / "results" / "results.csv")
     print("  run-to-run noise, this run vs the table: " + (f"{mine:.3f}" if mine is not None else "too few pairs"))
     print(f"  load {os.getloadavg()}")
+
+
+def _exp_dir(results: Path, point: str) -> Path:
+    """The experiment directory of ``point`` in a tuner's results (its longest measurement when it has several)."""
+    dirs = sorted((results / "exps").glob(f"{point}*"), key=lambda d: json.loads((d / "metrics.json").read_text())
+                  .get("metrics", {}).get("steps", 0) if (d / "metrics.json").exists() else -1)  # fmt: skip
+    if not dirs:
+        raise SystemExit(f"no experiment of {point} under {results / 'exps'}")
+    return dirs[-1]
+
+
+def _rerun(exp: Path, scratch: Path) -> float:
+    """Run an experiment again with the exact argv the tuner used; its reported throughput."""
+    metrics = scratch / "metrics.json"
+    metrics.unlink(missing_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ELASTICZERO_AUTOTUNE_METRICS": str(metrics)}
+    argv = json.loads((exp / "argv.json").read_text())
+    subprocess.run(argv, cwd=scratch, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return float(json.loads(metrics.read_text())["metrics"]["throughput"])
+
+
+def duel(table: Path, chosen_results: Path, pairs: int) -> None:
+    """The live quality of a tuner's choice: its experiment and the grid's best one re-run alternately (A B A B ...,
+    the recorded argv of each), the ratio taken pair by pair; the median is printed with the load."""
+    rows = _table(table)
+    grid_best = max((r for r in rows.values() if r["ok"]), key=lambda r: r["throughput"])["point"]
+    chosen = "_".join(_best_point(chosen_results).split("_")[:4])
+    if chosen == grid_best:
+        print(f"duel: the tuner chose the grid's best point {grid_best}: quality 1.000 by definition")
+        return
+    a, b = _exp_dir(chosen_results, chosen), _exp_dir(table.parent, grid_best)
+    ratios, load0 = [], os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="at_duel_") as tmp:
+        for i in range(pairs):
+            ta, tb = _rerun(a, Path(tmp)), _rerun(b, Path(tmp))
+            ratios.append(ta / tb)
+            print(f"  pair {i + 1}: {chosen} {ta:.1f} / {grid_best} {tb:.1f} = {ta / tb:.3f}", flush=True)
+    print(f"duel ({pairs} pairs, A B A B): chosen {chosen} / grid best {grid_best}: median ratio "
+          f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); "
+          f"load before {load0}, after {os.getloadavg()}")  # fmt: skip
+
+
+def _best_point(results: Path) -> str:
+    runs = list(csv.DictReader(open(results / "results.csv")))
+    longest = max(float(r["steps"]) for r in runs)
+    best = max((r for r in runs if r["status"] == "ok" and float(r["steps"]) == longest),
+               key=lambda r: float(r["throughput"]))  # fmt: skip
+    return best["name"]
 
 
 # ------------------------------------------------------------------------------------------------ simulation
@@ -290,15 +339,19 @@ def main() -> int:
         a = p.parse_args()
         return trial(a.config, a.size, a.seq_len)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", choices=["record", "simulate", "confirm"])
+    p.add_argument("mode", choices=["record", "simulate", "confirm", "duel"])
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "autotune_grid")
     p.add_argument("--table", type=Path)
     p.add_argument("--seeds", type=int, default=21)
     p.add_argument("--live", type=Path, help="a live run's results.csv: the run-to-run noise is estimated from it")
     p.add_argument("--port", type=int, default=31700)
+    p.add_argument("--chosen", type=Path, help="duel: the results directory of the tuner run whose choice is tested")
+    p.add_argument("--pairs", type=int, default=3, help="duel: A B pairs (default 3)")
     a = p.parse_args()
     if a.mode == "record":
         record(a.out, a.port)
+    elif a.mode == "duel":
+        duel(a.table or a.out / "results" / "results.csv", a.chosen, a.pairs)
     elif a.mode == "simulate":
         simulate(a.table or a.out / "results" / "results.csv", a.seeds, a.live)
     else:

@@ -224,23 +224,28 @@ def settle(timeout: float = _SETTLE_TIMEOUT_S) -> None:
         time.sleep(1e-4)
 
 
-RING_ON_GLOO = os.environ.get("ELASTICZERO_GLOO_RING", "1") != "0"
-"""Reduce-scatter and all-gather of CPU tensors over gloo run as point-to-point rings (:mod:`.ring`: 2-3x faster
-than gloo's own); ``ELASTICZERO_GLOO_RING=0`` uses gloo's collectives instead."""
-# group -> "the ring applies"; keyed by the group object (weakly): a group name can come back after a re-init
+# Reduce-scatter and all-gather of CPU tensors over gloo run as point-to-point rings (:mod:`.ring`: 2-3x faster than
+# gloo's own); ELASTICZERO_GLOO_RING=0 in the environment uses gloo's collectives instead. Decided once per group, when
+# the engine first uses it (so every collective of a group takes the same path), and cached here: group -> "the ring
+# applies"; keyed by the group object (weakly): a group name can come back after a re-init.
 _gloo_groups: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _ring_applies(pg: Any) -> bool:
+    enabled = os.environ.get("ELASTICZERO_GLOO_RING", "1") != "0"
+    return enabled and "gloo" in str(dist.get_backend(pg)).lower() and dist.get_world_size(pg) > 1
 
 
 def _use_ring(tensor: torch.Tensor, group: Any) -> Any:
     """The resolved group when the ring applies to ``tensor`` on ``group``, else None."""
-    if not RING_ON_GLOO or tensor.device.type != "cpu":
+    if tensor.device.type != "cpu":
         return None
     pg = group if group is not None else dist.group.WORLD
     if pg is None:
         return None
     ok = _gloo_groups.get(pg)
     if ok is None:
-        ok = _gloo_groups[pg] = "gloo" in str(dist.get_backend(pg)).lower() and dist.get_world_size(pg) > 1
+        ok = _gloo_groups[pg] = _ring_applies(pg)
     return pg if ok else None
 
 

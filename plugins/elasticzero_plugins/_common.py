@@ -6,18 +6,16 @@ Each backend declares its options on its class (:attr:`elasticzero.launch.backen
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING
 
 from elasticzero.errors import UsageError
 from elasticzero.launch.backend import BackendOption
+from elasticzero.launch.envexport import KEY as ENV_NAME
+from elasticzero.launch.hostfile import HOST_NAME
 from elasticzero.proc import JOB_ID_ENV, check_job_id
 
 if TYPE_CHECKING:
     from elasticzero.launch.plan import LaunchPlan
-
-_HOST = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def check_host(host: str, backend: str) -> None:
@@ -28,7 +26,7 @@ def check_host(host: str, backend: str) -> None:
     lists give ``:`` its own meaning; use a name from /etc/hosts instead). The hostfile refuses both already, with
     the file and line (:mod:`elasticzero.launch.hostfile`); this check covers hosts from any other source.
     """
-    if not _HOST.fullmatch(host):
+    if not HOST_NAME.fullmatch(host):
         raise UsageError(
             f"launcher {backend!r}: host name {host!r} is not usable (allowed: letters, digits, '.', '-', '_'; "
             "no user@ part, no IPv6 literal: use a name from /etc/hosts or ~/.ssh/config)"
@@ -42,7 +40,7 @@ def check_plan(plan: LaunchPlan, backend: str) -> None:
     for node in plan.nodes:
         check_host(node.host, backend)
     for name in plan.env:
-        if not _ENV_NAME.fullmatch(name):
+        if not ENV_NAME.fullmatch(name):
             raise UsageError(f"launcher {backend!r}: invalid environment variable name {name!r}")
     check_job_id(plan.job_id, f"launcher {backend!r}: job id")
 

@@ -32,7 +32,9 @@ from elasticzero.errors import UsageError
 #: host name -> slot ids, in hostfile order
 ResourcePool = dict[str, tuple[int, ...]]
 
-_HOSTNAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+"""The one rule for a host name a transport cannot misread: DNS-style names and IPv4 addresses (letters, digits,
+``.``, ``-``, ``_``; no leading or trailing ``-``/``.``). The hostfile and every backend's host check use it."""
 _INT = re.compile(r"[+-]?\d+")
 
 
@@ -49,7 +51,7 @@ def normalize_host(host: str) -> str | None:
             return None
     if bare is not host:  # brackets are only for IPv6 literals
         return None
-    return host if _HOSTNAME.fullmatch(host) else None
+    return host if HOST_NAME.fullmatch(host) else None
 
 
 #: names that mean "this machine" by convention (RFC 6761 ``localhost``, Debian's /etc/hosts names for ``::1``)

@@ -50,6 +50,8 @@ def test_ipv6_literals_are_refused_with_the_fix(host: str) -> None:
         ("w$(id) slots=1\n", 1, "invalid host name"),
         ("fe80::zz slots=1\n", 1, "not a valid IPv6 address"),
         ("[w0] slots=1\n", 1, "invalid host name"),
+        ("w0- slots=1\n", 1, "invalid host name"),  # the backends' rule (one regex): no trailing '-' or '.'
+        ("w0. slots=1\n", 1, "invalid host name"),
     ],
 )
 def test_bad_lines_name_file_and_line(text: str, line: int, words: str) -> None:

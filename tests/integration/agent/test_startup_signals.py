@@ -24,11 +24,18 @@ exit_on_stop_signals()
 os.kill(os.getpid(), int(sys.argv[1]))
 print("still running")
 '''
+def start_as(num, disposition):
+    # what the child inherits, set explicitly: pytest itself may run under nohup or as a background job (SIGHUP,
+    # SIGINT, SIGQUIT ignored) or with signals blocked
+    def preexec():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [num])
+        signal.signal(num, disposition)
+    return preexec
 for sig in sys.argv[1:]:
     nohup = sig == "nohup"
     num = int(signal.SIGHUP if nohup else sig)
     p = subprocess.run([sys.executable, "-c", CHILD, str(num)], capture_output=True, text=True,
-                       preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None)
+                       preexec_fn=start_as(num, signal.SIG_IGN if nohup else signal.SIG_DFL))
     print(sig, p.returncode, repr(p.stdout.strip()), repr(p.stderr.strip()))
 """
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from elasticzero.checkpoint.disk import DiskTier, PhaseHook
+from elasticzero.checkpoint.gcpause import PAUSE, gc_paused
 from elasticzero.checkpoint.snapshot import Snapshot, Stager, fresh_like
 from elasticzero.errors import UsageError
 
@@ -91,12 +92,23 @@ class Checkpointer:
         """Checkpoint ``state`` as step ``step`` (collective). With ``async_save`` it returns after the snapshot;
         call :meth:`wait` (or the next save/load/close does) to learn that it committed."""
         self.wait()
-        snap = self.snapshot(step, state)
-        self._hook("snapshot", step)
-        if self._executor is None:
-            self.tier.write(snap)
-        else:
-            self._pending = self._executor.submit(self.tier.write, snap)
+        PAUSE.enter()  # automatic GC off until this save committed (see gcpause): it stalls the training thread
+        try:
+            snap = self.snapshot(step, state)
+            self._hook("snapshot", step)
+            if self._executor is not None:
+                self._pending = self._executor.submit(self._write_and_resume, snap)
+                return
+        except BaseException:
+            PAUSE.leave()
+            raise
+        self._write_and_resume(snap)
+
+    def _write_and_resume(self, snap: Snapshot) -> Path:
+        try:
+            return self.tier.write(snap)
+        finally:
+            PAUSE.leave()
 
     def snapshot(self, step: int, state: Mapping[str, Any]) -> Snapshot:
         """Copy ``state`` into staging buffers (not collective); tensors may change as soon as it returns."""
@@ -132,14 +144,15 @@ class Checkpointer:
     def load(self, step: int, state: Mapping[str, Any]) -> None:
         """Load step ``step`` into ``state`` (collective): read into fresh buffers, check, then ``load_state_dict``."""
         self.wait()
-        template = {k: fresh_like(_state_dict_of(k, v)) for k, v in state.items()}
-        self.tier.read(step, template, verify=self.verify_on_load)
-        for k, v in state.items():
-            if hasattr(v, "load_state_dict"):
-                v.load_state_dict(template[k])
-            else:
-                v.clear()
-                v.update(template[k])
+        with gc_paused():
+            template = {k: _template_of(k, v) for k, v in state.items()}
+            self.tier.read(step, template, verify=self.verify_on_load)
+            for k, v in state.items():
+                if hasattr(v, "load_state_dict"):
+                    v.load_state_dict(template[k])
+                else:
+                    v.clear()
+                    v.update(template[k])
 
     def close(self) -> None:
         """Finish the background save (re-raising its error) and stop the thread."""
@@ -172,6 +185,16 @@ def _state_dict_of(key: str, value: Any) -> dict[str, Any]:
         f"checkpoint state {key!r} is a {type(value).__name__}: pass an object with state_dict()/load_state_dict() "
         "or a dict (updated in place on load); the step is the Checkpointer's own"
     )
+
+
+def _template_of(key: str, value: Any) -> Any:
+    """Fresh buffers to read ``value``'s checkpointed state into: its ``load_template()`` when it has one (a
+    ``Stateful`` that can adopt the buffers it made instead of copying them, e.g.
+    :class:`~elasticzero.engine.zero.dcp_state.ZeroCheckpointState`), else ``state_dict()`` with every tensor
+    replaced by an uninitialised one."""
+    if hasattr(value, "load_template") and hasattr(value, "load_state_dict"):
+        return value.load_template()
+    return fresh_like(_state_dict_of(key, value))
 
 
 def _scalars(tree: Any, depth: int) -> dict[str, Any]:

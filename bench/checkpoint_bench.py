@@ -8,7 +8,8 @@ One invocation starts 2 gloo ranks (this file with ``--worker``) training the ~2
    first save of each method (fresh staging buffers: page faults) is reported apart from the later ones;
 2. step-time drag — every step taken while an async save is in flight vs steps taken just before that save (A B A B),
    wall and the training thread's CPU seconds, for the default low-priority writer and for ``writer_nice=0``;
-3. load at a new world size — rank 0 alone (a 1-rank group) loads the 2-rank checkpoint into ``ZeroStage3``:
+3. load at a new world size — a fresh process (a restarted worker) loads the 2-rank checkpoint into ``ZeroStage3`` at
+   world size 1, one process per load, the methods' order rotated per repeat:
    ``Checkpointer.load_latest`` (with and without CRC verification) vs ``dcp.load`` of the same template, vs the
    raw read time of the same files — through one reused buffer, and into one new buffer of their size (the page
    faults any first load in a process pays) — all of it with the files in the page cache (warm) and evicted first
@@ -53,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ds-python", type=Path, default=DS_PYTHON, help="DeepSpeed venv python (bash bench/_ds_venv.sh)")
     p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed columns")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--load-child", choices=LOADS, help=argparse.SUPPRESS)
+    p.add_argument("--cold", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -65,11 +68,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(REPO / "examples"))
     from gpt import GPT, config_for, lm_loss, num_params, synthetic_batch  # noqa: I001 (examples/ on sys.path)
     from elasticzero.checkpoint import Checkpointer
-    from elasticzero.checkpoint.planner import SafeFileSystemReader, ZeroLoadPlanner, ZeroSavePlanner
-    from elasticzero.checkpoint.snapshot import fresh_like
+    from elasticzero.checkpoint.planner import ZeroSavePlanner
     from elasticzero.engine.zero.dcp_state import ZeroCheckpointState
     from elasticzero.engine.zero.stage2 import ZeroStage2
-    from elasticzero.engine.zero.stage3 import ZeroStage3
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -129,45 +130,75 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     res["dcp_async_stall_s"] = dstalls
     res["ckpt_bytes"] = sum(f.stat().st_size for f in (root / "ours_sync").rglob("*") if f.is_file())
 
-    # load at a new world size: rank 0 alone, ZeRO-3, each load into a freshly built optimizer (as a resume does)
-    one = dist.new_group([0])
-    if rank == 0:
-        src = root / "ours_sync"
-        step_dir = next(p for p in src.iterdir() if p.name.startswith("step-") and p.is_dir())
-
-        def fresh() -> dict[str, Any]:
-            torch.manual_seed(1)
-            return {"zero": ZeroCheckpointState(ZeroStage3(GPT(cfg), torch.optim.AdamW, lr=1e-4, process_group=one))}
-
-        def dcp_load(st: dict[str, Any]) -> None:
-            template = {"zero": fresh_like(st["zero"].state_dict())}
-            reader = SafeFileSystemReader(step_dir)
-            dcp.load(template, storage_reader=reader, planner=ZeroLoadPlanner(), process_group=one)
-
-        loaders = {
-            "load_ours_s": Checkpointer(src, process_group=one).load_latest,
-            "load_ours_nocrc_s": Checkpointer(src, process_group=one, verify_on_load=False).load_latest,
-            "load_dcp_s": dcp_load,
-        }
-        raws = {"raw_read_s": _raw_read, "raw_fresh_s": _raw_read_fresh}
-        methods = list(loaders.items())
-        for i in range(args.repeats):
-            for cold in ("", "_cold"):  # warm: the files in the page cache; cold: evicted first (a node that did not
-                for key, raw in raws.items():  # write them), for the raw reads and the loads alike
-                    if cold:
-                        _evict(step_dir)
-                    res.setdefault(key.replace("_s", f"{cold}_s"), []).append(raw(step_dir))
-                for key, load in methods[i % len(methods) :] + methods[: i % len(methods)]:  # rotated: no order bias
-                    st1 = fresh()
-                    if cold:
-                        _evict(step_dir)
-                    t0 = time.perf_counter()
-                    load(st1)
-                    res.setdefault(key.replace("_s", f"{cold}_s"), []).append(time.perf_counter() - t0)
-                    del st1
     dist.barrier()
     dist.destroy_process_group()
     return res
+
+
+# -- load at a new world size: one fresh process per load (what a restarted worker is) ---------------------------------
+LOADS = ("raw_read", "raw_fresh", "load_dcp", "load_ours", "load_ours_nocrc")
+
+
+def load_child(args: argparse.Namespace) -> float:
+    """One measurement in this fresh process: a raw read, or a load of the 2-rank checkpoint in ``args.dir`` into a
+    freshly built ``ZeroStage3`` at world size 1 (files evicted from the page cache first with ``--cold``)."""
+    src = Path(args.dir)
+    step_dir = next(p for p in src.iterdir() if p.name.startswith("step-") and p.is_dir())
+    if args.load_child.startswith("raw"):
+        if args.cold:
+            _evict(step_dir)
+        return (_raw_read if args.load_child == "raw_read" else _raw_read_fresh)(step_dir)
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    sys.path.insert(0, str(REPO / "examples"))
+    from gpt import GPT, config_for  # noqa: I001 (examples/ on sys.path)
+    from elasticzero.checkpoint import Checkpointer
+    from elasticzero.checkpoint.planner import SafeFileSystemReader, ZeroLoadPlanner
+    from elasticzero.checkpoint.snapshot import fresh_like
+    from elasticzero.engine.zero.dcp_state import ZeroCheckpointState
+    from elasticzero.engine.zero.stage3 import ZeroStage3
+
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.set_num_threads(1)
+    cfg = config_for(args.size, block_size=max(args.seq_len, config_for(args.size).block_size))
+    torch.manual_seed(1)
+    state = {"zero": ZeroCheckpointState(ZeroStage3(GPT(cfg), torch.optim.AdamW, lr=1e-4))}
+
+    def dcp_load() -> None:
+        template = {"zero": fresh_like(state["zero"].state_dict())}
+        dcp.load(template, storage_reader=SafeFileSystemReader(step_dir), planner=ZeroLoadPlanner())
+
+    load = {
+        "load_dcp": dcp_load,
+        "load_ours": lambda: Checkpointer(src).load_latest(state),
+        "load_ours_nocrc": lambda: Checkpointer(src, verify_on_load=False).load_latest(state),
+    }[args.load_child]
+    if args.cold:
+        _evict(step_dir)
+    t0 = time.perf_counter()
+    load()
+    took = time.perf_counter() - t0
+    dist.destroy_process_group()
+    return took
+
+
+def measure_loads(ckpt_dir: Path, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Every load method and raw read in a fresh process each, warm and cold, the order rotated per repeat."""
+    out: dict[str, list[float]] = {}
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
+    for i in range(args.repeats):
+        for cold in ("", "_cold"):
+            for method in LOADS[i % len(LOADS) :] + LOADS[: i % len(LOADS)]:
+                argv = [sys.executable, __file__, "--load-child", method, "--dir", str(ckpt_dir), "--size", args.size]
+                argv += ["--seq-len", str(args.seq_len)] + (["--cold"] if cold else [])
+                run_env = dict(env, MASTER_PORT=str(free_port()))
+                done = subprocess.run(argv, env=run_env, capture_output=True, text=True, timeout=args.timeout)
+                if done.returncode != 0:
+                    raise SystemExit(f"load child {method} failed:\n{done.stderr[-2000:]}")
+                out.setdefault(f"{method}{cold}_s", []).append(float(done.stdout.split()[-1]))
+    return out
 
 
 def _async_run(asyn: Any, state: Any, step: Any, timed: Any, cpu: list[float], args: Any, tag: str) -> dict[str, Any]:
@@ -256,7 +287,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for p in procs:
             if p.wait(timeout=args.timeout) != 0:
                 raise SystemExit(f"a rank failed (exit {p.returncode})")
-        return [json.loads(o.read_text()) for o in outs]
+        results = [json.loads(o.read_text()) for o in outs]
+        results[0].update(measure_loads(scratch / "ours_sync", args))
+        return results
     finally:
         for p in procs:
             if p.poll() is None:
@@ -338,6 +371,9 @@ def _drag(results: list[dict[str, Any]], kind: str, tag: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.load_child:
+        print(f"{load_child(args):.6f}")
+        return 0
     if args.worker:
         res = worker(args)
         args.out.write_text(json.dumps(res))

@@ -7,7 +7,8 @@ One invocation starts 2 gloo ranks (this file with ``--worker``) training the ~2
    ``dcp.async_save`` of the same state dict (the same planner, so the same bytes), and vs one training step. The
    first save of each method (fresh staging buffers: page faults) is reported apart from the later ones;
 2. step-time drag — every step taken while an async save is in flight vs steps taken just before that save (A B A B),
-   wall and the training thread's CPU seconds, for the default low-priority writer and for ``writer_nice=0``;
+   wall and the training thread's CPU seconds, for the default ``SCHED_IDLE`` writer, ``writer_priority=19`` (the
+   nicest niceness) and ``writer_priority=0``; ``--drag-repeats`` saves each;
 3. load at a new world size — a fresh process (a restarted worker) loads the 2-rank checkpoint into ``ZeroStage3`` at
    world size 1, one process per load, the methods' order rotated per repeat:
    ``Checkpointer.load_latest`` (with and without CRC verification) vs ``dcp.load`` of the same template, vs the
@@ -48,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sample (default 64)")
     p.add_argument("--steps", type=int, default=4, help="timed steps without a save running (default 4)")
     p.add_argument("--repeats", type=int, default=4, help="saves/loads timed per method (default 4; >= 2)")
+    p.add_argument("--drag-repeats", type=int, default=8, help="async saves per writer priority (default 8)")
     p.add_argument("--dir", type=Path, default=None, help="checkpoint scratch directory (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
     p.add_argument("--out", type=Path, default=None, help="also write the raw JSON here")
@@ -112,9 +114,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(args.repeats)
     ]
 
-    for tag, nice in (("", 19), ("_nice0", 0)):
+    for tag, priority in WRITERS:
         asyn = Checkpointer(
-            root / f"ours_async{tag}", keep_last=1, async_save=True, process_group=ckpt_group, writer_nice=nice
+            root / f"ours_async{tag}", keep_last=1, async_save=True, process_group=ckpt_group, writer_priority=priority
         )
         res.update(_async_run(asyn, state, step, timed, cpu_steps, args, tag))
         asyn.close()
@@ -133,6 +135,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     dist.barrier()
     dist.destroy_process_group()
     return res
+
+
+WRITERS = (("", "idle"), ("_nice19", 19), ("_nice0", 0))  # (result key suffix, writer_priority)
 
 
 # -- load at a new world size: one fresh process per load (what a restarted worker is) ---------------------------------
@@ -207,22 +212,25 @@ def _async_run(asyn: Any, state: Any, step: Any, timed: Any, cpu: list[float], a
     import torch
     import torch.distributed as dist
 
-    out: dict[str, list[float]] = {"ours_async_stall_s": [], "step_before_async_s": [], "step_during_async_s": []}
+    out: dict[str, list[Any]] = {"ours_async_stall_s": [], "step_before_async_s": [], "step_during_async_s": []}
     out.update({"step_before_async_cpu_s": [], "step_during_async_cpu_s": [], "async_save_s": []})
-    for i in range(args.repeats):
+    out["drag_per_save_s"] = []  # (median step during / median of the steps just before) - 1, per save
+    for i in range(args.drag_repeats):
         for _ in range(args.steps):
             out["step_before_async_s"].append(step())
             out["step_before_async_cpu_s"].append(cpu[-1])
         t0 = time.perf_counter()
         out["ours_async_stall_s"].append(timed(lambda i=i: asyn.save(i, state)))
-        flag = torch.ones(1)
+        flag, before, during = torch.ones(1), out["step_before_async_s"][-args.steps :], []
         while flag.item():  # all ranks step until every rank's save is done
-            out["step_during_async_s"].append(step())
+            during.append(step())
+            out["step_during_async_s"].append(during[-1])
             out["step_during_async_cpu_s"].append(cpu[-1])
             flag = torch.tensor([float(asyn.saving)])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         asyn.wait()
         out["async_save_s"].append(time.perf_counter() - t0)
+        out["drag_per_save_s"].append(med(during) / med(before) - 1)
     return {f"{k[:-2]}{tag}_s": v for k, v in out.items()}
 
 
@@ -281,6 +289,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", OMP_NUM_THREADS="1")
     argv = [sys.executable, __file__, "--worker", "--size", args.size, "--batch-size", str(args.batch_size)]
     argv += ["--seq-len", str(args.seq_len), "--steps", str(args.steps), "--repeats", str(args.repeats)]
+    argv += ["--drag-repeats", str(args.drag_repeats)]
     argv += ["--dir", str(scratch)]
     procs = [subprocess.Popen([*argv, "--out", str(outs[r])], env=dict(env, RANK=str(r))) for r in range(2)]
     try:
@@ -309,7 +318,7 @@ def steady(xs: list[float]) -> float:
 
 def report(results: list[dict[str, Any]], load_before: tuple[float, ...]) -> None:
     r0 = results[0]
-    keys = [k for k in r0 if k.endswith("_s") and k in results[1]]
+    keys = [k for k in r0 if k.endswith("_s") and k in results[1] and not k.startswith("drag_")]
     worst = {k: max(steady(r[k]) for r in results) for k in keys}  # slowest rank, steady state
     first = {k: max(r[k][0] for r in results) for k in keys if r0[k]}
     step, save = worst["step_s"], worst["dcp_save_stall_s"]
@@ -324,16 +333,21 @@ def report(results: list[dict[str, Any]], load_before: tuple[float, ...]) -> Non
         ("dcp_async_stall_s", "dcp.async_save stall"),
         ("ours_sync_stall_s", "Checkpointer.save (sync) stall"),
         ("ours_async_stall_s", "Checkpointer.save (async) stall"),
-        ("async_save_s", "async save, stall to commit (writer_nice=19)"),
-        ("async_save_nice0_s", "async save, stall to commit (writer_nice=0)"),
+        ("async_save_s", "async save, stall to commit (writer_priority='idle', default)"),
+        ("async_save_nice19_s", "async save, stall to commit (writer_priority=19)"),
+        ("async_save_nice0_s", "async save, stall to commit (writer_priority=0)"),
     ]:
         v = worst[key]
         print(f"| {label} | {first[key]:.3f} | {v:.3f} | {v / save:.3f} | {v / step:.3f} |")
-    print("\n| steps while an async save is in flight (all of them, both ranks) | wall drag | CPU drag | steps |")
-    print("|---|---|---|---|")
-    for tag, label in [("", "writer_nice=19 (default)"), ("_nice0", "writer_nice=0")]:
+    print("\n| steps while an async save is in flight (both ranks) | wall drag | CPU drag | per save: min, median, max "
+          "| saves | steps |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for tag, priority in WRITERS:
+        per_save = sorted(max(a, b) for a, b in zip(*(r[f"drag_per_save{tag}_s"] for r in results), strict=True))
+        spread = ", ".join(f"{x * 100:+.1f}%" for x in (per_save[0], med(per_save), per_save[-1]))
         print(
-            f"| {label} | {_drag(results, 'step', tag) * 100:+.1f}% | {_drag(results, 'cpu', tag) * 100:+.1f}% "
+            f"| writer_priority={priority!r} | {_drag(results, 'step', tag) * 100:+.1f}% | "
+            f"{_drag(results, 'cpu', tag) * 100:+.1f}% | {spread} | {len(per_save)} "
             f"| {len(r0[f'step_during_async{tag}_s'])} |"
         )
     head = "| load at world size 1 (rank 0), ZeroStage3 | page cache | s | vs raw read | vs read into new memory |"

@@ -47,11 +47,12 @@ class Checkpointer:
         process_group: group for the checkpoint's own collectives. Default: a new gloo group over the default world,
             created here (collective) — with ``async_save`` it must be a group training does not use.
         verify_on_load: check every file's CRC-32 against the manifest before loading (ranks split the files).
-        writer_nice: with ``async_save``, how much nicer than the training loop the background writer thread runs
-            (0 … 19, capped at 19; Linux sets it per thread, elsewhere it is ignored). The default 19 lets the
-            training loop keep the cores and the write use their idle time; 0 writes at the training loop's priority
-            (a save finishes sooner on a busy machine, at the cost of slower steps meanwhile). The snapshot always
-            runs in the caller.
+        writer_priority: with ``async_save``, the background writer thread's priority (Linux sets it per thread,
+            elsewhere it is ignored). ``"idle"`` (default): ``SCHED_IDLE``, below any niceness — the write uses only
+            the time the cores would otherwise idle, and a training thread that wakes takes the core from it at once.
+            An int 0 … 19: that much nicer than the training loop (capped at 19); 0 writes at the training loop's
+            priority (a save commits sooner on a busy machine, steps are slower meanwhile). The snapshot always runs
+            in the caller.
         phase_hook: ``f(phase, step)`` called at the commit protocol's phases (``"snapshot"`` and those of
             :data:`~elasticzero.checkpoint.disk.PhaseHook`).
     """
@@ -64,11 +65,10 @@ class Checkpointer:
         async_save: bool = False,
         process_group: Any = None,
         verify_on_load: bool = True,
-        writer_nice: int = 19,
+        writer_priority: int | str = "idle",
         phase_hook: PhaseHook | None = None,
     ) -> None:
-        if not 0 <= writer_nice <= 19:
-            raise UsageError(f"Checkpointer: writer_nice must be in 0..19, got {writer_nice}")
+        _check_priority(writer_priority)
         if not dist.is_initialized():
             raise UsageError("Checkpointer needs torch.distributed initialised (init_process_group)")
         group = process_group if process_group is not None else dist.new_group(backend="gloo")
@@ -78,7 +78,7 @@ class Checkpointer:
         self._hook = phase_hook or (lambda phase, step: None)
         self._stager = Stager()
         self._executor = (
-            concurrent.futures.ThreadPoolExecutor(1, "elasticzero-ckpt", _lower_priority, (writer_nice,))
+            concurrent.futures.ThreadPoolExecutor(1, "elasticzero-ckpt", lower_priority, (writer_priority,))
             if async_save
             else None
         )
@@ -169,11 +169,26 @@ class Checkpointer:
         self.close()
 
 
-def _lower_priority(nice: int) -> None:
-    """Runs in the writer thread: make it (only it: Linux takes a thread id here) nicer by ``nice``."""
-    if nice and hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+def _check_priority(priority: object) -> None:
+    ok = priority == "idle" or (isinstance(priority, int) and not isinstance(priority, bool) and 0 <= priority <= 19)
+    if not ok:
+        raise UsageError(f"Checkpointer: writer_priority must be 'idle' or a niceness 0..19, got {priority!r}")
+
+
+def lower_priority(priority: int | str) -> None:
+    """Runs in the writer thread: lower its priority (only its own: Linux takes a thread id here). ``"idle"``:
+    ``SCHED_IDLE`` (niceness 19 where that policy is refused); an int: that much nicer."""
+    if not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return
+    tid = threading.get_native_id()
+    if priority == "idle":
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            return
+        except (AttributeError, OSError):  # not Linux, or a sandbox that refuses it: the nicest niceness instead
+            priority = 19
+    if priority:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + int(priority)))
 
 
 def _state_dict_of(key: str, value: Any) -> dict[str, Any]:

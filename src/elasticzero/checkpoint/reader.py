@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from elasticzero.checkpoint.planner import SafeFileSystemReader
+from elasticzero.checkpoint.prefault import Prefaulter
 from elasticzero.errors import UsageError
 
 _HEAD = 4096  # bytes read at an item's start (data.pkl, byteorder and the data record's local header fit in it)
@@ -275,24 +276,32 @@ class FastFileSystemReader(SafeFileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
-        for req in plan.items:
+        for req in sorted(plan.items, key=lambda r: self.storage_data[r.storage_index].offset):
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
         self._read_ahead(per_file)
+        dests = {
+            id(r): planner.resolve_tensor(r).detach() for reqs in per_file.values() for r in reqs if self._direct(r)
+        }
         slow: list[ReadItem] = []
-        for relative_path, reqs in per_file.items():
-            path = os.path.join(str(self.path), relative_path)
-            try:
-                slow += self._read_file(path, reqs, planner)
-            except BadItem as exc:
-                raise UsageError(f"{path}: not a DCP data file as its metadata says ({exc})") from exc
-            except OSError as exc:
-                raise UsageError(f"{path}: could not be read ({exc})") from exc
+        with Prefaulter(list(dests.values())):  # the destinations' pages fault on another core, in reading order
+            for relative_path, reqs in per_file.items():
+                path = os.path.join(str(self.path), relative_path)
+                try:
+                    slow += self._read_file(path, reqs, planner, dests)
+                except BadItem as exc:
+                    raise UsageError(f"{path}: not a DCP data file as its metadata says ({exc})") from exc
+                except OSError as exc:
+                    raise UsageError(f"{path}: could not be read ({exc})") from exc
         self.slow_items = len(slow)  # read by torch's path (tests, diagnostics)
         if slow:
             super().read_data(dataclasses.replace(plan, items=slow), planner).wait()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _direct(self, req: ReadItem) -> bool:
+        """Whether ``req`` may be read straight into its destination (a tensor item without transforms)."""
+        return req.type != LoadItemType.BYTE_IO and not self.storage_data[req.storage_index].transform_descriptors
 
     def _read_ahead(self, per_file: dict[str, list[ReadItem]]) -> None:
         """Ask the kernel to start reading every byte range this plan needs (``POSIX_FADV_WILLNEED``), so a file
@@ -313,24 +322,29 @@ class FastFileSystemReader(SafeFileSystemReader):
             finally:
                 os.close(fd)
 
-    def _read_file(self, path: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[ReadItem]:
+    def _read_file(
+        self, path: str, reqs: list[ReadItem], planner: LoadPlanner, dests: dict[int, torch.Tensor]
+    ) -> list[ReadItem]:
+        """Read ``reqs`` (in file order) from ``path``; ``dests``: the resolved destination of each direct request."""
         slow = []
         fd = os.open(path, os.O_RDONLY)
         try:
             parsed: dict[Any, tuple[PickledTensor, int, int] | None] = {}
-            for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+            for req in reqs:
                 info = self.storage_data[req.storage_index]
                 if info.transform_descriptors:
                     slow.append(req)
                 elif req.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(req, io.BytesIO(_pread(fd, info.length, info.offset)))
-                elif not self._read_tensor(fd, info, req, planner, parsed):
+                elif not self._read_tensor(fd, info, req, planner, parsed, dests[id(req)]):
                     slow.append(req)
         finally:
             os.close(fd)
         return slow
 
-    def _read_tensor(self, fd: int, info: Any, req: ReadItem, planner: LoadPlanner, parsed: dict) -> bool:
+    def _read_tensor(
+        self, fd: int, info: Any, req: ReadItem, planner: LoadPlanner, parsed: dict, dest: torch.Tensor
+    ) -> bool:
         key = req.storage_index
         if key not in parsed:
             try:
@@ -346,7 +360,6 @@ class FastFileSystemReader(SafeFileSystemReader):
             return False
         if start + nbytes > size:
             raise BadItem(f"tensor bytes {start}+{nbytes} outside its {size}-byte record")
-        dest = planner.resolve_tensor(req).detach()
         if not _fits(dest, t.dtype, tuple(req.lengths)):
             return False
         preadv_into(fd, dest, info.offset + at + start)

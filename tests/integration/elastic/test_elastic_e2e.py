@@ -55,12 +55,14 @@ T0 = time.monotonic()
 @dataclass(frozen=True)
 class Case:
     """One scenario: world 2 to step ``kill_at``, agent ``victim`` SIGKILLed, world 1 to step 12, a new agent joins,
-    world 2 to the end. ``kill_at`` past the last checkpoint makes the survivor redo the steps since it."""
+    world 2 to the end. ``kill_at`` past the last checkpoint makes the survivor redo the steps since it;
+    ``async_save`` writes the checkpoints in the background (the writer thread under ``SCHED_IDLE``)."""
 
     zero: int
     rdzv: str  # "c10d" (agent 0 hosts the TCPStore, so only agent 1 may die) or "etcd" (a real etcd server)
     kill_at: int
     victim: int
+    async_save: bool = False
 
     @property
     def resume_at(self) -> int:
@@ -70,7 +72,9 @@ class Case:
 CASES = [
     pytest.param(Case(zero=2, rdzv="c10d", kill_at=6, victim=1), id="zero2-c10d-kill-after-checkpoint"),
     pytest.param(
-        Case(zero=3, rdzv="etcd", kill_at=9, victim=0), id="zero3-etcd-kill-between-checkpoints", marks=pytest.mark.etcd
+        Case(zero=3, rdzv="etcd", kill_at=9, victim=0, async_save=True),
+        id="zero3-etcd-async-kill-between-checkpoints",
+        marks=pytest.mark.etcd,
     ),
 ]
 
@@ -89,6 +93,7 @@ def job(tmp: Path, case: Case, name: str) -> list[str]:
     args = ["--config", str(tmp / "gpt.yaml"), "--size", "tiny", "--seq-len", str(SEQ), "--steps", str(STEPS)]
     args += ["--corpus-bytes", str(CORPUS), "--seed", str(SEED), "--save-every", str(SAVE)]
     args += ["--checkpoint-dir", str(tmp / f"{name}-ckpt"), "--record-samples", str(tmp / f"{name}.jsonl")]
+    args += ["--async-save"] if case.async_save else []
     return [*args, "--hold-file", str(tmp / "hold")]
 
 

@@ -1,7 +1,7 @@
 """ChecksummingFileSystemWriter (checkpoint/writer.py) in one process, no process group: the sizes and CRC-32s it
 records while writing equal those of the files on disk, it records every file (``.metadata`` under its final name),
 the files are plain DCP (torch's ``FileSystemReader`` loads them bit-exact), and the async writer thread's
-``writer_nice`` lowers only that thread's priority."""
+``writer_priority`` lowers only that thread's priority (``SCHED_IDLE`` by default, or a niceness)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from elasticzero.checkpoint import commit
-from elasticzero.checkpoint.checkpointer import _lower_priority
+from elasticzero.checkpoint import Checkpointer, commit
+from elasticzero.checkpoint.checkpointer import lower_priority
 from elasticzero.checkpoint.chunks import FlatChunk
 from elasticzero.checkpoint.planner import ZeroLoadPlanner, ZeroSavePlanner
 from elasticzero.checkpoint.snapshot import fresh_like
 from elasticzero.checkpoint.writer import ChecksummingFileSystemWriter
+from elasticzero.errors import UsageError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -52,17 +53,44 @@ def test_recorded_crcs_are_those_of_the_files_and_dcp_reads_them(tmp_path: Path,
     assert template["plain"] == {"step": 7, "name": "x"}
 
 
-@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread niceness is Linux's")
-def test_writer_nice_lowers_only_the_writer_thread() -> None:
+def _in_a_thread(fn: object) -> dict[str, int]:
+    """Run ``fn()`` in a new thread; return that thread's scheduling policy and niceness, and the caller's after."""
     seen: dict[str, int] = {}
 
-    def writer_thread() -> None:
-        _lower_priority(19)
-        seen["writer"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    def run() -> None:
+        fn()  # type: ignore[operator]
+        tid = threading.get_native_id()
+        seen.update(policy=os.sched_getscheduler(tid), nice=os.getpriority(os.PRIO_PROCESS, tid))
 
-    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    t = threading.Thread(target=writer_thread)
+    t = threading.Thread(target=run)
     t.start()
     t.join()
-    assert seen["writer"] == 19
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+    me = threading.get_native_id()
+    seen.update(caller_policy=os.sched_getscheduler(me), caller_nice=os.getpriority(os.PRIO_PROCESS, me))
+    return seen
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE per thread is Linux's")
+def test_writer_priority_idle_puts_only_the_writer_thread_under_sched_idle() -> None:
+    me = threading.get_native_id()
+    before = (os.sched_getscheduler(me), os.getpriority(os.PRIO_PROCESS, me))
+    seen = _in_a_thread(lambda: lower_priority("idle"))
+    assert seen["policy"] == os.SCHED_IDLE
+    assert (seen["caller_policy"], seen["caller_nice"]) == before
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread niceness is Linux's")
+def test_writer_priority_niceness_lowers_only_the_writer_thread() -> None:
+    me = threading.get_native_id()
+    before = (os.sched_getscheduler(me), os.getpriority(os.PRIO_PROCESS, me))
+    seen = _in_a_thread(lambda: lower_priority(19))
+    assert (seen["policy"], seen["nice"]) == (os.SCHED_OTHER, 19)
+    assert (seen["caller_policy"], seen["caller_nice"]) == before
+    assert _in_a_thread(lambda: lower_priority(0))["nice"] == before[1]
+
+
+@pytest.mark.parametrize("bad", [20, -1, "low", True, 1.5, None])
+def test_a_bad_writer_priority_is_one_clear_error(tmp_path: Path, bad: object) -> None:
+    with pytest.raises(UsageError, match=r"writer_priority must be 'idle' or a niceness 0\.\.19, got"):
+        Checkpointer(tmp_path, async_save=True, writer_priority=bad)  # type: ignore[arg-type]
+    assert not any(tmp_path.iterdir())

@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -56,23 +55,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # -- background work (one process, SCHED_IDLE) -------------------------------------------------------------------------
-class _CrcFile:
-    def __init__(self, raw: Any) -> None:
-        self.raw, self.crc = raw, 0
-
-    def write(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        n = self.raw.write(view)
-        self.crc = zlib.crc32(view[:n], self.crc)
-        return n
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-    def tell(self) -> int:
-        return self.raw.tell()
-
-
 def hog(kind: str, rate: float, scratch: Path) -> None:
     import torch
 
@@ -92,9 +74,11 @@ def hog(kind: str, rate: float, scratch: Path) -> None:
 def _write(path: Path, items: list[Any], rate: float) -> None:
     import torch
 
+    from elasticzero.checkpoint.writer import _CrcStream
+
     t0, done = time.perf_counter(), 0
     with path.open("wb") as raw:
-        out = _CrcFile(raw)
+        out = _CrcStream(raw)  # the stream the checkpoint writer wraps every file in
         for t in items:
             torch.save(t, out)
             done += t.numel() * t.element_size()

@@ -331,13 +331,14 @@ class FastFileSystemReader(SafeFileSystemReader):
         try:
             parsed: dict[Any, tuple[PickledTensor, int, int] | None] = {}
             for req in reqs:
-                info = self.storage_data[req.storage_index]
-                if info.transform_descriptors:
+                info, dest = self.storage_data[req.storage_index], dests.get(id(req))
+                if dest is not None:  # a direct item (see _direct)
+                    if not self._read_tensor(fd, info, req, planner, parsed, dest):
+                        slow.append(req)
+                elif info.transform_descriptors:
                     slow.append(req)
-                elif req.type == LoadItemType.BYTE_IO:
+                else:
                     planner.load_bytes(req, io.BytesIO(_pread(fd, info.length, info.offset)))
-                elif not self._read_tensor(fd, info, req, planner, parsed, dests[id(req)]):
-                    slow.append(req)
         finally:
             os.close(fd)
         return slow

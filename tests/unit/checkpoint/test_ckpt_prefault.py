@@ -50,7 +50,6 @@ def test_populates_fresh_buffers_and_leaves_contents_alone() -> None:
     assert int(fresh.sum()) == 0  # populated pages are zero pages, as a first touch would give
     fresh.fill_(7)  # still ordinary writable memory
     assert int(fresh.sum()) == 7 * fresh.numel()
-    del fresh
 
 
 def _resident_bytes() -> int:

@@ -8,9 +8,9 @@ baseline. Kinds:
 
 - ``cpu``: a pure-Python loop (no memory traffic);
 - ``mem``: ``copy_`` of a 50 MB tensor over and over (memory bandwidth);
-- ``write``: ``torch.save`` of 150 tensors (~168 MB) into a file through a CRC-32 stream, ``fsync``, unlink — the
-  bytes and syscalls of one rank's async checkpoint write, in another process (no GIL shared with training, none of
-  DCP's planning or collectives);
+- ``write``: ``torch.save`` of 150 tensors (~168 MB) into a file through the checksumming stream, ``fsync``,
+  unlink: the bytes and syscalls of one rank's async checkpoint write, in another process (no GIL shared with
+  training, none of DCP's planning or collectives);
 - ``paced``: the same write at ``--paced-mb-s`` MB/s at most (sleeping between items).
 
 Prints the drag of each kind over "none" (slowest rank's median step / its median baseline step - 1), per round and
@@ -74,11 +74,11 @@ def hog(kind: str, rate: float, scratch: Path) -> None:
 def _write(path: Path, items: list[Any], rate: float) -> None:
     import torch
 
-    from elasticzero.checkpoint.writer import _CrcStream
+    from elasticzero.checkpoint.writer import DigestStream
 
     t0, done = time.perf_counter(), 0
     with path.open("wb") as raw:
-        out = _CrcStream(raw)  # the stream the checkpoint writer wraps every file in
+        out = DigestStream(raw)  # the stream the checkpoint writer wraps every file in
         for t in items:
             torch.save(t, out)
             done += t.numel() * t.element_size()

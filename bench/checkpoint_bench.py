@@ -11,7 +11,7 @@ One invocation starts 2 gloo ranks (this file with ``--worker``) training the ~2
    nicest niceness) and ``writer_priority=0``; ``--drag-repeats`` saves each;
 3. load at a new world size — a fresh process (a restarted worker) loads the 2-rank checkpoint into ``ZeroStage3`` at
    world size 1, one process per load, the methods' order rotated per repeat:
-   ``Checkpointer.load_latest`` (with and without CRC verification) vs ``dcp.load`` of the same template, vs the
+   ``Checkpointer.load_latest`` (with and without checksum verification) vs ``dcp.load`` of the same template, vs the
    raw read time of the same files — through one reused buffer, and into one new buffer of their size (the page
    faults any first load in a process pays) — all of it with the files in the page cache (warm) and evicted first
    (cold: ``POSIX_FADV_DONTNEED``, what a node that did not write them sees).
@@ -359,7 +359,7 @@ def report(results: list[dict[str, Any]], load_before: tuple[float, ...]) -> Non
             ("raw_read", "raw read of the same files (one reused 16 MiB buffer)"),
             ("raw_fresh", "raw read into one new buffer of their size"),
             ("load_dcp", "dcp.load (same planner, template built)"),
-            ("load_ours", "Checkpointer.load_latest (CRC verified)"),
+            ("load_ours", "Checkpointer.load_latest (checksums verified)"),
             ("load_ours_nocrc", "Checkpointer.load_latest (verify_on_load=False)"),
         ]:
             v = med(r0[f"{key}{cold}_s"])
@@ -371,7 +371,7 @@ def report(results: list[dict[str, Any]], load_before: tuple[float, ...]) -> Non
     for cold in ("", "_cold"):
         load, raw, fresh = (med(r0[f"{k}{cold}_s"]) for k in ("load_ours", "raw_read", "raw_fresh"))
         print(
-            f"  load (CRC) / raw read, {'cold' if cold else 'warm'} page cache = {load / raw:.2f} "
+            f"  load (verified) / raw read, {'cold' if cold else 'warm'} page cache = {load / raw:.2f} "
             f"(goal <= 1.2; / raw read into new memory {load / fresh:.2f})"
         )
 
@@ -435,7 +435,7 @@ def report_deepspeed(ds: dict[str, Any], results: list[dict[str, Any]]) -> None:
     new_world = med(ds["convert_s"]) + med(ds["load_s"])
     ours_load, ours_raw = med(r0["load_ours_s"]), med(r0["raw_read_s"])
     print(f"| ds_to_universal | {med(ds['convert_s']):.3f} | {med(ds['convert_s']) / raw:.1f} | - | - |")
-    print(f"| load at world 1 (ours: CRC verified) | {med(ds['load_s']):.3f} | {med(ds['load_s']) / raw:.1f} | "
+    print(f"| load at world 1 (ours: checksums verified) | {med(ds['load_s']):.3f} | {med(ds['load_s']) / raw:.1f} | "
           f"{ours_load:.3f} | {ours_load / med(ds['load_s']):.3f} |")  # fmt: skip
     print(f"| new world size: convert + load | {new_world:.3f} | {new_world / raw:.1f} | {ours_load:.3f} | "
           f"{ours_load / new_world:.3f} |")  # fmt: skip

@@ -32,10 +32,22 @@ def _agent_flags() -> set[str]:
     return _long_dash_flags(parser)
 
 
+def _checkpoint_flags() -> set[str]:
+    """Every sub-command of ``elasticzero-checkpoint`` and every flag of each."""
+    from elasticzero.checkpoint.cli import build_parser
+
+    subs = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return set(subs.choices) | {f for sub in subs.choices.values() for f in _long_dash_flags(sub)}
+
+
 @pytest.mark.parametrize(
     ("doc", "flags"),
-    [("docs/launching.md", _launch_flags), ("docs/agent.md", _agent_flags)],
-    ids=["elasticzero-launch", "elasticzero-run"],
+    [
+        ("docs/launching.md", _launch_flags),
+        ("docs/agent.md", _agent_flags),
+        ("docs/checkpointing.md", _checkpoint_flags),
+    ],
+    ids=["elasticzero-launch", "elasticzero-run", "elasticzero-checkpoint"],
 )
 def test_every_flag_is_documented(doc: str, flags) -> None:
     text = (REPO / doc).read_text()

@@ -46,7 +46,7 @@ class Checkpointer:
             commit run in a background thread over ``process_group``.
         process_group: group for the checkpoint's own collectives. Default: a new gloo group over the default world,
             created here (collective) — with ``async_save`` it must be a group training does not use.
-        verify_on_load: check every file's CRC-32 against the manifest before loading (ranks split the files).
+        verify_on_load: check every file's checksum against the manifest before loading (ranks split the files).
         writer_priority: with ``async_save``, the background writer thread's priority (Linux sets it per thread,
             elsewhere it is ignored). ``"idle"`` (default): ``SCHED_IDLE``, below any niceness — the write uses only
             the time the cores would otherwise idle, and a training thread that wakes takes the core from it at once.

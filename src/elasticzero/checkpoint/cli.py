@@ -2,9 +2,10 @@
 
 ``inspect DIR`` lists the committed steps (newest last) with world size, size and the scalars the job's state
 recorded (ZeRO stage, precision, sampler position, LR-scheduler epoch, loss scale ...); ``verify DIR`` checks every
-file of every committed step (sizes and CRC-32 against the manifest, DCP metadata readable and covering every
+file of every committed step (sizes and checksums against the manifest, DCP metadata readable and covering every
 tensor); ``consolidate DIR OUT`` writes the full fp32 model ``state_dict`` of a ZeRO checkpoint as one file loadable
-with ``torch.load(OUT, weights_only=True)`` (DeepSpeed's ``zero_to_fp32``).
+with ``torch.load(OUT, weights_only=True)`` (DeepSpeed's ``zero_to_fp32``); ``import-deepspeed DS_DIR OUT`` turns a
+DeepSpeed ZeRO checkpoint (stage 1, 2 or 3) into an elasticzero checkpoint that loads at any world size and stage.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     con.add_argument("out", help="output file (torch.save format; load with torch.load(OUT, weights_only=True))")
     con.add_argument("--step", type=int, default=None, help="step to convert (default: the latest)")
     con.add_argument("--key", default=None, help="state key of the ZeRO state when the checkpoint holds several")
+    imp = sub.add_parser("import-deepspeed", help="import a DeepSpeed ZeRO 1/2/3 checkpoint as a new checkpoint")
+    imp.add_argument("ds_directory", help="DeepSpeed save_checkpoint directory (holds 'latest' and tag directories)")
+    imp.add_argument("out", help="new elasticzero checkpoint directory (must hold no checkpoint yet)")
+    imp.add_argument("--tag", default=None, help="DeepSpeed tag to import (default: the one 'latest' names)")
+    imp.add_argument("--key", default="zero", help="state key of the ZeRO state in the new checkpoint (default zero)")
     return p
 
 
@@ -51,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "import-deepspeed":
+        return _import_deepspeed(Path(args.ds_directory), Path(args.out), args.tag, args.key)
     root = Path(args.directory)
     if not root.is_dir():
         raise UsageError(f"{root}: no such checkpoint directory")
@@ -112,7 +120,7 @@ def step_problems(directory: Path) -> list[str]:
     except UsageError as exc:
         return [str(exc)]
     files = manifest["files"]
-    problems = commit.file_errors(directory, files, sorted(files), check_crc=True)
+    problems = commit.file_errors(directory, files, sorted(files), check_digest=True)
     if problems or ".metadata" not in files:
         return problems or [f"{directory}: no .metadata in the manifest"]
     try:
@@ -195,3 +203,18 @@ def _zero_prefix(md: dict[str, Any], key: str | None, directory: Path) -> str:
             + ("; pass --key" if prefixes else " (was it saved through ZeroCheckpointState?)")
         )
     return prefixes[0]
+
+
+# -- import-deepspeed ------------------------------------------------------------------------------------------------
+def _import_deepspeed(ds_dir: Path, out: Path, tag: str | None, key: str) -> int:
+    from elasticzero.checkpoint.deepspeed_import import import_checkpoint
+
+    if not ds_dir.is_dir():
+        raise UsageError(f"{ds_dir}: no such DeepSpeed checkpoint directory")
+    ck = import_checkpoint(ds_dir, out, tag, key)
+    print(
+        f"imported {ck.directory} (DeepSpeed {ck.version}, ZeRO-{ck.stage}, {ck.world_size} ranks, {ck.precision}) "
+        f"as step {ck.step} of {out}: {len(ck.shapes)} parameters, optimizer state "
+        f"{sorted({k for st in ck.states.values() for k in st} | set(ck.scalars)) or 'none'}"
+    )
+    return 0

@@ -8,7 +8,7 @@ Layout of ``DIR``::
     latest                    name of the newest committed directory, for tools (replaced atomically)
 
 The commit point is the rename ``step-N.tmp-<hex>`` → ``step-N``, done by one rank after every rank's files and the
-manifest (sizes and CRC-32 of every file) are written and fsynced; the directory is fsynced after it. So a crash or
+manifest (size and checksum of every file) are written and fsynced; the directory is fsynced after it. So a crash or
 SIGKILL of any rank at any moment leaves either no ``step-N`` or a complete one, and :func:`latest_step` never picks
 a partial save. Older checkpoints are deleted (``keep_last``) only after the new one is committed and published.
 """
@@ -20,16 +20,17 @@ import os
 import re
 import shutil
 import uuid
-import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from elasticzero.checkpoint import digest
 from elasticzero.errors import UsageError
 from elasticzero.fileio import fsync_dir, write_atomic
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what this version writes: files checksummed with XXH3-64 (see digest.py)
+READABLE_FORMATS = (1, 2)  # 1: the same layout with CRC-32s
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _COMMITTED = re.compile(r"^step-(\d{8,})$")
@@ -94,8 +95,9 @@ def manifest_errors(manifest: Any, where: str) -> list[str]:
     """What is wrong with a parsed manifest (empty if it is usable)."""
     if not isinstance(manifest, Mapping):
         return [f"{where}: not a JSON object"]
-    if manifest.get("format") != FORMAT_VERSION:
-        return [f"{where}: unknown checkpoint format {manifest.get('format')!r} (this version reads {FORMAT_VERSION})"]
+    if manifest.get("format") not in READABLE_FORMATS:
+        readable = ", ".join(map(str, READABLE_FORMATS))
+        return [f"{where}: unknown checkpoint format {manifest.get('format')!r} (this version reads {readable})"]
     files = manifest.get("files")
     if not isinstance(files, Mapping) or not files:
         return [f"{where}: no file list"]
@@ -106,8 +108,8 @@ def manifest_errors(manifest: Any, where: str) -> list[str]:
     return errors
 
 
-def file_errors(directory: Path, files: Mapping[str, Any], names: Iterable[str], check_crc: bool) -> list[str]:
-    """Sizes (and CRC-32 if ``check_crc``) of ``names`` against the manifest's ``files``."""
+def file_errors(directory: Path, files: Mapping[str, Any], names: Iterable[str], check_digest: bool) -> list[str]:
+    """Sizes (and checksums if ``check_digest``) of ``names`` against the manifest's ``files``."""
     errors = []
     for name in names:
         path = directory / name
@@ -119,20 +121,12 @@ def file_errors(directory: Path, files: Mapping[str, Any], names: Iterable[str],
             continue
         if size != want["size"]:
             errors.append(f"{path}: {size} bytes, the manifest says {want['size']} (truncated or replaced)")
-        elif check_crc and crc32_of(path) != want["crc32"]:
-            errors.append(f"{path}: CRC-32 differs from the manifest (corrupt)")
+        elif check_digest and (problem := digest.mismatch(path, want)):
+            errors.append(problem)
     return errors
 
 
 # -- thin I/O ---------------------------------------------------------------------------------------------------------
-def crc32_of(path: Path, block: int = 1 << 22) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
 def list_dir(root: Path) -> Listing:
     if not root.is_dir():
         return Listing({}, [])

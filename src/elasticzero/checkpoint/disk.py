@@ -88,7 +88,7 @@ class DiskTier:
         self._hook("retained", snap.step)
 
     def _gather_files(self, directory: Path, written: dict[str, dict[str, int]]) -> dict[str, Any]:
-        """Size and CRC-32 of every file, each computed by the rank that wrote it while writing it, gathered on every
+        """Size and checksum of every file, each computed by the rank that wrote it while writing it, gathered on every
         rank. A file on disk whose size differs from what went through the stream raises (nothing is committed)."""
         for name, rec in written.items():
             if (directory / name).stat().st_size != rec["size"]:
@@ -104,18 +104,18 @@ class DiskTier:
 
     def read(self, step: int, template: dict[str, Any], *, verify: bool = True) -> dict[str, Any]:
         """Load step ``step`` into ``template`` (fresh buffers; filled in place) after checking the manifest, every
-        file's size (and CRC-32 if ``verify``) and that the checkpoint has every entry of the template with the
+        file's size (and checksum if ``verify``) and that the checkpoint has every entry of the template with the
         same shape. Any problem: one ``UsageError`` on every rank, naming the file and what is wrong."""
         directory = self.root / commit.step_dir(step)
         read: dict[str, Any] = {}  # what the check read and the load reuses (.metadata)
         self._raise_any(lambda: self._check(directory, template, False, read))
-        with concurrent.futures.ThreadPoolExecutor(1, "elasticzero-crc") as pool:
-            # CRC-32s while DCP reads into the fresh template (zlib and preadv release the GIL); checked before
+        with concurrent.futures.ThreadPoolExecutor(1, "elasticzero-digest") as pool:
+            # checksums while DCP reads into the fresh template (the hash and preadv release the GIL); checked before
             # anything live is touched, and a damaged file is named before what reading it did
-            crc = pool.submit(self._crc_errors, directory) if verify else None
+            sums = pool.submit(self._digest_errors, directory) if verify else None
             failed = self._load_into(directory, template, read.get("metadata"))
-            if crc is not None:
-                self._raise_any(crc.result)
+            if sums is not None:
+                self._raise_any(sums.result)
         if failed is not None:
             raise failed
         return self.read_manifest(directory)
@@ -134,12 +134,12 @@ class DiskTier:
             return err
         return None
 
-    def _crc_errors(self, directory: Path) -> list[str]:
+    def _digest_errors(self, directory: Path) -> list[str]:
         files = commit.read_manifest(directory)["files"]
         try:
             return commit.file_errors(directory, files, self._mine(files), True)
         except OSError as exc:  # an error string, so every rank still reaches the collective that reports it
-            return [f"{directory}: a file could not be read for its CRC-32 ({exc})"]
+            return [f"{directory}: a file could not be read for its checksum ({exc})"]
 
     def _mine(self, files: dict[str, Any]) -> list[str]:
         """The files this rank checks (the ranks split them round-robin)."""

@@ -1,10 +1,10 @@
-"""``ChecksummingFileSystemWriter``: torch's ``FileSystemWriter`` that computes each file's size and CRC-32 while
-writing it, so the manifest needs no second read of the checkpoint.
+"""``ChecksummingFileSystemWriter``: torch's ``FileSystemWriter`` that computes each file's size and checksum
+(:mod:`~elasticzero.checkpoint.digest`) while writing it, so the manifest needs no second read of the checkpoint.
 
 The bytes and the file layout are exactly ``FileSystemWriter``'s (a plain ``dcp.load`` with torch's
 ``FileSystemReader`` reads the result): only the stream DCP writes into is wrapped, through the public
-``FileSystem.create_stream`` extension point. ``zlib.crc32`` releases the GIL on large buffers, and the tensor bytes
-pass through it once, while they are in cache on their way to the file.
+``FileSystem.create_stream`` extension point. The hash releases the GIL on large buffers, and the tensor bytes pass
+through it once, while they are in cache on their way to the file.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import os
 import threading
-import zlib
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,14 +20,16 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from elasticzero.checkpoint import digest
 
-class _CrcStream(io.RawIOBase):
-    """A write-only file that keeps the running CRC-32 and byte count of what goes through it."""
+
+class DigestStream(io.RawIOBase):
+    """A write-only file that keeps the running checksum and byte count of what goes through it."""
 
     def __init__(self, raw: Any) -> None:
         super().__init__()
         self.raw = raw
-        self.crc = 0
+        self.hasher = digest.Hasher()
         self.size = 0
 
     def writable(self) -> bool:
@@ -37,7 +38,7 @@ class _CrcStream(io.RawIOBase):
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
         n = self.raw.write(view)
-        self.crc = zlib.crc32(view[:n], self.crc)
+        self.hasher.update(view[:n])
         self.size += n
         return n
 
@@ -57,12 +58,12 @@ class _CrcStream(io.RawIOBase):
         super().close()
 
 
-class _CrcFileSystem(FileSystem):
-    """``FileSystem`` whose write streams record ``{file name: {"size", "crc32"}}`` (renames carry the record)."""
+class _DigestFileSystem(FileSystem):
+    """``FileSystem`` whose write streams record ``{file name: manifest entry}`` (renames carry the record)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.files: dict[str, dict[str, int]] = {}
+        self.files: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()  # DCP may write several files from its own threads (thread_count > 1)
 
     @contextmanager
@@ -72,12 +73,12 @@ class _CrcFileSystem(FileSystem):
                 yield stream
             return
         with Path(path).open(mode) as raw:
-            stream = _CrcStream(raw)
+            stream = DigestStream(raw)
             yield stream
             if not stream.closed:
                 stream.flush()
         with self._lock:
-            self.files[Path(path).name] = {"size": stream.size, "crc32": stream.crc}
+            self.files[Path(path).name] = digest.record(stream.size, stream.hasher)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)
@@ -87,13 +88,13 @@ class _CrcFileSystem(FileSystem):
 
 
 class ChecksummingFileSystemWriter(FileSystemWriter):
-    """``FileSystemWriter`` (same arguments) whose :attr:`files` gives, after ``dcp.save``, the size and CRC-32 of
-    every file this rank wrote (rank 0's include ``.metadata``)."""
+    """``FileSystemWriter`` (same arguments) whose :attr:`files` gives, after ``dcp.save``, the manifest entry (size
+    and checksum) of every file this rank wrote (rank 0's include ``.metadata``)."""
 
     def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        self.fs = _CrcFileSystem()
+        self.fs = _DigestFileSystem()
 
     @property
-    def files(self) -> dict[str, dict[str, int]]:
+    def files(self) -> dict[str, dict[str, Any]]:
         return dict(self.fs.files)

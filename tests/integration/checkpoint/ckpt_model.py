@@ -7,57 +7,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from tiny_net import GLOBAL_BATCH, Net, batch, loss_of
 
 from elasticzero.engine.zero.stage1 import ZeroStage1
 from elasticzero.engine.zero.stage2 import ZeroStage2
 from elasticzero.engine.zero.stage3 import ZeroStage3
 
 STAGES = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
-GLOBAL_BATCH = 6  # divisible by every world size used (1, 2, 3)
-VOCAB = 11
-
-
-class Scale(nn.Module):
-    """One element: on 2 or 3 ranks its bucket leaves some ranks only padding."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.g = nn.Parameter(torch.ones(1))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h * self.g
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 6)
-        self.blocks = nn.ModuleList([nn.Linear(6, 7), nn.Linear(7, 6), Scale()])
-        self.frozen = nn.Linear(6, 6)
-        self.frozen.weight.requires_grad_(False)
-        self.head = nn.Linear(6, VOCAB, bias=False)
-        self.head.weight = self.emb.weight  # tied
-        self.register_buffer("calls", torch.zeros(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        h = self.emb(x)
-        for b in self.blocks:
-            h = torch.tanh(b(h)) if isinstance(b, nn.Linear) else b(h)
-        return self.head(self.frozen(h))
 
 
 def build(stage: int, precision: str, group: Any, seed: int) -> Any:
     torch.manual_seed(seed)
     model = Net()
     return STAGES[stage](model, torch.optim.AdamW, lr=0.05, weight_decay=0.1, precision=precision, process_group=group)
-
-
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    x = torch.randint(0, VOCAB, (GLOBAL_BATCH, 5), generator=g)
-    return x, torch.roll(x, 1, dims=1)
 
 
 def train(opt: Any, steps: range) -> None:
@@ -67,9 +29,7 @@ def train(opt: Any, steps: range) -> None:
     per = GLOBAL_BATCH // n
     for step in steps:
         x, y = batch(step)
-        out = opt.module(x[r * per : (r + 1) * per])
-        loss = nn.functional.cross_entropy(out.reshape(-1, VOCAB).float(), y[r * per : (r + 1) * per].reshape(-1))
-        loss.backward()
+        loss_of(opt.module, x[r * per : (r + 1) * per], y[r * per : (r + 1) * per]).backward()
         opt.step()
         opt.zero_grad()
 

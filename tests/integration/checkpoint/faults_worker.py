@@ -31,7 +31,7 @@ from ckpt_fork import fork_world, join, stop, wait_killed
 from ckpt_model import build, full_state, mismatches, train
 from torch import nn
 
-from elasticzero.checkpoint import Checkpointer
+from elasticzero.checkpoint import Checkpointer, digest
 from elasticzero.checkpoint import commit as commit_mod
 from elasticzero.engine.zero.dcp_state import ZeroCheckpointState
 from elasticzero.errors import UsageError
@@ -83,7 +83,7 @@ def damage(case: str, d: Path) -> None:
             (d / ".metadata").write_bytes(pickle.dumps(_Evil(str(d.parent.parent / "pwned"))))
             manifest["files"][".metadata"] = {
                 "size": (d / ".metadata").stat().st_size,
-                "crc32": commit_mod.crc32_of(d / ".metadata"),
+                "xxh3_64": digest.of_file(d / ".metadata"),
             }
         (d / commit_mod.MANIFEST).write_text(json.dumps(manifest))
 

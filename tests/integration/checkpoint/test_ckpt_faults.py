@@ -43,7 +43,7 @@ def test_async_save_is_not_torn(faults: tuple[Path, dict[str, Any]]) -> None:
     ("case", "needle"),
     [
         ("truncated", "__1_0.distcp: 15"),
-        ("flipped", "CRC-32 differs"),
+        ("flipped", "checksum (xxh3_64) differs"),
         ("shard_missing", "__1_0.distcp: missing"),
         ("format", "unknown checkpoint format 99"),
         ("evil_metadata", "refusing to import posix.system"),
@@ -73,7 +73,7 @@ def test_cli_inspect_verify_consolidate(
     assert json.loads(capsys.readouterr().out)["latest"] == 2
     assert cli.main(["verify", str(root / "good")]) == 0
     assert cli.main(["verify", "--step", "2", str(root / "flipped")]) == 1
-    assert "CRC-32 differs" in capsys.readouterr().out
+    assert "checksum (xxh3_64) differs" in capsys.readouterr().out
     out = tmp_path / "model.pt"
     assert cli.main(["consolidate", str(root / "good"), str(out)]) == 0
     got, want = torch.load(out, weights_only=True), torch.load(root / "good_full.pt", weights_only=True)

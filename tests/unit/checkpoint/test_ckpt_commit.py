@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticzero.checkpoint import commit
+from elasticzero.checkpoint import commit, digest
 from elasticzero.errors import UsageError
 
 
@@ -66,9 +66,10 @@ def test_commit_publish_delete_on_disk(tmp_path: Path) -> None:
     listing = commit.list_dir(tmp_path)
     commit.delete(tmp_path, commit.to_delete(listing, 1, 2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000002"]
-    files = {"data": {"size": 2, "crc32": commit.crc32_of(tmp_path / "step-00000002" / "data")}}
-    assert commit.file_errors(tmp_path / "step-00000002", files, ["data"], check_crc=True) == []
+    files = {"data": {"size": 2, "xxh3_64": digest.of_file(tmp_path / "step-00000002" / "data")}}
+    assert commit.file_errors(tmp_path / "step-00000002", files, ["data"], check_digest=True) == []
     (tmp_path / "step-00000002" / "data").write_bytes(b"xy")
-    assert "CRC-32 differs" in commit.file_errors(tmp_path / "step-00000002", files, ["data"], check_crc=True)[0]
+    problems = commit.file_errors(tmp_path / "step-00000002", files, ["data"], check_digest=True)
+    assert "checksum (xxh3_64) differs" in problems[0]
     with pytest.raises(UsageError, match="unreadable manifest"):
         commit.read_manifest(tmp_path)

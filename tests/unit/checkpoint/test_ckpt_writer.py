@@ -1,4 +1,4 @@
-"""ChecksummingFileSystemWriter (checkpoint/writer.py) in one process, no process group: the sizes and CRC-32s it
+"""ChecksummingFileSystemWriter (checkpoint/writer.py) in one process, no process group: the sizes and checksums it
 records while writing equal those of the files on disk, it records every file (``.metadata`` under its final name),
 the files are plain DCP (torch's ``FileSystemReader`` loads them bit-exact), and the async writer thread's
 ``writer_priority`` lowers only that thread's priority (``SCHED_IDLE`` by default, or a niceness)."""
@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from elasticzero.checkpoint import Checkpointer, commit
+from elasticzero.checkpoint import Checkpointer, digest
 from elasticzero.checkpoint.checkpointer import lower_priority
 from elasticzero.checkpoint.chunks import FlatChunk
 from elasticzero.checkpoint.planner import ZeroLoadPlanner, ZeroSavePlanner
@@ -36,14 +36,14 @@ def _state() -> dict:
 
 
 @pytest.mark.parametrize("thread_count", [1, 2])
-def test_recorded_crcs_are_those_of_the_files_and_dcp_reads_them(tmp_path: Path, thread_count: int) -> None:
+def test_recorded_checksums_are_those_of_the_files_and_dcp_reads_them(tmp_path: Path, thread_count: int) -> None:
     writer = ChecksummingFileSystemWriter(tmp_path / "c", sync_files=False, thread_count=thread_count)
     dcp.save(_state(), storage_writer=writer, planner=ZeroSavePlanner(), no_dist=True)
     on_disk = {p.name for p in (tmp_path / "c").iterdir()}
     assert set(writer.files) == on_disk and ".metadata" in on_disk and len(on_disk) == 1 + thread_count
     for name, rec in writer.files.items():
         path = tmp_path / "c" / name
-        assert rec == {"size": path.stat().st_size, "crc32": commit.crc32_of(path)}, name
+        assert rec == {"size": path.stat().st_size, "xxh3_64": digest.of_file(path)}, name
     template = fresh_like(_state())
     template["plain"] = {"step": 0, "name": ""}
     dcp.load(template, storage_reader=FileSystemReader(tmp_path / "c"), planner=ZeroLoadPlanner(), no_dist=True)

@@ -1,0 +1,78 @@
+"""Driver for test_ckpt_deepspeed_import: imports each DeepSpeed fixture (stages 1/2/3, saved by 2 DeepSpeed ranks)
+with the ``elasticzero-checkpoint import-deepspeed`` command, then forks a world of 3 ranks (ckpt_fork.py). For every
+case (DeepSpeed stage -> elasticzero stage, M ranks) ranks [0, M) build a fresh ZeRO optimizer, load the imported
+checkpoint, compare fp32 masters, Adam moments and step bitwise with what DeepSpeed itself reported, train the two
+steps DeepSpeed trained after its save and compare the parameters with DeepSpeed's (bitwise at DeepSpeed's 2 ranks).
+Each rank writes ``{case: [problems]}`` to ``OUT.rank<r>``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from ckpt_fork import fork_world, join
+from ckpt_model import build, full_state, train
+from reshard_worker import compare
+from tiny_net import Net
+
+from elasticzero.checkpoint import Checkpointer
+from elasticzero.engine.zero.dcp_state import ZeroCheckpointState
+
+FIXTURES = Path(__file__).resolve().parent / "data" / "deepspeed-0.19.8"
+FIXTURE_NAMES = ("stage1", "stage2", "stage3", "stage2-bf16", "stage3-bf16")
+CASES = [  # (fixture, precision, elasticzero stage, M ranks)
+    *[("stage1", "fp32", 1, 2), ("stage2", "fp32", 2, 2), ("stage3", "fp32", 3, 2)],
+    *[("stage2", "fp32", 3, 1), ("stage3", "fp32", 1, 3), ("stage1", "fp32", 2, 3)],
+    *[("stage2-bf16", "bf16", 2, 2), ("stage3-bf16", "bf16", 1, 3)],
+]
+
+
+def import_all(root: Path) -> None:
+    for name in FIXTURE_NAMES:
+        code = "import sys; from elasticzero.checkpoint.cli import main; sys.exit(main(sys.argv[1:]))"
+        argv = ["import-deepspeed", str(FIXTURES / name), str(root / name)]
+        subprocess.run([sys.executable, "-c", code, *argv], check=True, capture_output=True, timeout=120)
+
+
+def run_case(case: tuple[str, str, int, int], groups: dict[int, Any], root: Path) -> list[str]:
+    fixture, precision, stage, m = case
+    if dist.get_rank() >= m:
+        return []
+    expected = torch.load(FIXTURES / fixture / "expected.pt", weights_only=True)
+    opt = build(stage, precision, groups[m], seed=2)
+    step = Checkpointer(root / fixture, process_group=groups[m]).load_latest({"zero": ZeroCheckpointState(opt)})
+    problems = [] if step == 3 else [f"loaded step {step}, 3 expected"]
+    got = full_state(opt)
+    for name, master in expected["fp32"].items():
+        for key, want in ((name, master), *((f"{name}.{k}", expected[k][name]) for k in ("exp_avg", "exp_avg_sq"))):
+            if not torch.equal(got[key], want.reshape(-1)):
+                problems.append(f"not bit-exact after import: {key}")
+        if got[f"{name}.step"].item() != expected["step"].item():
+            problems.append(f"{name}: step {got[f'{name}.step'].item()}")
+    torch.manual_seed(0)  # the fixture's model: its frozen weight; the buffer counts DeepSpeed's 3 forward passes
+    module = opt.full_state_dict()
+    frozen = module["frozen.weight"]  # in the model's dtype (bf16 with bf16) in DeepSpeed's checkpoint and here
+    if not torch.equal(frozen, Net().frozen.weight.to(frozen.dtype)) or module["calls"].item() != 3:
+        problems.append("frozen parameter or buffer not DeepSpeed's")
+    train(opt, range(3, 5))
+    after = opt.full_state_dict()
+    want = expected["fp32_after_2_more_steps"]  # fp32 at DeepSpeed's world size: bitwise; others: reduction order
+    exact = m == 2 and precision == "fp32"
+    return problems + compare({k: after[k].float() for k in want}, want, exact=exact, prec=precision)
+
+
+def run_all(out: str) -> dict[str, list[str]]:
+    groups = {k: dist.new_group(list(range(k))) for k in (1, 2, 3)}
+    return {"_".join(map(str, c)): run_case(c, groups, Path(out + ".d")) for c in CASES}
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = sys.argv[1]
+    import_all(Path(out + ".d"))
+    join(fork_world(3, run_all, Path(out), out), Path(out))

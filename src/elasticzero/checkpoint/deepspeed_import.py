@@ -219,8 +219,9 @@ def _stage12_states(parts: list[torch.Tensor], groups: list[dict[str, Any]], opt
 
 def _states(inner: list[dict[str, Any]], unflatten: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """``({name: {key: full}}, {key: value})`` from the wrapped optimizers' state dicts of every rank; ``unflatten``
-    takes one key's ``[rank][group]`` tensors."""
-    per_rank = [[s["state"].get(i, {}) for i in range(len(s["param_groups"]))] for s in inner]
+    takes one key's ``[rank][group]`` tensors (a group: a flat group of stages 1/2, a sub-group of stage 3, in the
+    order of the wrapped optimizer's state indices)."""
+    per_rank = [[s["state"][i] for i in sorted(s["state"])] for s in inner]
     keys = list(per_rank[0][0]) if per_rank[0] and per_rank[0][0] else []
     states: dict[str, dict[str, torch.Tensor]] = {}
     scalars: dict[str, Any] = {}

@@ -8,6 +8,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -72,3 +74,27 @@ def stop(pid: int) -> None:
     except ProcessLookupError:
         pass
     os.waitpid(pid, 0)
+
+
+def run_cases(out: str, cases: list[tuple[Any, ...]], run_case: Callable[..., list[str]]) -> dict[str, list[str]]:
+    """In a forked rank of a world of 3: ``run_case(case, groups, OUT.d)`` for every case, with a process group over
+    ranks [0, k) for k in 1..3; ``{case name: problems}``."""
+    import torch.distributed as dist
+
+    groups = {k: dist.new_group(list(range(k))) for k in (1, 2, 3)}
+    return {"_".join(map(str, c)): run_case(c, groups, Path(out + ".d")) for c in cases}
+
+
+def drive(script: Path, out: Path, cases: int, timeout: float) -> None:
+    """Run a driver ``script OUT`` in a fresh interpreter (this directory importable); it must exit 0 and each of its 3
+    ranks must report ``cases`` cases, none with a problem."""
+    path = os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    argv = [sys.executable, str(script), str(out)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for r in range(3):
+        res = json.loads(Path(f"{out}.rank{r}").read_text())
+        assert len(res) == cases, f"rank {r}: {len(res)} cases"
+        failed = {case: problems for case, problems in res.items() if problems}
+        assert not failed, f"rank {r}: {failed}"

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from ckpt_fork import fork_world, join
+from ckpt_fork import fork_world, join, run_cases
 from ckpt_model import build, full_state, train
 from reshard_worker import compare
 from tiny_net import Net
@@ -66,13 +66,8 @@ def run_case(case: tuple[str, str, int, int], groups: dict[int, Any], root: Path
     return problems + compare({k: after[k].float() for k in want}, want, exact=exact, prec=precision)
 
 
-def run_all(out: str) -> dict[str, list[str]]:
-    groups = {k: dist.new_group(list(range(k))) for k in (1, 2, 3)}
-    return {"_".join(map(str, c)): run_case(c, groups, Path(out + ".d")) for c in CASES}
-
-
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = sys.argv[1]
     import_all(Path(out + ".d"))
-    join(fork_world(3, run_all, Path(out), out), Path(out))
+    join(fork_world(3, run_cases, Path(out), out, CASES, run_case), Path(out))

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from ckpt_fork import fork_world, join
+from ckpt_fork import fork_world, join, run_cases
 from ckpt_model import build, full_state, mismatches, train
 
 from elasticzero.checkpoint import Checkpointer
@@ -68,12 +68,7 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], exact: 
     return bad
 
 
-def run_all(out: str) -> dict[str, list[str]]:
-    groups = {k: dist.new_group(list(range(k))) for k in (1, 2, 3)}
-    return {"_".join(map(str, c)): run_case(c, groups, Path(out + ".d")) for c in CASES}
-
-
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = sys.argv[1]
-    join(fork_world(3, run_all, Path(out), out), Path(out))
+    join(fork_world(3, run_cases, Path(out), out, CASES, run_case), Path(out))

@@ -6,16 +6,14 @@ file, nothing unpickled freely, nothing written."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from ckpt_fork import drive
 
 from elasticzero.checkpoint import cli, deepspeed_import
 from elasticzero.errors import UsageError
@@ -26,22 +24,7 @@ FIXTURES = HERE / "data" / "deepspeed-0.19.8"
 
 def test_imported_checkpoints_load_bit_exact_and_train_on_like_deepspeed(tmp_path: Path) -> None:
     out = tmp_path / "dsimport"
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
-    )
-    done = subprocess.run(
-        [sys.executable, str(HERE / "deepspeed_import_worker.py"), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(3)]
-    assert len(results[0]) == 8
-    for r, res in enumerate(results):
-        failed = {case: problems for case, problems in res.items() if problems}
-        assert not failed, f"rank {r}: {failed}"
+    drive(HERE / "deepspeed_import_worker.py", out, cases=8, timeout=300)
 
 
 def _copy(stage: int, tmp_path: Path) -> Path:

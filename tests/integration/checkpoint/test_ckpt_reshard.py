@@ -6,30 +6,13 @@ run ends (bitwise at the same world size and stage, else up to reduction order).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from ckpt_fork import drive
 
 HERE = Path(__file__).parent
 
 
 def test_reshard_matrix(tmp_path: Path) -> None:
     out = tmp_path / "reshard"
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
-    )
-    done = subprocess.run(
-        [sys.executable, str(HERE / "reshard_worker.py"), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(3)]
-    assert len(results[0]) == 29
-    for r, res in enumerate(results):
-        failed = {case: problems for case, problems in res.items() if problems}
-        assert not failed, f"rank {r}: {failed}"
+    drive(HERE / "reshard_worker.py", out, cases=29, timeout=400)

@@ -67,7 +67,7 @@ class DeepSpeedCheckpoint:
     scalars: dict[str, Any]  # per-parameter optimizer scalars (Adam's step), one value each
     param_groups: list[dict[str, Any]]
     module: dict[str, torch.Tensor]  # buffers and frozen parameters
-    aliases: dict[str, str]  # tied parameter names DeepSpeed recorded (stages 1/2)
+    aliases: dict[str, str]  # tied parameter names DeepSpeed recorded ({alias: parameter})
 
 
 # -- thin I/O ---------------------------------------------------------------------------------------------------------
@@ -149,15 +149,22 @@ def _assemble(
     groups = [dict(g) for g in model["param_shapes"]]
     shapes = {n: list(s) for g in groups for n, s in g.items()}
     inner = [o["optimizer_state_dict" if stage == 3 else "base_optimizer_state"] for o in optims]
+    where = str(directory)
     if stage == 3:
-        masters = unflatten_stage3([torch.cat(list(o["fp32_flat_groups"])) for o in optims], shapes, world)
-        states, scalars = _states(inner, lambda parts: unflatten_stage3([torch.cat(p) for p in parts], shapes, world))
+
+        def unflatten(parts: list[list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+            return unflatten_stage3([torch.cat(list(p)) for p in parts], shapes, world, where)
+
+        masters = unflatten([o["fp32_flat_groups"] for o in optims])
     else:
         _refuse_alignment_padding(optims)
-        masters = {}
-        for i, g in enumerate(groups):
-            masters.update(unflatten_stage12([o["single_partition_of_fp32_groups"][i] for o in optims], g, optims))
-        states, scalars = _states(inner, lambda parts: _stage12_states(parts, groups, optims))
+        pads = [o["group_paddings"] for o in optims]  # the masters were saved without them, the states with
+
+        def unflatten(parts: list[list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+            return _stage12_groups(parts, groups, pads, where)
+
+        masters = _stage12_groups([o["single_partition_of_fp32_groups"] for o in optims], groups, None, where)
+    states, scalars = _states(inner, unflatten)
     module, version = _module_state(models, shapes, stage), optims[0]["_version"]
     return DeepSpeedCheckpoint(
         directory=directory,
@@ -176,7 +183,7 @@ def _assemble(
     )
 
 
-def unflatten_stage12(partitions: list[torch.Tensor], shapes: dict[str, Any], optims: Any) -> dict[str, torch.Tensor]:
+def unflatten_stage12(partitions: list[torch.Tensor], shapes: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
     """Stages 1/2: the ranks' partitions of one flat group, concatenated, cut into its parameters (in order)."""
     flat = torch.cat([p.reshape(-1) for p in partitions])
     out, at = {}, 0
@@ -185,11 +192,13 @@ def unflatten_stage12(partitions: list[torch.Tensor], shapes: dict[str, Any], op
         out[name] = flat[at : at + n].clone()
         at += n
     if at > flat.numel() or flat.numel() - at >= 2 * len(partitions):  # DeepSpeed pads to 2 x world at most
-        raise UsageError(f"{optims[0]['_path']}: {flat.numel()} elements in a flat group of {at} (sizes do not add up)")
+        raise UsageError(f"{where}: {flat.numel()} elements in a flat group of {at} (sizes do not add up)")
     return out
 
 
-def unflatten_stage3(partitions: list[torch.Tensor], shapes: dict[str, Any], world: int) -> dict[str, torch.Tensor]:
+def unflatten_stage3(
+    partitions: list[torch.Tensor], shapes: dict[str, Any], world: int, where: str
+) -> dict[str, torch.Tensor]:
     """Stage 3: every parameter split on its own into ``ceil(numel / world)`` elements per rank; ``partitions[r]`` is
     rank r's pieces of all parameters, in order."""
     out, at = {}, 0
@@ -197,23 +206,23 @@ def unflatten_stage3(partitions: list[torch.Tensor], shapes: dict[str, Any], wor
         n = math.prod(shape)
         per = math.ceil(n / world)
         if any(at + per > p.numel() for p in partitions):
-            raise UsageError(f"stage-3 partitions of {partitions[0].numel()} elements end inside {name!r}")
+            raise UsageError(f"{where}: stage-3 partitions of {partitions[0].numel()} elements end inside {name!r}")
         out[name] = torch.cat([p[at : at + per] for p in partitions])[:n].clone()
         at += per
     if any(p.numel() != at for p in partitions):
-        raise UsageError(f"stage-3 partitions of {partitions[0].numel()} elements, the parameters need {at}")
+        raise UsageError(f"{where}: stage-3 partitions of {partitions[0].numel()} elements, the parameters need {at}")
     return out
 
 
-def _stage12_states(parts: list[torch.Tensor], groups: list[dict[str, Any]], optims: Any) -> dict[str, torch.Tensor]:
-    """One state key of every group (``parts[rank][group]``), the last rank's padding dropped as for the masters."""
+def _stage12_groups(
+    parts: list[list[torch.Tensor]], groups: list[dict[str, Any]], pads: list[list[int]] | None, where: str
+) -> dict[str, torch.Tensor]:
+    """Every flat group of ``parts[rank][group]``, ``pads[rank][group]`` elements first dropped from the end of each
+    rank's partition (DeepSpeed's ``group_paddings``; None: nothing to drop), cut into its parameters."""
     out: dict[str, torch.Tensor] = {}
     for i, g in enumerate(groups):
-        per_rank = []
-        for o, p in zip(optims, parts, strict=True):
-            pad = o["group_paddings"][i]
-            per_rank.append(p[i][: p[i].numel() - pad] if pad else p[i])
-        out.update(unflatten_stage12(per_rank, g, optims))
+        per_rank = [p[i][: p[i].numel() - (pads[r][i] if pads else 0)] for r, p in enumerate(parts)]
+        out.update(unflatten_stage12(per_rank, g, where))
     return out
 
 

@@ -96,14 +96,14 @@ def test_an_existing_checkpoint_directory_is_not_overwritten(
 def test_partitions_that_do_not_add_up_are_refused() -> None:
     shapes = {"a": [3, 2], "b": [5]}
     parts = [torch.arange(6.0), torch.arange(5.0)]
-    assert [t.tolist() for t in deepspeed_import.unflatten_stage12(parts, shapes, None).values()] == [
+    assert [t.tolist() for t in deepspeed_import.unflatten_stage12(parts, shapes, "d").values()] == [
         [0.0, 1.0, 2.0, 3.0, 4.0, 5.0],
         [0.0, 1.0, 2.0, 3.0, 4.0],
     ]
     with pytest.raises(UsageError, match="sizes do not add up"):
-        deepspeed_import.unflatten_stage12([torch.zeros(4), torch.zeros(4)], shapes, [{"_path": "f"}])
+        deepspeed_import.unflatten_stage12([torch.zeros(4), torch.zeros(4)], shapes, "d")
     ranks = [torch.tensor([0.0, 1, 2, 6, 7, 8]), torch.tensor([3.0, 4, 5, 9, 10, 0])]  # 3 + 3 per rank, "b" padded
-    three = deepspeed_import.unflatten_stage3(ranks, shapes, 2)
+    three = deepspeed_import.unflatten_stage3(ranks, shapes, 2, "d")
     assert three["a"].tolist() == [0.0, 1, 2, 3, 4, 5] and three["b"].tolist() == [6.0, 7, 8, 9, 10]
     with pytest.raises(UsageError, match="the parameters need 6"):
-        deepspeed_import.unflatten_stage3([torch.zeros(7), torch.zeros(7)], shapes, 2)
+        deepspeed_import.unflatten_stage3([torch.zeros(7), torch.zeros(7)], shapes, 2, "d")

@@ -4,12 +4,12 @@ Key layout (``prefix`` defaults to ``/elasticzero``)::
 
     <prefix>/<run_id>/state            torch's pickled _RendezvousState (token = the key's mod_revision); no lease
     <prefix>/<run_id>/members/<lease>  one key per live agent, attached to that agent's lease
-    <prefix>/<run_id>/store/<key>      the agents' Store keys (EtcdStore), attached to the writer's lease
+    <prefix>/<run_id>/store/<key>      the agents' Store keys (EtcdStore); no lease (they outlive their writer)
     <prefix>/<run_id>/ops/<uuid>       short-lived markers that make ``EtcdStore.add`` idempotent, on the writer's lease
 
-The state is written without a lease, so an agent that closes the rendezvous and leaves does not take the "closed"
-flag with it. The run's keys are deleted by the last agent to leave (:class:`RunMembership`); a run whose agents all
-died (no member key left) is wiped by the next agent that joins it.
+The state and the Store keys are written without a lease, so an agent that closes the rendezvous, or sets a barrier's
+done flag, and leaves does not take the flag with it. The run's keys are deleted by the last agent to leave
+(:class:`RunMembership`); a run whose agents all died (no member key left) is wiped by the next agent that joins it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """A :class:`torch.distributed.Store` on etcd v3, for the agents' bookkeeping around a rendezvous.
 
-Keys live under ``<prefix>/<run_id>/store/`` and are attached to the writing agent's lease (a key whose lease is
-lost in an outage longer than the TTL is gone; see docs/rendezvous.md). ``wait`` opens one watch
-over the missing keys and re-reads them when one is put (it does not poll), with TCPStore's semantics.
+Keys live under ``<prefix>/<run_id>/store/`` with no lease: like TCPStore's, a key stays until it is deleted, whoever
+wrote it and whether that agent is still there (torch's exit barrier depends on it: the last agent to arrive sets the
+done flag and shuts down at once). The run's keys are removed with the run (see :mod:`.etcd_backend`). ``wait`` opens
+one watch over the missing keys and re-reads them when one is put (it does not poll), with TCPStore's semantics.
 Timeouts raise :class:`torch.distributed.DistStoreError`, like torch's TCPStore.
 
 torch reaches this class from C++ whenever it is wrapped (``PrefixStore``, which is what ``rdzv_info.store`` is):
@@ -66,13 +67,12 @@ class EtcdStore(Store):
 
     def set(self, key: str, value: str | bytes) -> None:
         """Write ``key``."""
-        k, v = self._key(key), _bytes(value)
-        self._lease.attached(lambda lease: self._client.txn([], [self._ops.put(k, v, lease)], []))
+        self._client.txn([], [self._ops.put(self._key(key), _bytes(value))], [])
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         """Write several keys in one transaction."""
-        pairs = [(self._key(k), _bytes(v)) for k, v in zip(keys, values, strict=True)]
-        self._lease.attached(lambda lease: self._client.txn([], [self._ops.put(k, v, lease) for k, v in pairs], []))
+        puts = [self._ops.put(self._key(k), _bytes(v)) for k, v in zip(keys, values, strict=True)]
+        self._client.txn([], puts, [])
 
     def _read(self, keys: list[bytes]) -> tuple[list[bytes | None], int]:
         resp = self._client.txn([], [self._ops.get(k) for k in keys], [])
@@ -147,7 +147,7 @@ class EtcdStore(Store):
                 guard = self._ops.absent(k) if revision is None else self._ops.mod_is(k, revision)
 
                 def attempt(lease: int, g: Any = guard, v: bytes = new) -> Any:
-                    puts = [self._ops.put(k, v, lease), self._ops.put(marker, v, lease)]
+                    puts = [self._ops.put(k, v), self._ops.put(marker, v, lease)]
                     return self._client.txn([g], puts, [self._ops.get(k), self._ops.get(marker)])
 
                 resp = self._lease.attached(attempt)
@@ -170,9 +170,7 @@ class EtcdStore(Store):
         guards = [self._ops.value_is(k, expected)]
         if not expected:
             guards = [self._ops.absent(k)]
-        resp = self._lease.attached(
-            lambda lease: self._client.txn(guards, [self._ops.put(k, desired, lease)], [self._ops.get(k)])
-        )
+        resp = self._client.txn(guards, [self._ops.put(k, desired)], [self._ops.get(k)])
         if resp.succeeded:
             return desired
         kvs = range_kvs(resp, 0)
@@ -183,11 +181,7 @@ class EtcdStore(Store):
         return bytes(kvs[0].value)
 
     def _swap_empty(self, k: bytes, desired: bytes) -> bytes:
-        resp = self._lease.attached(
-            lambda lease: self._client.txn(
-                [self._ops.value_is(k, b"")], [self._ops.put(k, desired, lease)], [self._ops.get(k)]
-            )
-        )
+        resp = self._client.txn([self._ops.value_is(k, b"")], [self._ops.put(k, desired)], [self._ops.get(k)])
         if resp.succeeded:
             return desired
         kvs = range_kvs(resp, 0)

@@ -59,7 +59,8 @@ def torchrun_argv(
 
 def start_agent(argv: Sequence[str], log: Path, env: dict[str, str] | None = None) -> Agent:
     """Start one agent with stdout+stderr to ``log``."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    # faulthandler: a hung agent is sent SIGABRT before the kill and prints every thread's stack into its log
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
     with open(log, "w") as f:
         proc = subprocess.Popen(
             list(argv), stdout=f, stderr=subprocess.STDOUT, env=full_env, start_new_session=True, text=True
@@ -75,10 +76,22 @@ def wait_all(agents: Sequence[Agent], timeout: float) -> list[int]:
         try:
             codes.append(agent.proc.wait(timeout=max(0.1, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
+            dump_stacks(agents)
             kill_agents(agents)
             logs = "\n".join(f"--- {a.log.name}\n{a.output()[-3000:]}" for a in agents)
             raise AssertionError(f"torchrun agents did not finish within {timeout}s\n{logs}") from None
     return codes
+
+
+def dump_stacks(agents: Sequence[Agent]) -> None:
+    """SIGABRT each live agent (not its workers): faulthandler writes all its threads' stacks to the log."""
+    for agent in agents:
+        if agent.proc.poll() is None:
+            agent.proc.send_signal(signal.SIGABRT)
+            try:
+                agent.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def kill_agents(agents: Sequence[Agent]) -> None:

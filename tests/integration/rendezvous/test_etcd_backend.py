@@ -58,13 +58,29 @@ def test_state_outlives_the_writers_lease(etcd: EtcdCluster) -> None:
 
 
 def test_lost_lease_is_renewed_on_write(etcd: EtcdCluster) -> None:
+    """``add`` puts its idempotency marker on the agent's lease: a lost lease is replaced and the add applied once."""
     with leased_client(etcd) as (client, lease):
         store = store_for(client, lease)
         old = lease.id
         client.revoke(old)
-        store.set("k", "after-loss")
+        assert store.add("k", 2) == 2
         assert lease.id != old
-        assert store.get("k") == b"after-loss"
+        assert store.get("k") == b"2"
+
+
+def test_store_keys_have_no_lease(etcd: EtcdCluster) -> None:
+    """Store keys outlive their writer (TCPStore's contract); only the run's clean-up removes them."""
+    with leased_client(etcd) as (client, lease):
+        store = store_for(client, lease)
+        store.set("a", "1")
+        store.multi_set(["b"], ["2"])
+        store.add("c", 1)
+        store.compare_set("d", "", "4")
+        lease.release()
+        assert [store.get(k) for k in "abcd"] == [b"1", b"2", b"1", b"4"]
+        for k in "abcd":
+            fields = etcd.etcdctl("get", "--write-out=fields", f"/elasticzero/run/store/{k}")
+            assert fields.count('"Lease" : 0') == 1, fields
 
 
 def test_renew_callbacks_that_failed_are_run_again_by_the_keep_alive_thread(etcd: EtcdCluster) -> None:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+from datetime import timedelta
+
 import pytest
+import torch.distributed as dist
 from rdzv_etcd_parts import join_all
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
+from torch.distributed.elastic.utils.store import barrier
 
 from cluster.etcd_server import EtcdCluster
 from elasticzero.rendezvous.etcd_store import EtcdStore
@@ -40,6 +45,63 @@ def test_closed_by_one_agent_is_seen_by_the_other_then_nothing_is_left(etcd: Etc
         b.next_rendezvous()  # B re-joins: it must learn at once that the run is over, not wait join_timeout
     assert b.shutdown()
     assert _keys(etcd, "closed") == ""  # the last agent to leave removed the run's keys
+
+
+def test_a_key_outlives_the_agent_that_wrote_it(etcd: EtcdCluster) -> None:
+    """TCPStore's contract: a key stays until deleted, whoever wrote it and whether that client is still there."""
+    a, b = _handlers(etcd, "outlive")
+    info_a, info_b = join_all([a, b])
+    info_a.store.set("flag", "1")
+    assert a.shutdown()  # A leaves: its member key and lease go, its Store keys stay for B
+    assert info_b.store.get("flag") == b"1"
+    assert b.shutdown()
+    assert _keys(etcd, "outlive") == ""  # the last agent to leave still removes everything
+
+
+class _LateWaiter(dist.Store):
+    """B's side of torch's exit barrier, unchanged, except that ``added`` is set once B has counted itself in and its
+    wait starts only once ``go`` is set."""
+
+    def __init__(self, inner: dist.Store) -> None:
+        super().__init__()
+        self._inner, self.added, self.go = inner, threading.Event(), threading.Event()
+
+    def add(self, key: str, amount: int) -> int:
+        try:
+            return self._inner.add(key, amount)
+        finally:
+            self.added.set()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._inner.set(key, value)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self.go.wait()
+        self._inner.wait(keys, timedelta(seconds=10))
+
+
+def test_exit_barrier_passes_when_the_last_agent_to_arrive_leaves_at_once(etcd: EtcdCluster) -> None:
+    """torch's exit barrier: the last agent to arrive sets the done flag and shuts down at once; an agent that arrived
+    earlier but reads the flag only after that must still pass (it used to wait out the 300 s barrier timeout)."""
+    a, b = _handlers(etcd, "exitbar")
+    info_a, info_b = join_all([a, b])
+    late, failed = _LateWaiter(info_b.store), []
+
+    def b_barrier() -> None:
+        try:
+            barrier(late, 2, "exit", barrier_timeout=30)
+        except Exception as exc:  # reported below
+            failed.append(exc)
+
+    t = threading.Thread(target=b_barrier)
+    t.start()
+    assert late.added.wait(30)
+    barrier(info_a.store, 2, "exit", barrier_timeout=30)  # A arrives last: it sets the done flag and passes at once
+    assert a.shutdown()
+    late.go.set()
+    t.join(30)
+    assert not t.is_alive() and not failed, failed
+    assert b.shutdown()
 
 
 def test_a_run_abandoned_by_dead_agents_is_wiped_by_the_next_agent(etcd: EtcdCluster) -> None:

@@ -24,6 +24,7 @@ echo "tests/run.sh: install $((t1 - t0))s, test bed $((t2 - t1))s"
 
 "$VENV/bin/ruff" check src plugins tests bench examples
 "$VENV/bin/ruff" format --check src plugins tests bench examples
+"$VENV/bin/mypy" src
 
 set +e
 "$VENV/bin/python" -m pytest -q "$@"

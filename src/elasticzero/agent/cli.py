@@ -20,7 +20,8 @@ import signal
 import sys
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from elasticzero.errors import UsageError, cli_main
 from elasticzero.launch.execute import STOP_SIGNALS  # the launcher's and torch's stop signals
@@ -107,6 +108,7 @@ def _launch(args: argparse.Namespace, startup_handlers: Mapping[int, object]) ->
     # torch >= 2.4 lets workers reuse the rank-0 agent's rendezvous TCPStore, without a per-round key prefix: after
     # a restart the new workers read the dead workers' gloo/NCCL keys and hang. A fresh store per round avoids it.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    entrypoint: Callable[..., Any] | str
     if callable(cmd):
         entrypoint, entry_args = cmd, cmd_args
     else:
@@ -166,7 +168,7 @@ def exit_on_stop_signals() -> dict[int, object]:
 
     if threading.current_thread() is not threading.main_thread():
         return {}  # only the main thread may set handlers
-    previous = {int(s): signal.getsignal(s) for s in STOP_SIGNALS}
+    previous: dict[int, object] = {int(s): signal.getsignal(s) for s in STOP_SIGNALS}
     for s in STOP_SIGNALS:
         if previous[s] is not signal.SIG_IGN:  # nohup's ignored SIGHUP stays ignored
             signal.signal(s, stop)

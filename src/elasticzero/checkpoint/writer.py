@@ -93,8 +93,8 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
 
     def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        self.fs = _DigestFileSystem()
+        self.fs = self._digests = _DigestFileSystem()
 
     @property
     def files(self) -> dict[str, dict[str, Any]]:
-        return dict(self.fs.files)
+        return dict(self._digests.files)

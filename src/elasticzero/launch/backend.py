@@ -264,7 +264,7 @@ def _load(name: str, value: str) -> type[LauncherBackend]:
     obj: Any = importlib.import_module(m.group("module"))
     for attr in filter(None, (m.group("attr") or "").split(".")):
         obj = getattr(obj, attr)
-    return obj  # type: ignore[no-any-return]
+    return obj
 
 
 def launcher_class(name: str) -> type[LauncherBackend]:

@@ -63,7 +63,7 @@ class EtcdStore(Store):
 
     def _limit(self, timeout: timedelta | None) -> timedelta:
         """The timeout a blocking call honours: the one asked for, else the store's (C++ side, see module doc)."""
-        return self.timeout if timeout is None else timeout
+        return self.timeout if timeout is None else timeout  # type: ignore[attr-defined]  # pybind property, no stub
 
     def set(self, key: str, value: str | bytes) -> None:
         """Write ``key``."""

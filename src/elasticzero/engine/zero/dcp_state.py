@@ -170,11 +170,11 @@ class ZeroCheckpointState:
             and (live is None or base.shape == live.shape)
             and all(_views(c.tensor, base, p[3]) for c, p in zip(chunks, pieces, strict=True))
         )
-        if adopt and isinstance(live, nn.Parameter):
+        if adopt and base is not None and isinstance(live, nn.Parameter):
             if live.untyped_storage().nbytes() == live.numel() * live.element_size():
                 live.data = base
                 return live
-        elif adopt:
+        elif adopt and base is not None:
             return base
         target = live if live is not None else fresh()
         for c, (_, start, end, off) in zip(chunks, pieces, strict=True):

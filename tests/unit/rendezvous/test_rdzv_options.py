@@ -61,7 +61,7 @@ def test_etcd_options() -> None:
         ({"connect_timeout": "0"}, "must be > 0"),
         ({"prefix": "/"}, "etcd root"),
         ({"keep_alive_max_attempt": "2"}, "keep_alive_max_attempt=2 must be >= 3"),
-        ({"keep_alive_max_attempt": "0"}, "keep_alive_max_attempt=0 must be >= 1"),
+        ({"keep_alive_max_attempt": "0"}, "keep_alive_max_attempt=0 must be >= 3: a live node's heartbeat"),
     ],
 )
 def test_bad_values_are_one_line_usage_errors(conf: dict[str, str], needle: str) -> None:

@@ -163,18 +163,20 @@ class ZeroCheckpointState:
         """A tensor holding the loaded ``chunks`` (at the shard offsets of ``pieces``): the buffer they view when
         :meth:`load_template` made it (a master keeps its identity, its storage swapped, when it owns its storage);
         else ``live`` (or ``fresh()`` when there is none yet) with the chunks copied in."""
-        base = self._fresh.get(chunks[0].tensor.untyped_storage().data_ptr()) if chunks else None
-        adopt = (
-            base is not None
+        found = self._fresh.get(chunks[0].tensor.untyped_storage().data_ptr()) if chunks else None
+        base = (  # the template buffer, when the chunks are exactly its elements
+            found
+            if found is not None
             and len(chunks) == len(pieces)
-            and (live is None or base.shape == live.shape)
-            and all(_views(c.tensor, base, p[3]) for c, p in zip(chunks, pieces, strict=True))
+            and (live is None or found.shape == live.shape)
+            and all(_views(c.tensor, found, p[3]) for c, p in zip(chunks, pieces, strict=True))
+            else None
         )
-        if adopt and base is not None and isinstance(live, nn.Parameter):
+        if base is not None and isinstance(live, nn.Parameter):
             if live.untyped_storage().nbytes() == live.numel() * live.element_size():
                 live.data = base
                 return live
-        elif adopt and base is not None:
+        elif base is not None:
             return base
         target = live if live is not None else fresh()
         for c, (_, start, end, off) in zip(chunks, pieces, strict=True):

@@ -171,13 +171,18 @@ CANARIES = [
     Canary("torch.distributed.elastic.multiprocessing.api.DefaultLogsSpecs._local_ranks_filter", "agent/logs.py"),
     # -- the rendezvous handler: rank order by hint, fresh bootstrap info per round ------------------------------
     Canary(f"{HANDLER}._get_world", HANDLER_PY, _params()),
-    Canary(f"{HANDLER}._get_store", HANDLER_PY, _params()),
+    Canary(f"{HANDLER}._this_node", HANDLER_PY, None),
     Canary(f"{HANDLER}._state_holder", HANDLER_PY, None),
     Canary(f"{HANDLER}._bootstrap_store_info", HANDLER_PY, None),
     Canary(
         "torch.distributed.elastic.rendezvous.dynamic_rendezvous._RendezvousState",
         HANDLER_PY,
         _assigns("round", "participants"),
+    ),
+    Canary(
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous._NodeDesc",
+        "rendezvous/ordering.py (hint keys)",
+        _fields("addr", "pid", "local_id"),
     ),
     Canary(
         "torch.distributed.Store:getNumKeys",
@@ -227,6 +232,7 @@ _INSTANCE_ATTRS = {
     "torch.distributed.elastic.multiprocessing.api.DefaultLogsSpecs._tee",
     "torch.distributed.elastic.multiprocessing.api.DefaultLogsSpecs._local_ranks_filter",
     f"{HANDLER}._state_holder",
+    f"{HANDLER}._this_node",
     f"{HANDLER}._bootstrap_store_info",
     "torch.nn.Module._parameters",
 }

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from torch.distributed import Store
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed import DistStoreError, Store
+from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
@@ -21,7 +21,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elasticzero.rendezvous.endpoint import parse_endpoint
 from elasticzero.rendezvous.options import RendezvousOptions, parse_options
-from elasticzero.rendezvous.ordering import exchange_and_order
+from elasticzero.rendezvous.ordering import hint_key, publish_hint, ranks_by_hint
 
 logger = logging.getLogger(__name__)
 
@@ -33,21 +33,50 @@ class ElasticZeroRendezvousHandler(DynamicRendezvousHandler):
     bootstrap store info), so the node that ends up as group rank 0 is also the one that hosts the workers' store and
     publishes ``MASTER_ADDR``/``MASTER_PORT``: every node sees the same master address. From the second round on,
     the bootstrap info is rebuilt every round (torch would keep a stale master on the nodes that are not rank 0).
+    The hints travel in the run's store, each written by its node before it joins
+    (:mod:`~elasticzero.rendezvous.ordering`).
     """
 
     _ez_hint: int | None = None
+    _ez_store: Store | None = None  # the run's store (not a round's): where hints are published
+    _ez_run_id = ""
     _ez_release: Callable[[], None] | None = None
     _ez_world: tuple[tuple[int, frozenset[Any]], tuple[int, int]] | None = None
+    _ez_completed = False  # the current next_rendezvous got past torch's join: a round completed with this node
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """torch's, with this node's hint published first; joined once more if the completed round's rank 0 was lost
+        before it published the workers' master address (torch's wait for it then times out: ``read_timeout``)."""
+        try:
+            return self._join()
+        except DistStoreError as exc:
+            if not self._ez_completed:
+                raise
+            logger.warning(
+                "elasticzero: a round completed but its rank 0 never published the master address (%s); "
+                "joining the next round without it",
+                exc,
+            )
+            return self._join()
+
+    def _join(self) -> RendezvousInfo:
+        self._ez_completed = False
+        if self._ez_store is not None:  # before the join: a round completes only with the hints of all its nodes
+            publish_hint(self._ez_store, hint_key(self._ez_run_id, self._this_node), self._ez_hint)
+        return super().next_rendezvous()
 
     def _get_world(self) -> tuple[int, int]:
         rank, world_size = super()._get_world()
+        self._ez_completed = True
         state = self._state_holder.state
         # A round is identified by its number *and* its participants: a run wiped and started again also has a
         # round 0, with other nodes (or other pids) in it.
         round_ = (state.round, frozenset(state.participants.items()))
         if self._ez_world is not None and self._ez_world[0] == round_:
             return self._ez_world[1]
-        new_rank = exchange_and_order(self._get_store(), rank, world_size, self._ez_hint)
+        new_rank = rank
+        if self._ez_store is not None:  # hints published before the join: reading them never waits on a node
+            new_rank = ranks_by_hint(self._ez_store, self._ez_run_id, dict(state.participants))[self._this_node]
         if new_rank != rank:
             logger.info("elasticzero: node_rank_hint=%s moves group rank %d to %d", self._ez_hint, rank, new_rank)
         if self._ez_world is not None:
@@ -98,6 +127,8 @@ def build_handler(
         keep_alive_max_attempt=options.keep_alive_max_attempt,
     )
     handler._ez_hint = options.node_rank_hint
+    handler._ez_store = store
+    handler._ez_run_id = params.run_id
     handler._ez_release = release
     return handler
 

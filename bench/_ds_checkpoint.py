@@ -39,7 +39,6 @@ import os
 import re
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from ez_ports import free_port  # tests/ on sys.path: the one free-port rule of tests and benchmarks
 
 HERE = Path(__file__).resolve().parent
 EXAMPLES = HERE.parent / "examples"
@@ -257,10 +259,6 @@ def tree_bytes(directory: Path) -> int:
 
 
 # -- driver -----------------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:

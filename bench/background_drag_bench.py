@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from ez_ports import free_port  # tests/ on sys.path: the one free-port rule of tests and benchmarks
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("cpu", "mem", "write", "paced")
@@ -143,9 +145,7 @@ def _phase(phase: str, step: Any, args: argparse.Namespace) -> list[float]:
 # -- driver ----------------------------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> list[dict[str, list[float]]]:
     scratch = Path(tempfile.mkdtemp(prefix="bgdrag_bench_"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", OMP_NUM_THREADS="1")
     argv = [sys.executable, __file__, "--kinds", args.kinds, "--rounds", str(args.rounds), "--steps", str(args.steps)]
     argv += ["--size", args.size, "--paced-mb-s", str(args.paced_mb_s), "--dir", str(scratch)]

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from ez_ports import free_port  # tests/ on sys.path: the one free-port rule of tests and benchmarks
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -277,10 +279,6 @@ def _evict(directory: Path) -> None:
 
 
 # -- driver ----------------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:

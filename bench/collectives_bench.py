@@ -21,8 +21,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from elasticzero.engine.zero import ring
+from ez_ports import free_port  # tests/ on sys.path: the one free-port rule of tests and benchmarks
 
 
 def _rank(rank: int, world: int, port: int, mib: float, reps: int) -> None:
@@ -69,11 +71,7 @@ def main() -> None:
     p.add_argument("--mib", type=float, default=25.0)
     p.add_argument("--reps", type=int, default=8)
     a = p.parse_args()
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_rank, args=(a.world_size, port, a.mib, a.reps), nprocs=a.world_size, join=True)
 
 

@@ -55,16 +55,13 @@ from typing import Any
 
 from elasticzero.agent.proctree import descendants, kill_now, processes_with_env
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from ez_ports import free_port  # tests/ on sys.path: the one free-port rule of tests and benchmarks
+
 REPO = Path(__file__).resolve().parents[1]
 RUN = Path(sys.executable).with_name("elasticzero-run")
 EXAMPLE = REPO / "examples" / "train_gpt.py"
 TIMEOUT = 240.0  # seconds to wait for any one event before giving up on the job (a hang, not a measurement)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(pred: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:

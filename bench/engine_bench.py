@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,10 +23,11 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 
 from _peers import PEERS  # noqa: E402
 from _report import ratios, summarise, table  # noqa: E402
+from ez_ports import free_port  # noqa: E402 (tests/ on sys.path: the one free-port rule of tests and benchmarks)
 
 DEFAULT_DS_VENV = Path(os.environ.get("EZ_DS_VENV", "/work/ds-venv"))
 
@@ -66,13 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown peers: {', '.join(sorted(unknown))}")
     return args
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_peer(peer: str, args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:

@@ -38,6 +38,9 @@ import psutil
 from elasticzero.agent.options import RDZV_DEFAULTS
 from elasticzero.agent.proctree import descendants, kill_now, processes_with_env
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from ez_ports import free_port  # tests/ on sys.path: the one free-port rule of tests and benchmarks
+
 BIN = Path(sys.executable).parent
 WORKER_SRC = """
 import json, os, sys, time
@@ -58,12 +61,6 @@ while True:
         break
     time.sleep(0.1)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 TOOLS = ("elasticzero", "torchrun", "torchrun-fresh-store")

@@ -217,6 +217,7 @@ def _async_run(asyn: Any, state: Any, step: Any, timed: Any, cpu: list[float], a
     out: dict[str, list[Any]] = {"ours_async_stall_s": [], "step_before_async_s": [], "step_during_async_s": []}
     out.update({"step_before_async_cpu_s": [], "step_during_async_cpu_s": [], "async_save_s": []})
     out["drag_per_save_s"] = []  # (median step during / median of the steps just before) - 1, per save
+    out["drag_lost_per_save_s"] = []  # the steps' wall time beyond what they take with no save running, per save
     for i in range(args.drag_repeats):
         for _ in range(args.steps):
             out["step_before_async_s"].append(step())
@@ -233,6 +234,7 @@ def _async_run(asyn: Any, state: Any, step: Any, timed: Any, cpu: list[float], a
         asyn.wait()
         out["async_save_s"].append(time.perf_counter() - t0)
         out["drag_per_save_s"].append(med(during) / med(before) - 1)
+        out["drag_lost_per_save_s"].append(sum(during) - len(during) * med(before))
     return {f"{k[:-2]}{tag}_s": v for k, v in out.items()}
 
 
@@ -338,14 +340,15 @@ def report(results: list[dict[str, Any]], load_before: tuple[float, ...]) -> Non
         v = worst[key]
         print(f"| {label} | {first[key]:.3f} | {v:.3f} | {v / save:.3f} | {v / step:.3f} |")
     print("\n| steps while an async save is in flight (both ranks) | wall drag | CPU drag | per save: min, median, max "
-          "| saves | steps |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+          "| time lost per save: median s (steps) | saves | steps |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for tag, priority in WRITERS:
         per_save = sorted(max(a, b) for a, b in zip(*(r[f"drag_per_save{tag}_s"] for r in results), strict=True))
         spread = ", ".join(f"{x * 100:+.1f}%" for x in (per_save[0], med(per_save), per_save[-1]))
+        lost = med([max(a, b) for a, b in zip(*(r[f"drag_lost_per_save{tag}_s"] for r in results), strict=True)])
         print(
             f"| writer_priority={priority!r} | {_drag(results, 'step', tag) * 100:+.1f}% | "
-            f"{_drag(results, 'cpu', tag) * 100:+.1f}% | {spread} | {len(per_save)} "
+            f"{_drag(results, 'cpu', tag) * 100:+.1f}% | {spread} | {lost:.3f} ({lost / step:.2f}) | {len(per_save)} "
             f"| {len(r0[f'step_during_async{tag}_s'])} |"
         )
     head = "| load at world size 1 (rank 0), ZeroStage3 | page cache | s | vs raw read | vs read into new memory |"

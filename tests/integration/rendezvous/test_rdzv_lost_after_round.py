@@ -5,7 +5,7 @@ then, in the round's store: a node that died between the round completing and pu
 node blocked on its key for the store's whole read timeout (60 s), after which the survivor's rendezvous failed and
 its agent exited. Now each node publishes before joining, so the survivor finds every participant's hint at once.
 
-What torch does after the hints is its own: a node below rank 0 reads the workers' master address that rank 0
+What torch does after the hints is its own: every node but rank 0 reads the workers' master address that rank 0
 publishes. If rank 0 is lost in that window the read times out (``read_timeout``); the handler then joins the next
 round instead of failing the agent.
 """
@@ -49,7 +49,7 @@ def test_survivor_of_a_node_lost_after_the_round_gets_its_hinted_rank_at_once(
     endpoint, extra = _endpoints(kind, request)
     run = uuid.uuid4().hex[:12]
     # torch ranks by address (.1 before .2); the hints put the survivor (.2) first, so it reads the lost node's hint
-    # and it hosts the workers' bootstrap (a node below rank 0 waits for rank 0's address: torch's, not ours).
+    # and it hosts the workers' bootstrap (a node other than rank 0 waits for rank 0's address: torch's, not ours).
     nodes = [("127.0.0.1", "1"), ("127.0.0.2", "0")]
     handlers = [
         create_rdzv_handler(

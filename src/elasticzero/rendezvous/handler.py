@@ -21,7 +21,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elasticzero.rendezvous.endpoint import parse_endpoint
 from elasticzero.rendezvous.options import RendezvousOptions, parse_options
-from elasticzero.rendezvous.ordering import hint_key, publish_hint, ranks_by_hint
+from elasticzero.rendezvous.ordering import publish_hint, ranks_by_hint
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,8 @@ class ElasticZeroRendezvousHandler(DynamicRendezvousHandler):
     """
 
     _ez_hint: int | None = None
-    _ez_store: Store | None = None  # the run's store (not a round's): where hints are published
-    _ez_run_id = ""
+    _ez_store: Store  # the run's store (not a round's): where hints are published; set by build_handler
+    _ez_run_id: str
     _ez_release: Callable[[], None] | None = None
     _ez_world: tuple[tuple[int, frozenset[Any]], tuple[int, int]] | None = None
     _ez_completed = False  # the current next_rendezvous got past torch's join: a round completed with this node
@@ -61,8 +61,8 @@ class ElasticZeroRendezvousHandler(DynamicRendezvousHandler):
 
     def _join(self) -> RendezvousInfo:
         self._ez_completed = False
-        if self._ez_store is not None:  # before the join: a round completes only with the hints of all its nodes
-            publish_hint(self._ez_store, hint_key(self._ez_run_id, self._this_node), self._ez_hint)
+        # before the join: a round completes only with the hints of all its nodes in the store
+        publish_hint(self._ez_store, self._ez_run_id, self._this_node, self._ez_hint)
         return super().next_rendezvous()
 
     def _get_world(self) -> tuple[int, int]:
@@ -74,9 +74,8 @@ class ElasticZeroRendezvousHandler(DynamicRendezvousHandler):
         round_ = (state.round, frozenset(state.participants.items()))
         if self._ez_world is not None and self._ez_world[0] == round_:
             return self._ez_world[1]
-        new_rank = rank
-        if self._ez_store is not None:  # hints published before the join: reading them never waits on a node
-            new_rank = ranks_by_hint(self._ez_store, self._ez_run_id, dict(state.participants))[self._this_node]
+        # hints published before the join: reading them never waits on a node
+        new_rank = ranks_by_hint(self._ez_store, self._ez_run_id, dict(state.participants))[self._this_node]
         if new_rank != rank:
             logger.info("elasticzero: node_rank_hint=%s moves group rank %d to %d", self._ez_hint, rank, new_rank)
         if self._ez_world is not None:

@@ -43,9 +43,9 @@ def hint_key(run_id: str, node: Any) -> str:
     return f"{HINT_KEY_PREFIX}{run_id}/{node.addr}_{node.pid}_{node.local_id}"
 
 
-def publish_hint(store: Store, key: str, hint: int | None) -> None:
-    """Write this node's hint (before it joins a round: see the module docstring)."""
-    store.set(key, encode_hint(hint))
+def publish_hint(store: Store, run_id: str, node: Any, hint: int | None) -> None:
+    """Write the hint of ``node`` (this one, before it joins a round: see the module docstring)."""
+    store.set(hint_key(run_id, node), encode_hint(hint))
 
 
 def read_hints(store: Store, keys: Sequence[str]) -> list[int | None]:

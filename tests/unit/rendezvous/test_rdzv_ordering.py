@@ -58,7 +58,7 @@ def store() -> Iterator[TCPStore]:
 def test_ranks_follow_the_hints_published_in_the_store(store: TCPStore) -> None:
     nodes = [Node("10.0.0.1", 7, 0), Node("10.0.0.2", 7, 0), Node("10.0.0.3", 9, 1)]
     for node, hint in zip(nodes, [5, None, 1], strict=True):
-        publish_hint(store, hint_key("run", node), hint)
+        publish_hint(store, "run", node, hint)
     participants = {n: r for r, n in enumerate(nodes)}
     assert ranks_by_hint(store, "run", participants) == {nodes[0]: 1, nodes[1]: 2, nodes[2]: 0}
 
@@ -68,8 +68,8 @@ def test_a_node_that_never_published_reads_as_unhinted_at_once(store: TCPStore) 
     # every agent of ours publishes before joining; a key can only be missing for a foreign handler, and reading
     # must not wait on it (a wait here is a stalled rendezvous round)
     a, b, c = Node("a", 1, 0), Node("b", 1, 0), Node("c", 1, 0)
-    publish_hint(store, hint_key("run", a), 3)
-    publish_hint(store, hint_key("run", c), 0)
+    publish_hint(store, "run", a, 3)
+    publish_hint(store, "run", c, 0)
     assert read_hints(store, [hint_key("run", n) for n in (a, b, c)]) == [3, None, 0]
     assert ranks_by_hint(store, "run", {a: 0, b: 1, c: 2}) == {a: 1, b: 2, c: 0}
 

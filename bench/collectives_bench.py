@@ -10,6 +10,7 @@ call and the ratios. An all-reduce of the same buffer is printed for scale (it m
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -36,14 +37,19 @@ def _rank(rank: int, world: int, port: int, mib: float, reps: int) -> None:
     shard, full = torch.empty(n // world), torch.empty(n)
     group = dist.group.WORLD
 
+    tags = itertools.count()  # every rank runs the same sequence of rings
+
     def keep(_: tuple[torch.Tensor, ...]) -> None:
         return None
 
+    def tag() -> int:
+        return ring.message_tag(next(tags))
+
     variants: dict[str, Callable[[], None]] = {
         "gloo reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, x),
-        "ring reduce_scatter": lambda: ring.reduce_scatter(shard, x, group, keep).wait(),
+        "ring reduce_scatter": lambda: ring.reduce_scatter(shard, x, group, tag(), keep).wait(),
         "gloo all_gather": lambda: dist.all_gather_into_tensor(full, shard),
-        "ring all_gather": lambda: ring.all_gather(full, shard, group, keep).wait(),
+        "ring all_gather": lambda: ring.all_gather(full, shard, group, tag(), keep).wait(),
         "gloo all_reduce": lambda: dist.all_reduce(x),
     }
     times: dict[str, list[float]] = {k: [] for k in variants}

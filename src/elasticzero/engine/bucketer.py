@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from elasticzero.engine.zero import comm
@@ -69,8 +68,15 @@ class GradBucketer:
             collectives issued at rank-independent points of backward (ZeRO-3's parameter all-gathers), completion
             is not rank-independent (a parameter unused on one rank completes only there at the end), so launching
             early would interleave the collectives differently on different ranks and hang.
-        comm_stats: extra :class:`~elasticzero.engine.zero.comm.CommStats` to count into.
+        comm_stats: the :class:`~elasticzero.engine.zero.comm.CommStats` to count into (default: new ones;
+            ``bucketer.comm_stats`` either way).
         timers: optional ``PhaseTimers``; reductions are timed under ``"reduce"``.
+        communicator: a :class:`~elasticzero.engine.zero.comm.Communicator` to share (a ZeRO optimizer passes its
+            own), instead of opening one on ``process_group`` counting into ``comm_stats``.
+
+    Attributes:
+        communicator: issues, counts and settles the reductions; assigning one on another group of the same ranks
+            replaces it (the old one is closed).
     """
 
     def __init__(
@@ -90,13 +96,18 @@ class GradBucketer:
         comm_stats: comm.CommStats | None = None,
         timers: Any = None,
         launch_in_backward: bool = True,
+        communicator: comm.Communicator | None = None,
     ) -> None:
         if op not in ("all_reduce", "reduce_scatter"):
             raise UsageError(f"GradBucketer op must be 'all_reduce' or 'reduce_scatter', not {op!r}")
+        if communicator is not None and (process_group is not None or comm_stats is not None):
+            raise UsageError("GradBucketer: communicator= brings its group and stats; drop process_group/comm_stats")
         self.op: Op = op
-        self._group = comm.WeakGroup(process_group, "GradBucketer")
-        self.world_size = dist.get_world_size(self.process_group)
-        self.rank = dist.get_rank(self.process_group)
+        if communicator is None:
+            communicator = comm.Communicator(process_group, owner="GradBucketer", stats=comm_stats)
+        self._communicator = communicator
+        self.world_size = self._communicator.size
+        self.rank = self._communicator.rank
         self.reduce_dtype = reduce_dtype
         if buckets is None:
             pairs: list[tuple[str, nn.Parameter]] = [
@@ -120,7 +131,6 @@ class GradBucketer:
         self.keep_buffers = keep_buffers
         self.max_inflight = max(1, max_inflight)
         self.launch_in_backward = launch_in_backward
-        self.comm_stats = comm_stats
         self.timers = timers
         self._slot: dict[nn.Parameter, tuple[FlatBucket, int]] = {}  # param -> (bucket, position in it)
         for b in self.buckets:
@@ -144,7 +154,24 @@ class GradBucketer:
     @property
     def process_group(self) -> Any:
         """The data-parallel group (held weakly: a :class:`UsageError` once it was destroyed)."""
-        return self._group()
+        return self._communicator.group
+
+    @property
+    def communicator(self) -> comm.Communicator:
+        """Issues, counts and settles the reductions."""
+        return self._communicator
+
+    @communicator.setter
+    def communicator(self, new: comm.Communicator) -> None:
+        """Replace it by ``new`` (a group of the same ranks); the old one is closed first."""
+        comm.check_replacement(self._communicator, new, "GradBucketer")
+        self._communicator.close()
+        self._communicator = new
+
+    @property
+    def comm_stats(self) -> comm.CommStats:
+        """Counters of the reductions (the communicator's)."""
+        return self._communicator.stats
 
     # -- public ------------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -232,7 +259,7 @@ class GradBucketer:
                 self._launch_ready()
                 while self._inflight:
                     self._complete_oldest()
-                comm.settle()
+                self._communicator.settle()
             self._ready.clear()
             self._next = 0
             self.last_launch_order, self._launched = self._launched, []
@@ -290,11 +317,11 @@ class GradBucketer:
         self._launched.append(bucket.index)
         buf = self.buffer(bucket)
         if self.op == "all_reduce":
-            work = comm.all_reduce(buf, self.process_group, stats=self.comm_stats, async_op=True)
+            work = self._communicator.all_reduce(buf, async_op=True)
             out = buf
         else:
             out = torch.empty(bucket.shard_numel, dtype=buf.dtype, device=buf.device)
-            work = comm.reduce_scatter(out, buf, self.process_group, stats=self.comm_stats, async_op=True)
+            work = self._communicator.reduce_scatter(out, buf, async_op=True)
         self._inflight.append((bucket, out, work))
 
     def _complete_oldest(self) -> None:

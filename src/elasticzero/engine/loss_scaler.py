@@ -24,6 +24,11 @@ Optimizer protocol: an optimizer that owns its gradients (the ZeRO stages) expos
 ``unscale_(inv_scale: float) -> Tensor`` (0-dim, 1.0 when it found inf/NaN locally) and ``process_group``; the scaler
 uses them. Any other optimizer (plain ``torch.optim``, under DDP or not) has every ``p.grad`` in its ``param_groups``
 unscaled by the scaler itself.
+
+The flag's all-reduce is counted in ``scaler.comm_stats`` (tag ``"found_inf"``). It runs on the optimizer's group
+(through a communicator opened on it for the call, so it follows an optimizer whose communicator was replaced), else
+on ``scaler.communicator`` (built on ``process_group`` when one was given; assign another to move the scaler to a new
+group), else on the default group as it is at that moment.
 """
 
 from __future__ import annotations
@@ -89,8 +94,11 @@ class LossScaler:
         self.hysteresis = int(hysteresis)
         self.consecutive_hysteresis = consecutive_hysteresis
         self.min_scale = float(min_scale)
-        # held weakly (see comm.WeakGroup); None = the default group, looked up at each use
-        self._group = None if process_group is None else comm.WeakGroup(process_group, "LossScaler")
+        self.comm_stats = comm.CommStats()
+        # the group held weakly (see comm.Communicator); None = the default group, looked up at each use
+        self.communicator: comm.Communicator | None = None
+        if process_group is not None:
+            self.communicator = comm.Communicator(process_group, owner="LossScaler", stats=self.comm_stats)
         self._scale = float(init_scale)
         self._growth_tracker = 0  # consecutive clean steps since the last overflow or growth
         self._hysteresis_left = self.hysteresis
@@ -100,8 +108,8 @@ class LossScaler:
 
     @property
     def process_group(self) -> Any:
-        """The group given at construction (None: the default group); a :class:`UsageError` once destroyed."""
-        return None if self._group is None else self._group()
+        """The group of :attr:`communicator` (None: the default group); a :class:`UsageError` once destroyed."""
+        return None if self.communicator is None else self.communicator.group
 
     # ---------------------------------------------------------------- GradScaler-shaped API
     def get_scale(self) -> float:
@@ -141,15 +149,24 @@ class LossScaler:
             return state["found_inf"]
         inv_scale = 1.0 / self._scale
         own_unscale = getattr(optimizer, "unscale_", None)
+        group = None
         if callable(own_unscale):
             local = own_unscale(inv_scale)
-            group = getattr(optimizer, "process_group", None) or self.process_group
+            group = getattr(optimizer, "process_group", None)
         else:
             local = _unscale_grads(_grads_of(optimizer), inv_scale)
-            group = self.process_group
-        found = _agree(local, group)
+        found = _agree(local, self._communicator_on(group))
         self._per_optimizer[id(optimizer)] = {"found_inf": found, "stepped": False}
         return found
+
+    def _communicator_on(self, group: Any) -> comm.Communicator | None:
+        """Where the overflow flag is agreed: on ``group`` (the optimizer's), else on :attr:`communicator`, else on
+        the default group as it is now; None without torch.distributed."""
+        if group is None and self.communicator is not None:
+            return self.communicator
+        if group is None and not (dist.is_available() and dist.is_initialized()):
+            return None
+        return comm.Communicator(group, owner="LossScaler", stats=self.comm_stats)
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """Unscale if not done yet, then ``optimizer.step(*args, **kwargs)`` unless some rank found inf/NaN.
@@ -293,17 +310,17 @@ def _unscale_grads(grads: Iterable[torch.Tensor], inv_scale: float) -> torch.Ten
     return found_total
 
 
-def _agree(local: torch.Tensor | float | bool, group: Any) -> bool:
-    """MAX of the local inf/NaN flag over ``group`` when torch.distributed runs; every rank gets the same answer.
+def _agree(local: torch.Tensor | float | bool, communicator: comm.Communicator | None) -> bool:
+    """MAX of the local inf/NaN flag over the communicator's group, if any; every rank gets the same answer.
 
     The flag may live on a GPU (a ZeRO optimizer's ``unscale_`` returns it on its parameters' device): nccl reduces it
     there (a CPU flag goes to the current CUDA device), other backends on the CPU; ``.item()`` (the one host sync)
     comes after the reduction."""
     flag = torch.as_tensor(local, dtype=torch.float32).reshape(())
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if communicator is not None and communicator.size > 1:
         device = torch.device("cpu")
-        if "nccl" in str(dist.get_backend(group)).lower():
+        if "nccl" in communicator.backend.lower():
             device = flag.device if flag.is_cuda else torch.device("cuda", torch.cuda.current_device())
         flag = flag.to(device).clone()
-        comm.all_reduce(flag, group, op=dist.ReduceOp.MAX, tag="found_inf")
+        communicator.all_reduce(flag, op=dist.ReduceOp.MAX, tag="found_inf")
     return bool(flag.item() > 0)

@@ -30,7 +30,7 @@ def main(out: str, late: bool) -> None:
     # torch.distributed.nn binds the default group in default arguments when imported after init_process_group
     # (torch._dynamo imports it, on the first torch.optim optimizer) and keeps it alive; the engine's comm module,
     # imported before init like a script imports the engine, imports it first, so it binds None. Imported late, the
-    # first engine object puts None back.
+    # first communicator opened on the default group (stage 1's) puts None back.
     torch.set_num_threads(1)
     if not late:
         from elasticzero.engine.zero import comm
@@ -52,12 +52,12 @@ def main(out: str, late: bool) -> None:
             model(torch.randn(4, 64)).sum().backward()
             opt.step()
             opt.zero_grad()
-            unsettled.append(len(comm._SETTLING))
+            unsettled.append(opt.communicator.unsettled)
         keep.append(opt)
     ddp_like = nn.Linear(64, 64)
     bucketer = elasticzero.GradBucketer(ddp_like.parameters())
     ddp_like(torch.randn(4, 64)).sum().backward()
-    unsettled.append(len(comm._SETTLING))
+    unsettled.append(bucketer.communicator.unsettled)
     scaler = elasticzero.LossScaler(process_group=group)
     del group, pg
     pinned = comm.default_group_pinned()

@@ -30,8 +30,8 @@ stage      buffers                                              N=2
 (bf16/fp16: params are 2-byte compute copies and the fp32 master shard, 4/N, is separate.) Gradient shards exist from
 the first backward until ``zero_grad(set_to_none=True)``; measure between ``step()`` and ``zero_grad`` for the peak.
 
-Traffic per step (:mod:`~elasticzero.engine.zero.comm` counts every collective, per optimizer in ``opt.comm_stats``
-and process-wide in ``GLOBAL_COMM_STATS``): stages 1/2 reduce-scatter Ψ + all-gather Ψ = 2Ψ; stage 3 all-gather Ψ
+Traffic per step (each optimizer's :class:`~elasticzero.engine.zero.comm.Communicator` counts its collectives, in
+``opt.comm_stats``): stages 1/2 reduce-scatter Ψ + all-gather Ψ = 2Ψ; stage 3 all-gather Ψ
 in forward and again in backward + reduce-scatter Ψ = 3Ψ (Ψ counted with each bucket's < N padding elements).
 Names resolve lazily (PEP 562) so that ``elasticzero.engine.zero.comm`` imports without the stages.
 """
@@ -45,7 +45,7 @@ _LAZY = {
     "ZeroStage2": "elasticzero.engine.zero.stage2",
     "ZeroStage3": "elasticzero.engine.zero.stage3",
     "CommStats": "elasticzero.engine.zero.comm",
-    "GLOBAL_COMM_STATS": "elasticzero.engine.zero.comm",
+    "Communicator": "elasticzero.engine.zero.comm",
     "FlatBucket": "elasticzero.engine.zero.flat",
     "ParamSlot": "elasticzero.engine.zero.flat",
 }

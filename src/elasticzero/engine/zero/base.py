@@ -46,7 +46,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             and shape of every trainable parameter (tied parameters appear once, under their first name).
         buckets: the :class:`~elasticzero.engine.zero.flat.FlatBucket` layouts; ``bucket.local_pieces()`` maps this
             rank's shard back to parameter slices.
-        comm_stats: :class:`~elasticzero.engine.zero.comm.CommStats` of this optimizer's collectives.
+        communicator: the :class:`~elasticzero.engine.zero.comm.Communicator` issuing this optimizer's (and its
+            bucketer's) collectives; assigning one on another group of the same ranks replaces it (the old one is
+            closed).
+        comm_stats: :class:`~elasticzero.engine.zero.comm.CommStats` of this optimizer's collectives (its
+            communicator's).
         device: the device of the trainable parameters (all on one, else ``UsageError``); every flat buffer, master
             shard and scalar (norm, found_inf) is allocated there.
         optim: the wrapped optimizer (its ``param_groups`` and ``state`` *are* this object's).
@@ -75,14 +79,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not dist.is_initialized():
             raise UsageError(f"{type(self).__name__} needs torch.distributed initialised (init_process_group)")
         self.module = module
-        self._group = comm.WeakGroup(process_group, type(self).__name__)
-        self.world_size = dist.get_world_size(self.process_group)
-        self.rank = dist.get_rank(self.process_group)
+        self._communicator = comm.Communicator(process_group, owner=type(self).__name__)
+        self.world_size = self._communicator.size
+        self.rank = self._communicator.rank
         self.policy = as_policy(precision)
         self.timers = timers
         self.bucket_bytes = bucket_bytes
         self.max_inflight = max_inflight
-        self.comm_stats = comm.CommStats()
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -124,7 +127,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @property
     def process_group(self) -> Any:
         """The data-parallel group (held weakly: a :class:`UsageError` once it was destroyed)."""
-        return self._group()
+        return self._communicator.group
+
+    @property
+    def communicator(self) -> comm.Communicator:
+        """Issues, counts and settles this optimizer's collectives and its bucketer's."""
+        return self._communicator
+
+    @communicator.setter
+    def communicator(self, new: comm.Communicator) -> None:
+        """Replace it by ``new`` (a group of the same ranks, e.g. rebuilt in this process); the old one is closed
+        first (:meth:`~elasticzero.engine.zero.comm.Communicator.close`: if its group failed, close it yourself and
+        handle the error, then assign)."""
+        comm.check_replacement(self._communicator, new, type(self).__name__)
+        self._communicator.close()
+        self._communicator = new
+        self.bucketer.communicator = new
+
+    @property
+    def comm_stats(self) -> comm.CommStats:
+        """Counters of this optimizer's collectives (its communicator's)."""
+        return self._communicator.stats
 
     def _build_buckets(self, named: list[tuple[str, nn.Parameter]]) -> list[FlatBucket]:
         from elasticzero.engine.zero.flat import build_buckets
@@ -154,12 +177,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ``_on_reduced``; ``overrides`` carry each stage's own choices (buffer keeping, launch timing)."""
         return GradBucketer(
             op="reduce_scatter",
-            process_group=self.process_group,
+            communicator=self.communicator,
             reduce_dtype=self.policy.reduce_dtype,
             buckets=self.buckets,
             on_reduced=self._on_reduced,
             max_inflight=self.max_inflight,
-            comm_stats=self.comm_stats,
             timers=self.timers,
             **overrides,
         )
@@ -264,9 +286,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         One scalar all-reduce. Same formula and accuracy as ``torch.nn.utils.clip_grad_norm_`` (per-parameter norms,
         then the norm of the norms, over this rank's slice of each parameter).
         """
-        total = clip.global_grad_norm(
-            self.grad_pieces(), float(norm_type), self.process_group, self.comm_stats, self.device
-        )
+        total = clip.global_grad_norm(self.grad_pieces(), float(norm_type), self.communicator, self.device)
         clip.clip_(self.grad_shards(), max_norm, total)
         return total
 
@@ -297,7 +317,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for b, m in zip(self.buckets, self.masters, strict=True):
                 out = torch.empty(b.padded_numel, dtype=torch.float32, device=m.device)
-                comm.all_gather(out, m.detach(), self.process_group, stats=self.comm_stats, tag="state_dict")
+                self.communicator.all_gather(out, m.detach(), tag="state_dict")
                 for p, off in zip(b.params, b.offsets, strict=True):
                     full[id(p)] = out[off : off + p.numel()].view(p.shape).clone()
         sd = {}
@@ -307,7 +327,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for k, v in module_sd.items():
             sd[k] = full[id(v)] if id(v) in full else v.detach().clone()
             if id(v) in buffers:
-                comm.broadcast(sd[k], 0, self.process_group, stats=self.comm_stats, tag="state_dict")
+                self.communicator.broadcast(sd[k], 0, tag="state_dict")
         return sd
 
     @torch.no_grad()
@@ -377,7 +397,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for t in [*self.module.parameters(), *self.module.buffers()]:
                 if id(t) not in seen:
                     seen.add(id(t))
-                    comm.broadcast(t.data, 0, self.process_group, stats=self.comm_stats)
+                    self.communicator.broadcast(t.data, 0)
 
     def _cast_frozen(self) -> None:
         dtype = self.policy.param_dtype

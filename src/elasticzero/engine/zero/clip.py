@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from elasticzero.engine.zero import comm
+from elasticzero.engine.zero.comm import Communicator
 
 
 def local_norm_term(
@@ -30,15 +29,14 @@ def local_norm_term(
 def global_grad_norm(
     grads: Sequence[torch.Tensor],
     norm_type: float,
-    group: Any,
-    stats: comm.CommStats | None = None,
+    communicator: Communicator,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """The norm of all ranks' shards together: one scalar all-reduce (MAX for inf, else SUM) on ``device`` (the
     gradients' device: nccl reduces only CUDA tensors)."""
     term = local_norm_term(grads, norm_type, device)
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-    comm.all_reduce(term, group, op=op, stats=stats, tag="norm")
+    communicator.all_reduce(term, op=op, tag="norm")
     return term if math.isinf(norm_type) else term ** (1.0 / norm_type)
 
 

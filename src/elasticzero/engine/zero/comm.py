@@ -1,15 +1,29 @@
-"""The one place where every ZeRO / bucketer collective is issued, and where it is counted.
+"""Engine collectives: each engine object issues, counts and settles its collectives through its own
+:class:`Communicator`.
 
-Each function is a thin, pure wrapper around one ``torch.distributed`` call that first records the call in a
-:class:`CommStats` (the optimizer's own, when given) and in :data:`GLOBAL_COMM_STATS`. Elements are counted as the
-``numel`` of the *full* buffer of the collective: the input of a reduce-scatter, the output of an all-gather, the
-tensor of an all-reduce or broadcast. So a ZeRO-2 step over Ψ parameters counts Ψ (+ at most ``world_size - 1``
-padding elements per bucket) of ``reduce_scatter`` and as many of ``all_gather``.
+A ZeRO optimizer (with the :class:`~elasticzero.engine.bucketer.GradBucketer` it drives), a stand-alone bucketer and a
+:class:`~elasticzero.engine.loss_scaler.LossScaler` each hold one, as ``obj.communicator``. A communicator owns
+everything that used to be shared by the whole process: its process group (held weakly), its :class:`CommStats`, the
+asynchronous collectives it issued and has not seen completed, the aliases waiting to be settled (:meth:`settle`), the
+ring decision (made once, when it is built) and its ring tag sequence. Nothing in this module changes at run time.
 
-Every call carries a ``tag`` saying why it was issued: ``"grad"`` (gradient reduction), ``"param"`` (parameter
-all-gather), ``"norm"`` (global gradient norm, one scalar), ``"init"`` (one-time broadcast of the initial state),
-``"state_dict"`` (:meth:`full_state_dict`). A benchmark counting traffic per step sums the ``grad`` and ``param``
-tags between two :meth:`CommStats.snapshot` calls.
+:meth:`Communicator.close` completes what is pending, settles and detaches from the group; using it afterwards raises
+a :class:`~elasticzero.errors.UsageError`. An engine object's communicator can be replaced by one on another group of
+the same ranks (a rebuilt group, in a running process)::
+
+    opt.communicator = Communicator(new_group)      # closes the old one; the optimizer's bucketer follows
+
+Counting: elements are the ``numel`` of the *full* buffer of the collective: the input of a reduce-scatter, the
+output of an all-gather, the tensor of an all-reduce or broadcast. So a ZeRO-2 step over Ψ parameters counts Ψ (+ at
+most ``world_size - 1`` padding elements per bucket) of ``reduce_scatter`` and as many of ``all_gather``. Every call
+carries a ``tag`` saying why it was issued: ``"grad"`` (gradient reduction), ``"param"`` (parameter all-gather),
+``"norm"`` (global gradient norm, one scalar), ``"init"`` (one-time broadcast of the initial state), ``"state_dict"``
+(:meth:`full_state_dict`), ``"found_inf"`` (the loss scaler's overflow flag). A benchmark counting traffic per step
+sums the ``grad`` and ``param`` tags between two :meth:`CommStats.snapshot` calls; stats of several objects add up
+with ``+``.
+
+The one effect on the process outside the communicators is :func:`unpin_default_group` (torch's own default
+arguments), called where a communicator is opened on the default group; see there.
 """
 
 from __future__ import annotations
@@ -32,8 +46,9 @@ import torch.distributed as dist
 # is imported by torch._dynamo, i.e. by the first torch.optim optimizer a script builds (or by transformers): after
 # init_process_group, that pins the default group, so destroy_process_group() no longer joins gloo's threads, and a
 # thread still letting go of the last collective's tensors while the interpreter finalizes aborts the process (see
-# settle). Imported here, with the engine, before the script initialises the group, the defaults bind None; when the
-# script initialised the group first, unpin_default_group() puts None back (what the defaults would have been).
+# Communicator.settle). Imported here, with the engine, before the script initialises the group, the defaults bind
+# None; when the script initialised the group first, unpin_default_group() puts None back (what the defaults would
+# have been).
 import torch.distributed.nn.functional  # (see above: imported before the script initialises the group)
 
 from elasticzero.engine.zero import ring
@@ -69,44 +84,260 @@ class CommStats:
         self.elements.clear()
         self.bytes.clear()
 
+    def __add__(self, other: CommStats) -> CommStats:
+        """New counters holding both (``opt.comm_stats + scaler.comm_stats``; ``sum(stats, CommStats())``)."""
+        return CommStats(self.calls + other.calls, self.elements + other.elements, self.bytes + other.bytes)
+
 
 # torch >= 2.13 renamed the single-tensor collectives (the old names warn); use whichever exists.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-GLOBAL_COMM_STATS = CommStats()
-"""Counts every collective issued by any elasticzero ZeRO optimizer or :class:`GradBucketer` in this process."""
+_SETTLE_TIMEOUT_S = 10.0
 
 
-class WeakGroup:
-    """A weak reference to a process group (the default group when ``group`` is None), resolved at each use.
+def ring_applies(backend: str, world_size: int, setting: str | None) -> bool:
+    """Whether reduce-scatter and all-gather of CPU tensors run as :mod:`.ring` point-to-point rings (2-3x faster
+    than gloo's own): on gloo with more than one rank, unless ``setting`` (``ELASTICZERO_GLOO_RING``) is ``"0"``."""
+    return setting != "0" and "gloo" in backend.lower() and world_size > 1
 
-    Engine objects keep their group through this, never as a strong reference: a live optimizer must not keep a
-    destroyed group — and its gloo worker threads — alive past ``dist.destroy_process_group()``. Kept alive, those
-    threads drop their last references to the tensors of the final collectives after the script returns and may
-    need the GIL while the interpreter finalizes, which aborts the process ("terminate called without an active
-    exception", exit -6). With a weak reference, ``destroy_process_group()`` joins them before it returns.
+
+class PendingWork:
+    """An asynchronous collective issued by a :class:`Communicator`; :meth:`wait` completes it (idempotent).
+
+    Holds the ``torch.distributed`` work and the aliases of the tensors handed to it. After the wait the work is
+    dropped and the aliases go to the communicator's settle list (see :meth:`Communicator.settle`).
     """
 
-    __slots__ = ("_owner", "_ref")
+    __slots__ = ("_aliases", "_retire", "_work")
 
-    def __init__(self, group: Any, owner: str) -> None:
+    def __init__(
+        self, work: Any, aliases: tuple[torch.Tensor, ...], retire: Callable[[tuple[torch.Tensor, ...]], None]
+    ) -> None:
+        self._work = work
+        self._aliases = aliases
+        self._retire = retire
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`wait` has completed it."""
+        return self._work is None
+
+    def wait(self) -> None:
+        """Block until the collective completed (idempotent)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            self._retire(self._aliases)
+            self._aliases = ()
+
+
+AnyWork = PendingWork | ring.RingWork
+"""What an asynchronous collective of a :class:`Communicator` returns (both have ``wait()`` and ``done``)."""
+
+
+class Communicator:
+    """Issues, counts and settles one engine object's collectives on one process group.
+
+    Args:
+        group: the process group (None: the default group, resolved now). Held weakly: a communicator never keeps a
+            destroyed group — and its gloo worker threads — alive past ``dist.destroy_process_group()``. Kept
+            alive, those threads drop their last references to the tensors of the final collectives after the script
+            returns and may need the GIL while the interpreter finalizes, which aborts the process ("terminate called
+            without an active exception", exit -6). With a weak reference, ``destroy_process_group()`` joins them.
+        owner: the engine object's name, for error messages.
+        stats: the :class:`CommStats` to count into (default: new ones); ``communicator.stats`` either way.
+
+    Attributes:
+        rank, size: this process's rank in the group and the group's size, when built.
+        backend: the group's backend name.
+        uses_ring: whether CPU reduce-scatters and all-gathers run as :mod:`.ring` rings (decided here, once, so every
+            collective of this communicator takes the same path; ``ELASTICZERO_GLOO_RING=0`` when it is built turns
+            them off).
+    """
+
+    def __init__(self, group: Any = None, *, owner: str = "Communicator", stats: CommStats | None = None) -> None:
         pg = group if group is not None else dist.group.WORLD
         if pg is None:
             raise UsageError(f"{owner} needs torch.distributed initialised (init_process_group)")
-        self._ref = weakref.ref(pg)
-        self._owner = owner
-        unpin_default_group()
+        if pg is dist.GroupMember.NON_GROUP_MEMBER:
+            raise UsageError(f"{owner}: this process is not in the group (new_group gave it NON_GROUP_MEMBER)")
+        self.owner = owner
+        self.stats = stats if stats is not None else CommStats()
+        self.rank: int = dist.get_rank(pg)
+        self.size: int = dist.get_world_size(pg)
+        self.backend = str(dist.get_backend(pg))
+        self.uses_ring = ring_applies(self.backend, self.size, os.environ.get("ELASTICZERO_GLOO_RING"))
+        self._ref: weakref.ref[Any] | None = weakref.ref(pg)
+        self._pending: list[AnyWork] = []  # asynchronous collectives issued, not known to be complete
+        # Aliases of tensors whose collective completed but whose backend thread may still hold them (see settle)
+        self._settling: list[torch.Tensor] = []
+        self._rings = 0  # ring collectives issued: their message tags (every rank issues the same sequence)
+        if pg is dist.group.WORLD:
+            # The one place the engine calls it. The default group is the one torch's default arguments pin (see the
+            # import of torch.distributed.nn.functional above), so it is unpinned where the engine starts to use it:
+            # when the engine was imported after init_process_group, that import has pinned it by now, and unpinned,
+            # destroy_process_group() joins the threads that will carry this communicator's collectives. Subgroups
+            # are never pinned.
+            unpin_default_group()
 
-    def __call__(self) -> Any:
-        """The group; a :class:`UsageError` once it was destroyed."""
+    @property
+    def group(self) -> Any:
+        """The process group; a :class:`UsageError` once it was destroyed or this communicator was closed."""
+        if self._ref is None:
+            raise UsageError(
+                f"the communicator of this {self.owner} was closed; give it a new one (.communicator = "
+                "Communicator(group))"
+            )
         pg = self._ref()
         if pg is None:
             raise UsageError(
-                f"the process group of this {self._owner} was destroyed (destroy_process_group); "
-                f"build a new {self._owner} for the new group"
+                f"the process group of this {self.owner} was destroyed (destroy_process_group); give it a "
+                f"communicator on the new group (.communicator = Communicator(group)) or build a new {self.owner}"
             )
         return pg
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._ref is None
+
+    @property
+    def pending(self) -> int:
+        """Asynchronous collectives issued and not yet waited for."""
+        return sum(not w.done for w in self._pending)
+
+    @property
+    def unsettled(self) -> int:
+        """Tensors of completed collectives the backend may still hold (0 after :meth:`settle`)."""
+        return len(self._settling)
+
+    def close(self) -> None:
+        """Complete every collective still pending, settle, and detach from the group (idempotent).
+
+        Detached even when completing raises (a failed group's error propagates); any later collective raises a
+        :class:`UsageError`.
+        """
+        try:
+            for w in self._pending:
+                w.wait()
+            self.settle()
+        finally:
+            self._pending = []
+            self._ref = None
+
+    # -- collectives ----------------------------------------------------------------------------------------------
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "grad", async_op: bool = False
+    ) -> AnyWork | None:
+        """Sum ``input`` (``size * output.numel()`` elements) over ranks; this rank's chunk lands in ``output``."""
+        pg = self.group
+        self.stats.record("reduce_scatter", tag, input)
+        if self._ring_for(input):
+            work = ring.reduce_scatter(output, input, pg, self._ring_tag(), self._settling.extend)
+            return self._finish(work, async_op)
+        return self._issue(_reduce_scatter, (output, input), async_op, op=dist.ReduceOp.SUM, group=pg)
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, tag: str = "param", async_op: bool = False
+    ) -> AnyWork | None:
+        """Concatenate every rank's ``input`` into ``output`` (``input`` may be this rank's chunk of ``output``)."""
+        pg = self.group
+        self.stats.record("all_gather", tag, output)
+        if self._ring_for(output):
+            work = ring.all_gather(output, input, pg, self._ring_tag(), self._settling.extend)
+            return self._finish(work, async_op)
+        return self._issue(_all_gather, (output, input), async_op, group=pg)
+
+    def all_reduce(
+        self, tensor: torch.Tensor, *, op: Any = dist.ReduceOp.SUM, tag: str = "grad", async_op: bool = False
+    ) -> AnyWork | None:
+        """Reduce ``tensor`` in place over ranks with ``op`` (SUM by default)."""
+        pg = self.group
+        self.stats.record("all_reduce", tag, tensor)
+        return self._issue(dist.all_reduce, (tensor,), async_op, op=op, group=pg)
+
+    def broadcast(self, tensor: torch.Tensor, src_group_rank: int, *, tag: str = "init") -> None:
+        """Copy ``tensor`` from group rank ``src_group_rank`` to every rank (tag ``"init"``)."""
+        pg = self.group
+        self.stats.record("broadcast", tag, tensor)
+        self._issue(dist.broadcast, (tensor,), False, group=pg, group_src=src_group_rank)
+
+    def settle(self, timeout: float = _SETTLE_TIMEOUT_S) -> None:
+        """Return once the backend's threads have let go of every tensor of every collective of this communicator
+        waited for so far.
+
+        Why: a gloo worker releases its work a moment *after* completing it; each release of a tensor the Python side
+        also knows needs the GIL (torch >= 2.10 refcounts the PyObject from C++, and the work's thread-local state
+        holds Python objects too). If the script ends in that moment — an optimizer's step is often the last
+        collective — the worker asks for the GIL while the interpreter finalizes, is ended by pthread_exit inside a
+        noexcept destructor, and the process aborts ("terminate called without an active exception", exit -6).
+        Collectives get fresh aliases known only to this communicator, so "the backend let go" is observable: the
+        alias's refcount falls to the references held here.
+
+        Called by the engine at the end of each phase that issued collectives (a bucketer's end of backward, a ZeRO
+        ``step``), so no backend thread is still releasing engine tensors when control returns to the training
+        script — which may end right then. Collectives still in flight are not waited for. Normally returns at once;
+        polls (releasing the GIL) for at most ``timeout`` seconds, then stops tracking what is left rather than hang.
+        """
+        deadline = 0.0
+        while self._settling:
+            # references to the alias: the list slot and getrefcount's argument; a backend holder adds one
+            if sys.getrefcount(self._settling[-1]) <= 2:
+                self._settling.pop()
+                continue
+            now = time.monotonic()
+            if not deadline:
+                deadline = now + timeout
+            elif now > deadline:
+                warnings.warn(
+                    f"elasticzero: {len(self._settling)} collective tensor(s) of a {self.owner} still held by the "
+                    f"backend after {timeout:.0f} s; no longer waiting for them",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self._settling.clear()
+                return
+            time.sleep(1e-4)
+
+    # -- internals --------------------------------------------------------------------------------------------------
+    def _ring_for(self, tensor: torch.Tensor) -> bool:
+        return self.uses_ring and tensor.device.type == "cpu"
+
+    def _ring_tag(self) -> int:
+        n, self._rings = self._rings, self._rings + 1
+        return ring.message_tag(n)
+
+    def _issue(self, fn: Callable[..., Any], tensors: tuple[torch.Tensor, ...], async_op: bool, **kwargs: Any) -> Any:
+        aliases = tuple(t.detach() for t in tensors)
+        work = PendingWork(fn(*aliases, async_op=True, **kwargs), aliases, self._settling.extend)
+        del aliases  # from here on only the work (then the settle list) refers to them
+        return self._finish(work, async_op)
+
+    def _finish(self, work: AnyWork, async_op: bool) -> AnyWork | None:
+        """The work itself when asynchronous (tracked until done); otherwise wait for it, settle, and return None."""
+        if async_op:
+            self._pending = [w for w in self._pending if not w.done]
+            self._pending.append(work)
+            return work
+        work.wait()
+        self.settle()
+        return None
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"rank {self.rank} of {self.size}, {self.backend}"
+        return f"Communicator({self.owner}: {state}{', ring' if self.uses_ring else ''})"
+
+
+def check_replacement(current: Communicator, new: Communicator, owner: str) -> None:
+    """A :class:`UsageError` unless ``new`` may take over from ``current`` in ``owner``: open, and this process has
+    the same rank in a group of the same size (the object's buckets and shards are laid out for them)."""
+    if new.closed:
+        raise UsageError(f"{owner}: the new communicator is closed; open one on the new group")
+    if (new.rank, new.size) != (current.rank, current.size):
+        raise UsageError(
+            f"{owner} is laid out for rank {current.rank} of {current.size}; the new communicator's group has this "
+            f"process as rank {new.rank} of {new.size}: build a new {owner} (or load a checkpoint) for another world"
+        )
 
 
 # modules of torch whose functions bind ``dist.group.WORLD`` as a default argument at import (checked against torch's
@@ -142,7 +373,9 @@ def default_group_pinned() -> bool:
 def unpin_default_group() -> int:
     """Replace default arguments that hold the live default group with None (the value they have when their module is
     imported before ``init_process_group``; every such function resolves None to the default group when called), so
-    ``destroy_process_group()`` can free the group and join its threads. Returns how many defaults were replaced."""
+    ``destroy_process_group()`` can free the group and join its threads. Returns how many defaults were replaced.
+
+    Called by the engine in one place: :class:`Communicator` opened on the default group (see there)."""
     world, replaced = dist.group.WORLD, 0
     if world is None:
         return 0
@@ -154,168 +387,3 @@ def unpin_default_group() -> int:
             replaced += sum(d is world for d in f.__kwdefaults__.values())
             f.__kwdefaults__ = {k: None if d is world else d for k, d in f.__kwdefaults__.items()}
     return replaced
-
-
-def _record(stats: CommStats | None, op: str, tag: str, tensor: torch.Tensor) -> None:
-    GLOBAL_COMM_STATS.record(op, tag, tensor)
-    if stats is not None and stats is not GLOBAL_COMM_STATS:
-        stats.record(op, tag, tensor)
-
-
-class PendingWork:
-    """An asynchronous collective issued through this module; :meth:`wait` completes it.
-
-    Holds the ``torch.distributed`` work and the aliases of the tensors handed to it. After the wait the work is
-    dropped and the aliases go to the settle list (see :func:`settle`).
-    """
-
-    __slots__ = ("_aliases", "_work")
-
-    def __init__(self, work: Any, aliases: tuple[torch.Tensor, ...]) -> None:
-        self._work = work
-        self._aliases = aliases
-
-    def wait(self) -> None:
-        """Block until the collective completed (idempotent)."""
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-            _SETTLING.extend(self._aliases)
-            self._aliases = ()
-
-
-# Aliases of tensors whose collective completed but whose backend thread may still hold them. Why: a gloo worker
-# releases its work a moment *after* completing it; each release of a tensor the Python side also knows needs the
-# GIL (torch >= 2.10 refcounts the PyObject from C++, and the work's thread-local state holds Python objects too).
-# If the script ends in that moment — an optimizer's step is often the last collective — the worker asks for the GIL
-# while the interpreter finalizes, is ended by pthread_exit inside a noexcept destructor, and the process aborts
-# ("terminate called without an active exception", exit -6). Collectives get fresh aliases known only to this
-# module, so "the backend let go" is observable: the alias's refcount falls to the references held here.
-_SETTLING: list[torch.Tensor] = []
-_SETTLE_TIMEOUT_S = 10.0
-
-
-def settle(timeout: float = _SETTLE_TIMEOUT_S) -> None:
-    """Return once the backend's threads have let go of every tensor of every collective waited for so far.
-
-    Called by the engine at the end of each phase that issued collectives (a bucketer's end of backward, a ZeRO
-    ``step``), so no backend thread is still releasing engine tensors when control returns to the training script —
-    which may end right then. Collectives still in flight are not waited for. Normally returns at once; polls
-    (releasing the GIL) for at most ``timeout`` seconds, then stops tracking what is left rather than hang.
-    """
-    deadline = 0.0
-    while _SETTLING:
-        # references to the alias: the list slot and getrefcount's argument; a backend holder adds one
-        if sys.getrefcount(_SETTLING[-1]) <= 2:
-            _SETTLING.pop()
-            continue
-        now = time.monotonic()
-        if not deadline:
-            deadline = now + timeout
-        elif now > deadline:
-            warnings.warn(
-                f"elasticzero: {len(_SETTLING)} collective tensor(s) still held by the backend after {timeout:.0f} s; "
-                "no longer waiting for them",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            _SETTLING.clear()
-            return
-        time.sleep(1e-4)
-
-
-# Reduce-scatter and all-gather of CPU tensors over gloo run as point-to-point rings (:mod:`.ring`: 2-3x faster than
-# gloo's own); ELASTICZERO_GLOO_RING=0 in the environment uses gloo's collectives instead. Decided once per group, when
-# the engine first uses it (so every collective of a group takes the same path), and cached here: group -> "the ring
-# applies"; keyed by the group object (weakly): a group name can come back after a re-init.
-_gloo_groups: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-
-
-def _ring_applies(pg: Any) -> bool:
-    enabled = os.environ.get("ELASTICZERO_GLOO_RING", "1") != "0"
-    return enabled and "gloo" in str(dist.get_backend(pg)).lower() and dist.get_world_size(pg) > 1
-
-
-def _use_ring(tensor: torch.Tensor, group: Any) -> Any:
-    """The resolved group when the ring applies to ``tensor`` on ``group``, else None."""
-    if tensor.device.type != "cpu":
-        return None
-    pg = group if group is not None else dist.group.WORLD
-    if pg is None:
-        return None
-    ok = _gloo_groups.get(pg)
-    if ok is None:
-        ok = _gloo_groups[pg] = _ring_applies(pg)
-    return pg if ok else None
-
-
-def _finish(work: Any, async_op: bool) -> Any:
-    """The work itself when asynchronous; otherwise wait for it, settle, and return None."""
-    if async_op:
-        return work
-    work.wait()
-    settle()
-    return None
-
-
-def _issue(fn: Callable[..., Any], tensors: tuple[torch.Tensor, ...], async_op: bool, **kwargs: Any) -> Any:
-    aliases = tuple(t.detach() for t in tensors)
-    pending = PendingWork(fn(*aliases, async_op=True, **kwargs), aliases)
-    del aliases  # from here on only the pending work (then the settle list) refers to them
-    return _finish(pending, async_op)
-
-
-def reduce_scatter(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    group: Any,
-    *,
-    stats: CommStats | None = None,
-    tag: str = "grad",
-    async_op: bool = False,
-) -> PendingWork | ring.RingWork | None:
-    """Sum ``input`` (``world_size * output.numel()`` elements) over ranks; this rank's chunk lands in ``output``."""
-    _record(stats, "reduce_scatter", tag, input)
-    pg = _use_ring(input, group)
-    if pg is not None:
-        return _finish(ring.reduce_scatter(output, input, pg, _SETTLING.extend), async_op)
-    return _issue(_reduce_scatter, (output, input), async_op, op=dist.ReduceOp.SUM, group=group)
-
-
-def all_gather(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    group: Any,
-    *,
-    stats: CommStats | None = None,
-    tag: str = "param",
-    async_op: bool = False,
-) -> PendingWork | ring.RingWork | None:
-    """Concatenate every rank's ``input`` into ``output`` (``input`` may be this rank's chunk of ``output``)."""
-    _record(stats, "all_gather", tag, output)
-    pg = _use_ring(output, group)
-    if pg is not None:
-        return _finish(ring.all_gather(output, input, pg, _SETTLING.extend), async_op)
-    return _issue(_all_gather, (output, input), async_op, group=group)
-
-
-def all_reduce(
-    tensor: torch.Tensor,
-    group: Any,
-    *,
-    op: Any = dist.ReduceOp.SUM,
-    stats: CommStats | None = None,
-    tag: str = "grad",
-    async_op: bool = False,
-) -> PendingWork | ring.RingWork | None:
-    """Reduce ``tensor`` in place over ranks with ``op`` (SUM by default)."""
-    _record(stats, "all_reduce", tag, tensor)
-    return _issue(dist.all_reduce, (tensor,), async_op, op=op, group=group)
-
-
-def broadcast(
-    tensor: torch.Tensor, src_group_rank: int, group: Any, *, stats: CommStats | None = None, tag: str = "init"
-) -> None:
-    """Copy ``tensor`` from group rank ``src_group_rank`` to every rank (tag ``"init"``)."""
-    _record(stats, "broadcast", tag, tensor)
-    _issue(dist.broadcast, (tensor,), False, group=group, group_src=src_group_rank)

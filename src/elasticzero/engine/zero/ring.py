@@ -9,14 +9,16 @@ sending one chunk to the right neighbour and receiving one from the left, so eve
 
 Both return a :class:`RingWork` with the first step already posted (for two ranks that is the whole exchange, so it
 overlaps with compute like any async collective); :meth:`RingWork.wait` finishes it. Every rank of the group must
-issue the same ring collectives in the same order (as with any collective); messages are matched by a per-group tag
-sequence, so rings on different groups do not interfere. Inputs are not modified.
+issue the same ring collectives in the same order (as with any collective). Each ring's messages carry one tag, from
+:func:`tag` of the issuing communicator's ring sequence (the caller owns the sequence: this module keeps no state);
+gloo matches a receive with the sends from the same peer and tag in posting order, so rings whose tags coincide (two
+communicators on one group) stay apart as long as every rank issues and waits for them in the same order.
+Inputs are not modified.
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -24,15 +26,11 @@ import torch
 import torch.distributed as dist
 
 _TAG_BASE = 1 << 20
-# group -> ring collectives issued on it; keyed by the group object (weakly), so a re-initialised group whose name
-# repeats starts again at 0 on every rank, old and new processes alike
-_tags: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
-def _next_tag(group: Any) -> int:
-    n = _tags.get(group, 0)
-    _tags[group] = (n + 1) % _TAG_BASE
-    return _TAG_BASE + n
+def message_tag(n: int) -> int:
+    """The message tag of the ``n``-th ring collective of a sequence (every rank counts the same sequence)."""
+    return _TAG_BASE + n % _TAG_BASE
 
 
 class RingWork:
@@ -51,6 +49,11 @@ class RingWork:
         self._step += 1
         return step()
 
+    @property
+    def done(self) -> bool:
+        """Whether every step has completed."""
+        return not self._works
+
     def wait(self) -> None:
         """Finish every remaining step."""
         while self._works:
@@ -63,6 +66,7 @@ class RingWork:
             del tensors
             if self._step < len(self._steps):
                 self._works = self._post()
+        self._steps = []  # done: let go of the steps' buffers (the issuer may keep this object a while)
 
 
 def _exchange(group: Any, tag: int, send: torch.Tensor, right: int, recv: torch.Tensor, left: int) -> list[Any]:
@@ -80,13 +84,16 @@ def _neighbours(group: Any) -> tuple[int, int, int, int]:
 
 
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, group: Any, retire: Callable[[tuple[torch.Tensor, ...]], None]
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Any,
+    tag: int,
+    retire: Callable[[tuple[torch.Tensor, ...]], None],
 ) -> RingWork:
     """``output`` = this rank's chunk of the sum of every rank's ``input`` (``input`` has ``N * output.numel()``)."""
     n, r, right, left = _neighbours(group)
     c = output.numel()
     chunk = [input[i * c : (i + 1) * c] for i in range(n)]
-    tag = _next_tag(group)
     recv = torch.empty_like(output)
     acc = [torch.empty_like(output), torch.empty_like(output)] if n > 2 else []
     state: dict[str, torch.Tensor] = {"send": chunk[(r - 1) % n]}
@@ -108,7 +115,11 @@ def reduce_scatter(
 
 
 def all_gather(
-    output: torch.Tensor, input: torch.Tensor, group: Any, retire: Callable[[tuple[torch.Tensor, ...]], None]
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Any,
+    tag: int,
+    retire: Callable[[tuple[torch.Tensor, ...]], None],
 ) -> RingWork:
     """``output`` = every rank's ``input`` concatenated in group-rank order (``input`` may be a view of ``output``)."""
     n, r, right, left = _neighbours(group)
@@ -116,7 +127,6 @@ def all_gather(
     chunk = [output[i * c : (i + 1) * c] for i in range(n)]
     if chunk[r].data_ptr() != input.data_ptr():
         chunk[r].copy_(input.reshape(-1))
-    tag = _next_tag(group)
 
     def step(s: int) -> list[Any]:
         return _exchange(group, tag, chunk[(r - s) % n][:], right, chunk[(r - s - 1) % n][:], left)

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from elasticzero.engine.zero import comm
 from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.flat import FlatBucket, flatten_into, view_params_into
 from elasticzero.errors import UsageError
@@ -64,7 +63,7 @@ class _ReplicatedParamsZero(ZeroOptimizer):
                 chunk = compute[lo:hi]
                 if chunk.data_ptr() != m.data_ptr() or chunk.dtype != m.dtype:
                     chunk.copy_(m)
-                works.append(comm.all_gather(compute, chunk, self.process_group, stats=self.comm_stats, async_op=True))
+                works.append(self.communicator.all_gather(compute, chunk, async_op=True))
             for w in works:
                 w.wait()  # type: ignore[union-attr]
-        comm.settle()
+        self.communicator.settle()

@@ -39,7 +39,6 @@ from torch.utils._pytree import tree_flatten
 from elasticzero.engine import hf
 from elasticzero.engine.bucketer import DEFAULT_BUCKET_BYTES, GradBucketer, phase
 from elasticzero.engine.precision import PrecisionPolicy
-from elasticzero.engine.zero import comm
 from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.flat import FlatBucket, flatten_into, layout_buckets, view_params_into
 from elasticzero.errors import UsageError
@@ -220,7 +219,7 @@ class ZeroStage3(ZeroOptimizer):
             launch_in_backward=False,  # all-gathers run during backward: keep the collective order rank-independent
         )
 
-    # -- gather / free (collectives in comm) ----------------------------------------------------------------------
+    # -- gather / free (collectives by the communicator) ---------------------------------------------------------------
     def _gather(self, b: FlatBucket) -> None:
         """Start the all-gather of bucket ``b`` into its (re-allocated) storage unless already gathered."""
         if b.extra["gathered"]:
@@ -231,7 +230,7 @@ class ZeroStage3(ZeroOptimizer):
         chunk = full[lo:hi]
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
             chunk.copy_(self.masters[b.index])
-            work = comm.all_gather(full, chunk, self.process_group, stats=self.comm_stats, async_op=True)
+            work = self.communicator.all_gather(full, chunk, async_op=True)
         b.extra.update(gathered=True, work=work)
 
     def _wait(self, b: FlatBucket) -> None:
@@ -310,7 +309,7 @@ class ZeroStage3(ZeroOptimizer):
                     self._free(b)
         if unit == "":
             self._in_root = False
-            comm.settle()  # the script may end after a forward (evaluation): see comm.settle
+            self.communicator.settle()  # the script may end after a forward (evaluation): see Communicator.settle
         if torch.is_grad_enabled():
             _on_first_grad(output, functools.partial(self._pre_backward, unit))
 
@@ -334,7 +333,7 @@ class ZeroStage3(ZeroOptimizer):
             for b in self.buckets:  # its own and any prefetched but unused
                 if self._users[b.index] == 0:
                     self._free(b)
-        comm.settle()
+        self.communicator.settle()
         if torch.is_grad_enabled() and output is not None:
             _on_first_grad(output, functools.partial(self._pre_backward_buckets, idx))
 
@@ -381,7 +380,7 @@ class ZeroStage3(ZeroOptimizer):
         for b in self.buckets:
             if self._users[b.index] == 0:
                 self._free(b)
-        comm.settle()
+        self.communicator.settle()
 
     # -- module state dict: refused (the module holds freed views) ----------------------------------------------
     def _register_state_dict_hooks(self) -> None:

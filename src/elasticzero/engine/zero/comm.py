@@ -1,11 +1,12 @@
 """Engine collectives: each engine object issues, counts and settles its collectives through its own
 :class:`Communicator`.
 
-A ZeRO optimizer (with the :class:`~elasticzero.engine.bucketer.GradBucketer` it drives), a stand-alone bucketer and a
-:class:`~elasticzero.engine.loss_scaler.LossScaler` each hold one, as ``obj.communicator``. A communicator owns
-everything that used to be shared by the whole process: its process group (held weakly), its :class:`CommStats`, the
-asynchronous collectives it issued and has not seen completed, the aliases waiting to be settled (:meth:`settle`), the
-ring decision (made once, when it is built) and its ring tag sequence. Nothing in this module changes at run time.
+A ZeRO optimizer (shared with the :class:`~elasticzero.engine.bucketer.GradBucketer` it drives) and a stand-alone
+bucketer each hold one, as ``obj.communicator``; a :class:`~elasticzero.engine.loss_scaler.LossScaler` holds one for the
+group it was given, else opens one per agreement on the group it needs. A communicator owns all the state its
+collectives need: its process group (held weakly), its :class:`CommStats`, the asynchronous collectives it issued
+and has not seen completed, the aliases waiting to be settled (:meth:`Communicator.settle`), the ring decision (made
+once, when it is built) and its ring tag sequence. Nothing in this module changes at run time.
 
 :meth:`Communicator.close` completes what is pending, settles and detaches from the group; using it afterwards raises
 a :class:`~elasticzero.errors.UsageError`. An engine object's communicator can be replaced by one on another group of

@@ -127,6 +127,9 @@ def test_replacement_must_be_open(group: None) -> None:
     with pytest.raises(UsageError, match="the new communicator is closed"):
         opt.communicator = closed
     assert not opt.communicator.closed  # nothing replaced, nothing closed
+    counted = opt.comm_stats.snapshot()  # the construction broadcast
+    opt.communicator = Communicator(dist.new_group([0]), stats=opt.comm_stats)  # keeps counting into the same counters
+    assert opt.comm_stats.snapshot() == counted and opt.bucketer.comm_stats is opt.comm_stats
     with pytest.raises(UsageError, match="communicator= brings its group and stats"):
         GradBucketer(nn.Linear(2, 2).parameters(), communicator=opt.communicator, comm_stats=CommStats())
 

@@ -343,12 +343,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for b, m in zip(self.buckets, self.masters, strict=True):
             for name, start, end, off in b.local_pieces():
                 m[off : off + end - start].copy_(state_dict[name].reshape(-1)[start:end])
-        managed = {id(p) for p in self._managed_params()}
-        with self._reading_module_state():
-            module_sd = self.module.state_dict(keep_vars=True)
-        for k, v in module_sd.items():
-            if id(v) not in managed and k in state_dict:
-                v.data.copy_(state_dict[k])
+        for k, v in self.module_state().items():
+            if k in state_dict:
+                v.copy_(state_dict[k])
         self._gather_params()
 
     # -- sharded state (checkpoints, resharding) --------------------------------------------------------------------

@@ -14,6 +14,7 @@ from torch import nn
 from elasticzero import ZeroStage1, ZeroStage2, ZeroStage3
 from elasticzero.engine.zero.layout import FlatChunk, Piece, ZeroLayout
 from elasticzero.engine.zero.sharded import Origin, ShardedState, check_record
+from elasticzero.engine.zero.stage3 import UnitPlan
 from elasticzero.errors import UsageError
 
 # three buckets: sizes smaller than, equal to and far from multiples of the world sizes below; a 0-dim parameter
@@ -179,3 +180,29 @@ def test_every_stage_shares_the_same_per_parameter_state(group: None, stage: Any
     assert state.module.keys() == {"scale"} and state.origin == opt.origin
     if stage is ZeroStage3:
         assert len(opt.buckets) == 3  # two ModuleList blocks and the root (the head)
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(6, 4)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4, bias=False)])
+        self.head = nn.Linear(4, 6, bias=False)
+        self.head.weight = self.embed.weight  # tied: registered by embed and head
+        self.blocks[0].bias.data = self.blocks[0].bias.data.double()  # another dtype inside a unit
+
+
+def test_stage3_units_are_decided_from_the_module_alone() -> None:
+    """Stage 3's bucketing needs no optimizer (it is passed to the base before anything is built): ModuleList blocks
+    are units, a tied weight belongs to the nearest unit enclosing every module registering it (the root), and a
+    unit's parameters split by key (here: dtype)."""
+    model = _Tied()
+    plan = UnitPlan.of(model, None)
+    assert plan.units == ("", "blocks.0", "blocks.1")
+    groups = plan.groups(list(model.named_parameters()), key=lambda p: p.dtype)
+    assert [[n for n, _ in g] for g in groups] == [
+        ["embed.weight"],
+        ["blocks.0.weight"],
+        ["blocks.0.bias"],
+        ["blocks.1.weight"],
+    ]

@@ -11,7 +11,7 @@ from elasticzero._lazy import lazy_getattr
 
 _LAZY = {
     "Checkpointer": "elasticzero.checkpoint.checkpointer",
-    "FlatChunk": "elasticzero.checkpoint.chunks",
+    "FlatChunk": "elasticzero.engine.zero.layout",
     "RNGState": "elasticzero.checkpoint.rng",
     "Snapshot": "elasticzero.checkpoint.snapshot",
     "DiskTier": "elasticzero.checkpoint.disk",

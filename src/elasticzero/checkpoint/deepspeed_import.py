@@ -6,10 +6,12 @@ states.pt`` (``bf16_``-prefixed in bf16) — and reassembles, for each trainable
 each optimizer state (Adam's moments) the way DeepSpeed's ``zero_to_fp32`` does for the masters. Stages 1/2: the
 ranks' partitions of each flat group, concatenated (DeepSpeed drops the last rank's padding from the masters, not from
 the moments). Stage 3: every parameter partitioned on its own, ``ceil(numel / world)`` elements per rank (the last
-padded), zipped back per parameter. :func:`zero_state_dict` lays the result out as
-:meth:`~elasticzero.engine.zero.dcp_state.ZeroCheckpointState.state_dict` does (one chunk per parameter covering it
-whole), so :func:`import_checkpoint` commits it through :class:`~elasticzero.checkpoint.Checkpointer` and a job loads
-it at any world size and stage like any other checkpoint.
+padded), zipped back per parameter. :func:`zero_state_dict` lays the result out as a
+:class:`~elasticzero.engine.zero.sharded.ShardedState` over
+:meth:`~elasticzero.engine.zero.layout.ZeroLayout.whole` (every parameter whole, one chunk each), the tree
+:class:`~elasticzero.engine.zero.dcp_state.ZeroCheckpointState` saves, so :func:`import_checkpoint` commits it
+through :class:`~elasticzero.checkpoint.Checkpointer` and a job loads it at any world size and stage like any other
+checkpoint.
 
 Loading never runs DeepSpeed code: ``torch.load(weights_only=True)`` with DeepSpeed's pickled class names mapped to
 inert stand-ins (``ZeroStageEnum`` → ``int``; ``LossScaler`` and ``fragment_address`` keep their fields, unused). Any
@@ -28,7 +30,8 @@ from typing import Any
 import torch
 
 from elasticzero.checkpoint import commit
-from elasticzero.checkpoint.chunks import FlatChunk
+from elasticzero.engine.zero.layout import ZeroLayout
+from elasticzero.engine.zero.sharded import Origin, ShardedState
 from elasticzero.errors import UsageError
 
 _STAGE12_MODEL = "mp_rank_00_model_states.pt"
@@ -275,25 +278,20 @@ def _precision(model: dict[str, Any], shapes: dict[str, Any]) -> str:
 
 # -- pure: the elasticzero layout -------------------------------------------------------------------------------------
 def zero_state_dict(ck: DeepSpeedCheckpoint) -> dict[str, Any]:
-    """``ck`` laid out as ``ZeroCheckpointState.state_dict()`` (whole parameters as chunks at offset 0)."""
-    from elasticzero.engine.zero.dcp_state import FORMAT
-
-    chunk = {n: FlatChunk(t, 0, t.numel()) for n, t in ck.masters.items()}
-    state = {n: {k: FlatChunk(t, 0, t.numel()) for k, t in ck.states.get(n, {}).items()} for n in ck.shapes}
-    scalars = {k: [[n, v] for n in ck.shapes] for k, v in ck.scalars.items()}
-    layout = {
-        "format": FORMAT,
-        "stage": ck.stage,
-        "world_size": ck.world_size,
-        "precision": ck.precision,
-        "optimizer": f"from DeepSpeed {ck.version}",
-        "numel": sum(math.prod(s) for s in ck.shapes.values()),
-        "shapes": [[n, s] for n, s in ck.shapes.items()],
-        "aliases": [[a, n] for a, n in ck.aliases.items()],
-    }
-    groups = {str(i): g for i, g in enumerate(ck.param_groups)}
-    return {"params": chunk, "module": ck.module, "optim": {"state": state, "scalars": scalars, "param_groups": groups},
-            "layout": layout}  # fmt: skip
+    """``ck`` laid out as ``ZeroCheckpointState.state_dict()``: the :class:`ShardedState` of one process holding
+    every parameter whole (:meth:`ZeroLayout.whole`), recorded as saved by DeepSpeed's stage and world size."""
+    layout = ZeroLayout.whole(ck.shapes.items())
+    names = list(ck.shapes)
+    return ShardedState.of(
+        layout,
+        0,
+        [ck.masters[n] for n in names],
+        [{**ck.states.get(n, {}), **ck.scalars} for n in names],
+        origin=Origin(ck.stage, ck.world_size, ck.precision, f"from DeepSpeed {ck.version}"),
+        aliases=ck.aliases,
+        param_groups=ck.param_groups,
+        module=ck.module,
+    ).state_dict()
 
 
 class _Fixed:

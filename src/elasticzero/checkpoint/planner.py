@@ -1,4 +1,4 @@
-"""DCP planners that understand :class:`~elasticzero.checkpoint.chunks.FlatChunk`, and a reader that unpickles
+"""DCP planners that understand :class:`~elasticzero.engine.zero.layout.FlatChunk`, and a reader that unpickles
 nothing but DCP's own metadata classes.
 
 Public DCP extension points only: subclasses of ``DefaultSavePlanner`` / ``DefaultLoadPlanner`` /
@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from elasticzero.checkpoint.chunks import FlatChunk
+from elasticzero.engine.zero.layout import FlatChunk
 from elasticzero.errors import UsageError
 
 

@@ -1,7 +1,7 @@
 """Taking a snapshot of training state, separate from where it is stored.
 
 :class:`Stager` copies every tensor of a nested state dict (plain tensors and
-:class:`~elasticzero.checkpoint.chunks.FlatChunk` s) into staging buffers it keeps between saves (CPU, pinned when the
+:class:`~elasticzero.engine.zero.layout.FlatChunk` s) into staging buffers it keeps between saves (CPU, pinned when the
 source is on an accelerator), and deep-copies the other values. Once :meth:`Stager.stage` returns, the training loop
 may mutate its tensors (the next ``step()``): the snapshot is unaffected (pytorch#144657's torn checkpoints come from
 writing live tensors in the background). A storage tier (the disk tier, a future in-memory peer tier) only ever sees
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from elasticzero.checkpoint.chunks import FlatChunk
+from elasticzero.engine.zero.layout import FlatChunk
 
 
 @dataclass

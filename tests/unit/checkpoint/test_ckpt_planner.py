@@ -15,9 +15,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from elasticzero.checkpoint.chunks import FlatChunk
 from elasticzero.checkpoint.planner import SafeFileSystemReader, ZeroLoadPlanner, ZeroSavePlanner, read_metadata_file
 from elasticzero.checkpoint.snapshot import Stager, fresh_like
+from elasticzero.engine.zero.layout import FlatChunk
 from elasticzero.errors import UsageError
 from ez_testing import free_port
 

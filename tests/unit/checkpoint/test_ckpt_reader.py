@@ -16,7 +16,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elasticzero.checkpoint.chunks import FlatChunk
 from elasticzero.checkpoint.planner import SafeFileSystemReader, ZeroLoadPlanner, ZeroSavePlanner, read_metadata_file
 from elasticzero.checkpoint.reader import (
     FastFileSystemReader,
@@ -26,6 +25,7 @@ from elasticzero.checkpoint.reader import (
     pickled_tensor,
 )
 from elasticzero.checkpoint.snapshot import fresh_like, tensors_of
+from elasticzero.engine.zero.layout import FlatChunk
 from elasticzero.errors import UsageError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

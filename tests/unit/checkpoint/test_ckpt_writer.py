@@ -16,10 +16,10 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from elasticzero.checkpoint import Checkpointer, digest
 from elasticzero.checkpoint.checkpointer import lower_priority
-from elasticzero.checkpoint.chunks import FlatChunk
 from elasticzero.checkpoint.planner import ZeroLoadPlanner, ZeroSavePlanner
 from elasticzero.checkpoint.snapshot import fresh_like
 from elasticzero.checkpoint.writer import ChecksummingFileSystemWriter
+from elasticzero.engine.zero.layout import FlatChunk
 from elasticzero.errors import UsageError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -26,7 +26,7 @@ def test_flush_order_is_registration_order_not_hook_order(group: None) -> None:
     x = torch.ones(40)
     loss = ((x * p1).sum() * p0).sum()  # ...and its gradient is ready first; p1's only after
     loss.backward()
-    assert [bk.names for bk in b.buckets] == [["p0"], ["p1"]]
+    assert [bk.names for bk in b.buckets] == [("p0",), ("p1",)]
     assert b.last_launch_order == [1, 0]  # reverse registration, whatever the hook order was
     torch.testing.assert_close(p0.grad, torch.full((3,), 40 * 3.0))
     torch.testing.assert_close(p1.grad, torch.full((40,), 3 * 2.0))

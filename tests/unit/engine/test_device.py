@@ -62,7 +62,7 @@ def test_bucketer_refuses_bucket_on_several_devices(group: None) -> None:
 def _held_tensors(opt: ZeroOptimizer) -> list[torch.Tensor]:
     held = list(opt.masters) + [m.grad for m in opt.masters if m.grad is not None]
     held += opt.bucketer.held_buffers()
-    held += [t for b in opt.buckets for t in b.extra.values() if isinstance(t, torch.Tensor)]
+    held += opt._flat  # the full flat buffers the parameters view
     held += [t for s in opt.optim.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     held += [p for b in opt.buckets for p in b.params]
     return held

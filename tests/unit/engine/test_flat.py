@@ -16,7 +16,7 @@ def _params(*numels: int, dtype: torch.dtype = torch.float32) -> list[tuple[str,
 def test_buckets_bounded_by_bytes_large_alone_in_registration_order() -> None:
     named = _params(3, 100, 5, 7, 6)  # 100 fp32 elements = 400 bytes >= the 64-byte bound: alone
     buckets = build_buckets(named, bucket_bytes=64, world_size=2, rank=0)
-    assert [b.names for b in buckets] == [["p0"], ["p1"], ["p2", "p3"], ["p4"]]
+    assert [b.names for b in buckets] == [("p0",), ("p1",), ("p2", "p3"), ("p4",)]
     assert all(sum(p.numel() * 4 for p in b.params) <= 64 for b in buckets if len(b.params) > 1)
 
 
@@ -24,7 +24,7 @@ def test_buckets_keyed_by_dtype() -> None:
     named = _params(2, 2) + [("h0", nn.Parameter(torch.ones(3, dtype=torch.float16)))] + _params(2)[:1]
     named[-1] = ("p9", named[-1][1])
     buckets = build_buckets(named, bucket_bytes=1 << 20, world_size=2, rank=0)
-    assert [b.names for b in buckets] == [["p0", "p1", "p9"], ["h0"]]
+    assert [b.names for b in buckets] == [("p0", "p1", "p9"), ("h0",)]
     assert {b.key for b in buckets} == {torch.float32, torch.float16}
 
 

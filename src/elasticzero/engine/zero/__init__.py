@@ -12,9 +12,11 @@ rank's fp32 master shards). Common constructor arguments are documented on
 :class:`~elasticzero.engine.zero.base.ZeroOptimizer`, stage-3 extras on
 :class:`~elasticzero.engine.zero.stage3.ZeroStage3`.
 
-Layout (:mod:`~elasticzero.engine.zero.flat`): trainable parameters in registration order go into flat buckets, each
-padded to a multiple of the world size and split into equal contiguous shards (balanced to one element);
-``opt.partition`` maps every parameter name to its ``ParamSlot`` (bucket, offset, global offset, numel, shape).
+Layout (:mod:`~elasticzero.engine.zero.layout`): trainable parameters in registration order go into flat buckets,
+each padded to a multiple of the world size and split into equal contiguous shards (balanced to one element);
+``opt.layout`` is the :class:`ZeroLayout` (what every rank owns of every parameter), ``opt.partition`` maps every
+parameter name to its ``ParamSlot`` (bucket, offset, global offset, numel, shape). ``opt.sharded_state()`` is this
+rank's share of the state per parameter (:class:`ShardedState`), what :class:`ZeroCheckpointState` saves and loads.
 
 Bytes held per trainable parameter (fp32 AdamW, N ranks, what :meth:`memory_report` sums from the real tensors):
 
@@ -47,7 +49,13 @@ _LAZY = {
     "CommStats": "elasticzero.engine.zero.comm",
     "Communicator": "elasticzero.engine.zero.comm",
     "FlatBucket": "elasticzero.engine.zero.flat",
-    "ParamSlot": "elasticzero.engine.zero.flat",
+    "ParamSlot": "elasticzero.engine.zero.layout",
+    "BucketLayout": "elasticzero.engine.zero.layout",
+    "ZeroLayout": "elasticzero.engine.zero.layout",
+    "Piece": "elasticzero.engine.zero.layout",
+    "FlatChunk": "elasticzero.engine.zero.layout",
+    "ShardedState": "elasticzero.engine.zero.sharded",
+    "ZeroCheckpointState": "elasticzero.engine.zero.dcp_state",
 }
 
 __all__ = list(_LAZY)

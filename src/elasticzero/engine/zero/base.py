@@ -4,6 +4,7 @@ state dicts and memory accounting. The stages differ in where gradients and para
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -15,8 +16,10 @@ from torch.utils._pytree import tree_map
 from elasticzero.engine.bucketer import DEFAULT_BUCKET_BYTES, GradBucketer, phase
 from elasticzero.engine.precision import PrecisionPolicy, as_policy
 from elasticzero.engine.zero import clip, comm
-from elasticzero.engine.zero.flat import FlatBucket, ParamSlot, _device_of
+from elasticzero.engine.zero.flat import FlatBucket, Grouping, _device_of, layout_buckets, size_groups
+from elasticzero.engine.zero.layout import ParamSlot, ZeroLayout
 from elasticzero.engine.zero.memory import storage_report
+from elasticzero.engine.zero.sharded import Origin, ShardedState
 from elasticzero.errors import UsageError
 
 
@@ -39,13 +42,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         sync_module_states: broadcast parameters and buffers from group rank 0 at construction.
         cast_forward_inputs: under a low-precision policy, cast floating-point forward inputs of ``module`` to the
             compute dtype.
+        grouping: how the trainable parameters form buckets (a stage's bucketing; stage 3 passes its units).
+            Default: by ``bucket_bytes``, per param group, dtype and compute dtype, in registration order.
         **optimizer_kwargs: passed to ``optimizer_class`` (``lr=...``, ``weight_decay=...``).
 
     Attributes:
-        partition: ``{name: ParamSlot}`` — bucket, offset inside the bucket and in the global flat index space, numel
-            and shape of every trainable parameter (tied parameters appear once, under their first name).
-        buckets: the :class:`~elasticzero.engine.zero.flat.FlatBucket` layouts; ``bucket.local_pieces()`` maps this
-            rank's shard back to parameter slices.
+        layout: the :class:`~elasticzero.engine.zero.layout.ZeroLayout` (every bucket, its param group and slots;
+            ``layout.pieces(rank)`` is what any rank owns of each parameter), equal on every rank.
+        partition: ``layout.params``: ``{name: ParamSlot}`` — bucket, offset inside the bucket and in the global flat
+            index space, numel and shape of every trainable parameter (tied parameters appear once, under their first
+            name).
+        buckets: the :class:`~elasticzero.engine.zero.flat.FlatBucket` s (a bucket's layout bound to its live
+            parameters and this rank); ``bucket.local_pieces()`` maps this rank's shard back to parameter slices.
         communicator: the :class:`~elasticzero.engine.zero.comm.Communicator` issuing this optimizer's (and its
             bucketer's) collectives; assigning one on another group of the same ranks replaces it (the old one is
             closed).
@@ -74,6 +82,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         timers: Any = None,
         sync_module_states: bool = True,
         cast_forward_inputs: bool = True,
+        grouping: Grouping | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if not dist.is_initialized():
@@ -96,16 +105,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._compute_dtype = _compute_dtypes(module, self.policy)  # id(param) -> dtype of its compute copy
         if sync_module_states:
             self._broadcast_module()
-        self.buckets: list[FlatBucket] = self._build_buckets(named)
-        self.partition: dict[str, ParamSlot] = {s.name: s for b in self.buckets for s in b.slots()}
-        self.numel = sum(s.numel for s in self.partition.values())
-        self.masters: list[nn.Parameter] = [self._materialize(b) for b in self.buckets]
+        grouping = grouping or _by_size(bucket_bytes, self.policy.reduce_dtype)
+        self.buckets: list[FlatBucket] = layout_buckets(
+            grouping(named, self._bucket_key),
+            world_size=self.world_size,
+            rank=self.rank,
+            key=self._bucket_key,
+            group=self._group_of.__getitem__,
+        )
+        self.layout = ZeroLayout(self.world_size, tuple(b.layout for b in self.buckets))
+        self.partition: dict[str, ParamSlot] = self.layout.params
+        self.numel = self.layout.numel
+        made = [self._materialize(b) for b in self.buckets]
+        self.masters: list[nn.Parameter] = [master for master, _ in made]
+        self._flat: list[torch.Tensor] = [flat for _, flat in made]  # per bucket: the buffer its parameters view
         self._cast_frozen()
 
         inner_groups = []
         for gi, opts in enumerate(group_options):
             # a group whose parameters are all frozen stays, empty, so group indices match the user's (schedulers)
-            masters = [self.masters[b.index] for b in self.buckets if b.key[0] == gi]  # type: ignore[index]
+            masters = [self.masters[i] for i in self.layout.group_buckets(gi)]
             inner_groups.append({**opts, "params": masters})
         self.optim = optimizer_class(inner_groups, **optimizer_kwargs)
         torch.optim.Optimizer.__init__(self, list(self.masters), dict(self.optim.defaults))
@@ -123,7 +142,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._own_module_state_dict = False  # set while full_state_dict/load_full_state_dict read the module
         self._register_state_dict_hooks()
 
-    # -- stage hooks (overridden) --------------------------------------------------------------------------------
+    # -- stage hooks (overridden; those called while constructing read only what the base set before) -----------
     @property
     def process_group(self) -> Any:
         """The data-parallel group (held weakly: a :class:`UsageError` once it was destroyed)."""
@@ -149,24 +168,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Counters of this optimizer's collectives (its communicator's)."""
         return self._communicator.stats
 
-    def _build_buckets(self, named: list[tuple[str, nn.Parameter]]) -> list[FlatBucket]:
-        from elasticzero.engine.zero.flat import build_buckets
-
-        reduce_size = torch.empty((), dtype=self.policy.reduce_dtype).element_size()
-        return build_buckets(
-            named,
-            bucket_bytes=self.bucket_bytes,
-            world_size=self.world_size,
-            rank=self.rank,
-            key=self._bucket_key,
-            elem_size=lambda p: reduce_size,
-        )
-
     def _bucket_key(self, p: nn.Parameter) -> tuple[int, torch.dtype, torch.dtype]:
         """Parameters share a bucket when they share (param group, dtype, compute dtype)."""
         return self._group_of[p], p.dtype, self._compute_dtype[id(p)]
 
-    def _materialize(self, bucket: FlatBucket) -> nn.Parameter:
+    def _compute_dtype_of(self, bucket: FlatBucket) -> torch.dtype:
+        """The dtype of the bucket's parameters in the forward (one per bucket: part of the bucket key)."""
+        return self._compute_dtype[id(bucket.params[0])]
+
+    def _materialize(self, bucket: FlatBucket) -> tuple[nn.Parameter, torch.Tensor]:
+        """This rank's fp32 master shard of ``bucket``, and the full flat buffer the bucket's parameters now view."""
         raise NotImplementedError
 
     def _make_bucketer(self) -> GradBucketer:
@@ -232,15 +243,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state (the wrapped optimizer's ``state_dict`` over its shards) plus a ``"zero"``
-        entry describing the partition (stage, world size, rank, ``name -> (global_offset, numel)``)."""
+        entry describing the partition (stage, world size, rank, ``name -> (global_offset, numel)``).
+
+        Rank-local, as torch's ``Optimizer`` contract has it (code that saves ``opt.state_dict()`` keeps working):
+        it loads back on the same rank of the same world size and layout only. State that moves to another world
+        size or stage goes through :meth:`sharded_state` (checkpoints:
+        :class:`~elasticzero.engine.zero.dcp_state.ZeroCheckpointState`)."""
         sd = self.optim.state_dict()
         sd["zero"] = {
             "stage": self.stage,
             "world_size": self.world_size,
             "rank": self.rank,
-            "partition": {n: (s.global_offset, s.numel) for n, s in self.partition.items()},
+            "partition": self._partition_record(),
         }
         return sd
+
+    def _partition_record(self) -> dict[str, tuple[int, int]]:
+        return {n: (s.global_offset, s.numel) for n, s in self.partition.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` returned on the same rank of the same world size and layout."""
@@ -252,7 +271,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"{self.rank} of {self.world_size}; optimizer state does not reshard to another world size yet: "
                 "move the weights with opt.full_state_dict() / opt.load_full_state_dict()"
             )
-        if meta is not None and meta["partition"] != {n: (s.global_offset, s.numel) for n, s in self.partition.items()}:
+        if meta is not None and meta["partition"] != self._partition_record():
             raise UsageError("optimizer state was saved with a different bucket layout (bucket_bytes or model differ)")
         self.optim.load_state_dict(sd)
         # torch's load_state_dict rebinds param_groups/state: keep ours the same objects (schedulers read ours)
@@ -344,12 +363,58 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for b, m in zip(self.buckets, self.masters, strict=True):
             for name, start, end, off in b.local_pieces():
                 m[off : off + end - start].copy_(state_dict[name].reshape(-1)[start:end])
+        for k, v in self.module_state().items():
+            if k in state_dict:
+                v.copy_(state_dict[k])
+        self._gather_params()
+
+    # -- sharded state (checkpoints, resharding) --------------------------------------------------------------------
+    @property
+    def origin(self) -> Origin:
+        """Stage, world size, precision and wrapped optimizer of this run, as a checkpoint records them."""
+        precision = str(self.policy.param_dtype).removeprefix("torch.")
+        return Origin(self.stage, self.world_size, precision, type(self.optim).__name__)
+
+    def sharded_state(
+        self, masters: Sequence[torch.Tensor] | None = None, states: Sequence[Mapping[str, Any]] | None = None
+    ) -> ShardedState:
+        """This rank's share of the model and optimizer state, per parameter, over :attr:`layout` (not collective).
+
+        Default: views of the live masters and of the wrapped optimizer's state (a master that has not stepped has
+        none). ``masters`` / ``states`` (one per bucket, laid out like the masters) describe other tensors instead:
+        a load buffer, a fresh optimizer's state. Frozen parameters and buffers are the live module's."""
+        masters = [m.detach() for m in self.masters] if masters is None else masters
+        states = [self.optim.state.get(m, {}) for m in self.masters] if states is None else states
+        return ShardedState.of(
+            self.layout,
+            self.rank,
+            masters,
+            states,
+            origin=self.origin,
+            aliases=self.tied_aliases(),
+            param_groups=self.optim.param_groups,
+            module=self.module_state(),
+        )
+
+    def module_state(self) -> dict[str, torch.Tensor]:
+        """The module's state the masters do not hold: frozen parameters and buffers (live tensors, detached), by
+        ``module.state_dict()`` key; tied aliases of trainable parameters are left out."""
         managed = {id(p) for p in self._managed_params()}
         with self._reading_module_state():
             module_sd = self.module.state_dict(keep_vars=True)
-        for k, v in module_sd.items():
-            if id(v) not in managed and k in state_dict:
-                v.data.copy_(state_dict[k])
+        return {k: v.detach() for k, v in module_sd.items() if id(v) not in managed}
+
+    def tied_aliases(self) -> dict[str, str]:
+        """``{alias: name}``: ``module.state_dict()`` keys tied to a trainable parameter :attr:`partition` holds
+        under another ``name``."""
+        first = {id(p): n for b in self.buckets for n, p in zip(b.names, b.params, strict=True)}
+        with self._reading_module_state():
+            module_sd = self.module.state_dict(keep_vars=True)
+        return {k: first[id(v)] for k, v in module_sd.items() if id(v) in first and first[id(v)] != k}
+
+    def refresh_params(self) -> None:
+        """Bring the module's parameters up to date with the masters after they were written to (a load): stages
+        1/2 all-gather them (collective), stage 3 drops what is gathered (the next forward gathers afresh)."""
         self._gather_params()
 
     def memory_report(self) -> dict[str, float]:
@@ -413,6 +478,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             f"{type(self).__name__}({type(self.optim).__name__}, world_size={self.world_size}, "
             f"buckets={len(self.buckets)}, numel={self.numel}, precision={self.policy})"
         )
+
+
+def _by_size(bucket_bytes: int, reduce_dtype: torch.dtype) -> Grouping:
+    """The stage-1/2 bucketing: buckets of at most ``bucket_bytes`` bytes of ``reduce_dtype`` (the gradient buffers)."""
+    reduce_size = torch.empty((), dtype=reduce_dtype).element_size()
+    return functools.partial(size_groups, bucket_bytes=bucket_bytes, elem_size=lambda p: reduce_size)
 
 
 def _assign_groups(

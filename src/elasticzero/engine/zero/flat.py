@@ -1,108 +1,111 @@
-"""Flat buffers and the element-granular partition.
+"""Flat buffers: the live side of :mod:`~elasticzero.engine.zero.layout`.
 
-Trainable parameters are laid out, in registration order, into *buckets*: each bucket is one flat 1-D buffer holding
-its parameters back to back, padded at the end to a multiple of ``world_size`` so that every rank owns exactly
-``shard_numel = padded_numel // world_size`` contiguous elements of it (rank ``r`` owns
-``[r * shard_numel, (r + 1) * shard_numel)``). Shards are balanced to one element; a parameter may straddle ranks, and
-a parameter smaller than the world size lives on one or two ranks only.
-
-The *global flat index space* concatenates the padded buckets in bucket order; :class:`ParamSlot` gives every
-parameter name its ``(offset, numel)`` there (and inside its bucket), which is what a checkpoint needs to map this
-rank's shard back to parameter names (:func:`local_pieces`).
+A :class:`FlatBucket` binds one :class:`~elasticzero.engine.zero.layout.BucketLayout` (pure geometry, equal on every
+rank) to the ``nn.Parameter`` s it serves and to this rank. :func:`size_groups` is the stage-1/2 bucketing (by bytes,
+per key, in registration order); a stage passes its bucketing to the base as a :class:`Grouping`, and
+:func:`layout_buckets` turns the groups into buckets.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from elasticzero.engine.zero.layout import BucketLayout, ParamSlot, Piece, ZeroLayout
 from elasticzero.errors import UsageError
 
+Named = Sequence[tuple[str, nn.Parameter]]
 
-@dataclass(frozen=True)
-class ParamSlot:
-    """Where parameter ``name`` lives: ``bucket`` index, ``offset`` inside the bucket, ``global_offset`` overall."""
 
-    name: str
-    bucket: int
-    offset: int
-    numel: int
-    shape: torch.Size
-    global_offset: int
+class Grouping(Protocol):
+    """How trainable parameters (``named``, registration order) form buckets: one list per bucket, in bucket order;
+    parameters of one bucket share their ``key``."""
+
+    def __call__(
+        self, named: Named, key: Callable[[nn.Parameter], Hashable]
+    ) -> list[list[tuple[str, nn.Parameter]]]: ...
 
 
 @dataclass
 class FlatBucket:
-    """One flat buffer's layout: parameters (registration order), their offsets, padding and this rank's shard."""
+    """One flat buffer: its ``layout`` (equal on every rank), the parameters it serves (in the layout's order), this
+    ``rank``, and the ``key`` its parameters share (param group index, dtype...)."""
 
-    index: int
+    layout: BucketLayout
     params: list[nn.Parameter]
-    names: list[str]
-    offsets: list[int]
-    numel: int
-    world_size: int
     rank: int
-    key: Hashable = None  # what the bucket is keyed by (param group index, dtype)
-    global_offset: int = 0
-    extra: dict[str, object] = field(default_factory=dict)  # per-stage scratch (buffers, handles)
+    key: Hashable = None
+
+    @property
+    def index(self) -> int:
+        return self.layout.index
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.layout.names
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return self.layout.offsets
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def global_offset(self) -> int:
+        return self.layout.global_offset
 
     @property
     def padded_numel(self) -> int:
         """``numel`` rounded up to a multiple of ``world_size``."""
-        return -(-self.numel // self.world_size) * self.world_size
+        return self.layout.padded_numel
 
     @property
     def shard_numel(self) -> int:
         """Elements every rank owns (equal on all ranks; the last rank's tail may be padding)."""
-        return self.padded_numel // self.world_size
+        return self.layout.shard_numel
 
     def shard_range(self, rank: int | None = None) -> tuple[int, int]:
         """``[start, end)`` of ``rank``'s (default: this rank's) shard inside the bucket."""
-        r = self.rank if rank is None else rank
-        return r * self.shard_numel, (r + 1) * self.shard_numel
+        return self.layout.shard_range(self.rank if rank is None else rank)
 
-    def slots(self) -> list[ParamSlot]:
-        """One :class:`ParamSlot` per parameter of this bucket."""
-        return [
-            ParamSlot(name, self.index, off, p.numel(), p.shape, self.global_offset + off)
-            for name, p, off in zip(self.names, self.params, self.offsets, strict=True)
-        ]
+    def slots(self) -> tuple[ParamSlot, ...]:
+        """One :class:`~elasticzero.engine.zero.layout.ParamSlot` per parameter of this bucket."""
+        return self.layout.slots
 
-    def local_pieces(self, rank: int | None = None) -> list[tuple[str, int, int, int]]:
-        """``(name, start, end, shard_offset)``: elements ``[start, end)`` of the flattened parameter ``name`` are
-        owned by ``rank`` and sit at ``shard_offset`` in its shard."""
-        lo, hi = self.shard_range(rank)
-        pieces = []
-        for name, p, off in zip(self.names, self.params, self.offsets, strict=True):
-            a, b = max(lo, off), min(hi, off + p.numel())
-            if a < b:
-                pieces.append((name, a - off, b - off, a - lo))
-        return pieces
+    def local_pieces(self, rank: int | None = None) -> tuple[Piece, ...]:
+        """``Piece(name, start, end, shard_offset)``: elements ``[start, end)`` of the flattened parameter ``name``
+        are owned by ``rank`` (default: this rank) and sit at ``shard_offset`` in its shard."""
+        return self.layout.pieces(self.rank if rank is None else rank)
 
 
-def build_buckets(
-    named_params: Sequence[tuple[str, nn.Parameter]],
+def size_groups(
+    named: Named,
+    key: Callable[[nn.Parameter], Hashable],
     *,
     bucket_bytes: int,
-    world_size: int,
-    rank: int,
-    key: Callable[[nn.Parameter], Hashable] = lambda p: p.dtype,
     elem_size: Callable[[nn.Parameter], int] = lambda p: p.element_size(),
-) -> list[FlatBucket]:
+) -> list[list[tuple[str, nn.Parameter]]]:
     """Group parameters (in the given, registration order) into buckets of at most ``bucket_bytes``.
 
-    A parameter joins the open bucket of its ``key`` (dtype by default) unless that would exceed ``bucket_bytes``, in
-    which case the open bucket is closed first; a parameter of ``bucket_bytes`` or more gets a bucket of its own (and
-    closes the open bucket of its key, so each bucket holds parameters adjacent in registration order per key).
-    Buckets are numbered by their first parameter's registration position, identically on every rank.
+    A parameter joins the open bucket of its ``key`` unless that would exceed ``bucket_bytes``, in which case the open
+    bucket is closed first; a parameter of ``bucket_bytes`` or more gets a bucket of its own (and closes the open
+    bucket of its key, so each bucket holds parameters adjacent in registration order per key). Buckets are numbered
+    by their first parameter's registration position, identically on every rank.
     """
     groups: list[list[tuple[str, nn.Parameter]]] = []
     open_group: dict[Hashable, int] = {}
     open_bytes: dict[Hashable, int] = {}
-    for name, p in named_params:
+    for name, p in named:
         k, nbytes = key(p), p.numel() * elem_size(p)
         if nbytes >= bucket_bytes:  # alone; closes the open bucket so buckets stay contiguous per key
             open_group.pop(k, None)
@@ -115,6 +118,20 @@ def build_buckets(
             groups.append([])
         groups[open_group[k]].append((name, p))
         open_bytes[k] += nbytes
+    return groups
+
+
+def build_buckets(
+    named: Named,
+    *,
+    bucket_bytes: int,
+    world_size: int,
+    rank: int,
+    key: Callable[[nn.Parameter], Hashable] = lambda p: p.dtype,
+    elem_size: Callable[[nn.Parameter], int] = lambda p: p.element_size(),
+) -> list[FlatBucket]:
+    """:func:`size_groups` (dtype as the default key) laid out by :func:`layout_buckets`."""
+    groups = size_groups(named, key, bucket_bytes=bucket_bytes, elem_size=elem_size)
     return layout_buckets(groups, world_size=world_size, rank=rank, key=key)
 
 
@@ -124,29 +141,13 @@ def layout_buckets(
     world_size: int,
     rank: int,
     key: Callable[[nn.Parameter], Hashable] = lambda p: p.dtype,
+    group: Callable[[nn.Parameter], int] = lambda p: 0,
 ) -> list[FlatBucket]:
-    """Turn explicit parameter groups (one per bucket, in order) into :class:`FlatBucket` layouts."""
-    buckets: list[FlatBucket] = []
-    global_offset = 0
-    for i, group in enumerate(g for g in groups if g):
-        offsets, total = [], 0
-        for _, p in group:
-            offsets.append(total)
-            total += p.numel()
-        b = FlatBucket(
-            index=i,
-            params=[p for _, p in group],
-            names=[n for n, _ in group],
-            offsets=offsets,
-            numel=total,
-            world_size=world_size,
-            rank=rank,
-            key=key(group[0][1]),
-            global_offset=global_offset,
-        )
-        buckets.append(b)
-        global_offset += b.padded_numel
-    return buckets
+    """Turn explicit parameter groups (one per bucket, in order; empty ones dropped) into :class:`FlatBucket` s;
+    ``group(p)`` is the optimizer parameter group of a bucket's parameters."""
+    kept = [g for g in groups if g]
+    layout = ZeroLayout.of([[(n, p.shape) for n, p in g] for g in kept], world_size, [group(g[0][1]) for g in kept])
+    return [FlatBucket(b, [p for _, p in g], rank, key(g[0][1])) for b, g in zip(layout.buckets, kept, strict=True)]
 
 
 def _device_of(params: Iterable[torch.Tensor]) -> torch.device:

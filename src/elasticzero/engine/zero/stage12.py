@@ -19,19 +19,19 @@ from elasticzero.errors import UsageError
 class _ReplicatedParamsZero(ZeroOptimizer):
     """Base of ZeroStage1/ZeroStage2: full parameters on every rank, sharded optimizer state."""
 
-    def _materialize(self, bucket: FlatBucket) -> nn.Parameter:
+    def _materialize(self, bucket: FlatBucket) -> tuple[nn.Parameter, torch.Tensor]:
+        """The master and the compute buffer (``param_dtype``, full size) the module's parameters view."""
         lo, hi = bucket.shard_range()
         fp32 = torch.empty(bucket.padded_numel, dtype=torch.float32, device=self.device)
         flatten_into(bucket, fp32)
-        compute_dtype = bucket.key[2]  # type: ignore[index]
+        compute_dtype = self._compute_dtype_of(bucket)
         if compute_dtype == torch.float32:
             compute, master = fp32, nn.Parameter(fp32[lo:hi])
         else:
             master = nn.Parameter(fp32[lo:hi].clone())
             compute = fp32.to(compute_dtype)
         view_params_into(bucket, compute)
-        bucket.extra["compute"] = compute
-        return master
+        return master, compute
 
     def _register_state_dict_hooks(self) -> None:
         self.module.register_load_state_dict_post_hook(self._refresh_masters)
@@ -41,8 +41,7 @@ class _ReplicatedParamsZero(ZeroOptimizer):
         """After ``module.load_state_dict``: copy the loaded parameters into the separate fp32 masters (bf16/fp16),
         which ``step()`` would otherwise all-gather back over them. Precision is that of the compute copies;
         :meth:`load_full_state_dict` keeps fp32."""
-        for b, m in zip(self.buckets, self.masters, strict=True):
-            compute: torch.Tensor = b.extra["compute"]  # type: ignore[assignment]
+        for b, m, compute in zip(self.buckets, self.masters, self._flat, strict=True):
             storage = compute.untyped_storage().data_ptr()
             if any(p.untyped_storage().data_ptr() != storage for p in b.params):
                 raise UsageError(
@@ -57,8 +56,7 @@ class _ReplicatedParamsZero(ZeroOptimizer):
     def _gather_params(self) -> None:
         works = []
         with torch.no_grad():
-            for b, m in zip(self.buckets, self.masters, strict=True):
-                compute: torch.Tensor = b.extra["compute"]  # type: ignore[assignment]
+            for b, m, compute in zip(self.buckets, self.masters, self._flat, strict=True):
                 lo, hi = b.shard_range()
                 chunk = compute[lo:hi]
                 if chunk.data_ptr() != m.data_ptr() or chunk.dtype != m.dtype:

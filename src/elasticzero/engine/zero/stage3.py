@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -40,7 +41,7 @@ from elasticzero.engine import hf
 from elasticzero.engine.bucketer import DEFAULT_BUCKET_BYTES, GradBucketer, phase
 from elasticzero.engine.precision import PrecisionPolicy
 from elasticzero.engine.zero.base import ZeroOptimizer
-from elasticzero.engine.zero.flat import FlatBucket, flatten_into, layout_buckets, view_params_into
+from elasticzero.engine.zero.flat import FlatBucket, Named, flatten_into, view_params_into
 from elasticzero.errors import UsageError
 
 UnitSpec = Iterable[nn.Module] | tuple[type[nn.Module], ...] | type[nn.Module] | Callable[[nn.Module], bool] | None
@@ -88,20 +89,7 @@ class ZeroStage3(ZeroOptimizer):
         prefetch_bytes: int = 0,
         **optimizer_kwargs: Any,
     ) -> None:
-        self._unit_spec = _normalize_units(units)
-        self.reshard_after_forward = reshard_after_forward
-        self.prefetch = prefetch
-        self.prefetch_bytes = prefetch_bytes
-        self._needed: dict[str, list[int]] = {}
-        self._users: dict[int, int] = {}
-        self._fwd_order: list[str] = []
-        self._fwd_index: dict[str, int] = {}
-        self._bwd_order: list[str] = []  # reverse order of forward completion
-        self._bwd_index: dict[str, int] = {}
-        self._order_frozen = False
-        self._bwd_callback_queued = False
-        self._in_root = False  # the root's forward is in progress: the only time the unit order is recorded
-        self._entries: list[str] = []  # submodules called directly whose forward is in progress (see _pre_entry)
+        plan = UnitPlan.of(module, _normalize_units(units))
         super().__init__(
             module,
             optimizer_class,
@@ -113,74 +101,43 @@ class ZeroStage3(ZeroOptimizer):
             timers=timers,
             sync_module_states=sync_module_states,
             cast_forward_inputs=cast_forward_inputs,
+            grouping=plan.groups,
             **optimizer_kwargs,
         )
-        self._hook_handles = []
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        self.prefetch_bytes = prefetch_bytes
+        self._needed: dict[str, list[int]] = {"": []}  # unit -> its buckets (the root always: it frees the unused)
+        for b in self.buckets:
+            self._needed.setdefault(plan.unit_of[id(b.params[0])], []).append(b.index)
+        self._gathers = [_GatherState(full) for full in self._flat]  # per bucket
+        self._fwd_order: list[str] = []
+        self._fwd_index: dict[str, int] = {}
+        self._bwd_order: list[str] = []  # reverse order of forward completion
+        self._bwd_index: dict[str, int] = {}
+        self._order_frozen = False
+        self._bwd_callback_queued = False
+        self._in_root = False  # the root's forward is in progress: the only time the unit order is recorded
+        self._entries: list[str] = []  # submodules called directly whose forward is in progress (see _pre_entry)
+        self._entry_buckets = self._entry_points()
+        self._hook_handles = self._install_hooks(module)
+        hf.mark_sharded(module)  # HF generate() then keeps ranks in lock step (synced_gpus) by itself
+
+    def _install_hooks(self, module: nn.Module) -> list[Any]:
+        """Every unit's forward hooks (gather/free), every entry point's (see :meth:`_pre_entry`); their handles."""
+        handles = []
         modules = dict(module.named_modules())
         for name in self._needed:
             m = modules[name]
-            self._hook_handles.append(m.register_forward_pre_hook(functools.partial(self._pre_forward, name)))
-            self._hook_handles.append(m.register_forward_hook(functools.partial(self._post_forward, name)))
-        self._entry_buckets = self._entry_points()
-        hf.mark_sharded(module)  # HF generate() then keeps ranks in lock step (synced_gpus) by itself
+            handles.append(m.register_forward_pre_hook(functools.partial(self._pre_forward, name)))
+            handles.append(m.register_forward_hook(functools.partial(self._post_forward, name)))
         for name in self._entry_buckets:
             m = modules[name]
-            pre = functools.partial(self._pre_entry, name)
-            self._hook_handles.append(m.register_forward_pre_hook(pre, prepend=True))
-            self._hook_handles.append(
-                m.register_forward_hook(functools.partial(self._post_entry, name), always_call=True)
-            )
+            handles.append(m.register_forward_pre_hook(functools.partial(self._pre_entry, name), prepend=True))
+            handles.append(m.register_forward_hook(functools.partial(self._post_entry, name), always_call=True))
+        return handles
 
     # -- layout ------------------------------------------------------------------------------------------------
-    def _is_unit(self, name: str, m: nn.Module) -> bool:
-        spec = self._unit_spec
-        if name == "":
-            return True
-        if spec is None:
-            if self._list_children:  # blocks of the model's nn.ModuleLists
-                return id(m) in self._list_children
-            return any(p is not None and p.requires_grad for p in m._parameters.values())
-        if isinstance(spec, type) or (isinstance(spec, tuple) and all(isinstance(c, type) for c in spec)):
-            return isinstance(m, spec)
-        if isinstance(spec, frozenset):
-            return id(m) in spec
-        return bool(spec(m))
-
-    def _build_buckets(self, named: list[tuple[str, nn.Parameter]]) -> list[FlatBucket]:
-        modules = list(self.module.named_modules())
-        self._list_children = {id(c) for _, m in modules if isinstance(m, nn.ModuleList) for c in m}
-        units = [n for n, m in modules if self._is_unit(n, m)]
-        unit_set = set(units)
-        registered_by: dict[int, list[str]] = {}
-        for mn, m in modules:
-            for p in m._parameters.values():
-                if p is not None and p.requires_grad:
-                    registered_by.setdefault(id(p), []).append(mn)
-
-        def unit_of(module_name: str) -> str:
-            while module_name not in unit_set:
-                module_name = module_name.rsplit(".", 1)[0] if "." in module_name else ""
-            return module_name
-
-        owned: dict[str, list[tuple[str, nn.Parameter]]] = {u: [] for u in units}
-        for name, p in named:
-            owned[unit_of(_common_prefix(registered_by[id(p)]))].append((name, p))
-        groups: list[list[tuple[str, nn.Parameter]]] = []
-        group_units: list[str] = []
-        for u in units:
-            by_key: dict[Any, list[tuple[str, nn.Parameter]]] = {}
-            for name, p in owned[u]:
-                by_key.setdefault(self._bucket_key(p), []).append((name, p))
-            for g in by_key.values():
-                groups.append(g)
-                group_units.append(u)
-        buckets = layout_buckets(groups, world_size=self.world_size, rank=self.rank, key=self._bucket_key)
-        self._needed[""] = []  # the root is always hooked (it frees prefetched-but-unused buckets)
-        for b, u in zip(buckets, group_units, strict=True):
-            self._needed.setdefault(u, []).append(b.index)
-            self._users[b.index] = 0
-        return buckets
-
     def _entry_points(self) -> dict[str, list[int]]:
         """Submodule name -> the buckets it uses that no unit inside it gathers (they belong to an enclosing unit,
         often the root: its own parameters, tied ones): what a direct call of the submodule must gather itself."""
@@ -194,23 +151,23 @@ class ZeroStage3(ZeroOptimizer):
                 out[name] = sorted(idx)
         return out
 
-    def _materialize(self, bucket: FlatBucket) -> nn.Parameter:
+    def _materialize(self, bucket: FlatBucket) -> tuple[nn.Parameter, torch.Tensor]:
+        """The master and the full buffer (``param_dtype``) the module's parameters view, its storage freed."""
         lo, hi = bucket.shard_range()
         fp32 = torch.empty(bucket.padded_numel, dtype=torch.float32, device=self.device)
         flatten_into(bucket, fp32)
         master = nn.Parameter(fp32[lo:hi].clone())
-        full = torch.empty(bucket.padded_numel, dtype=bucket.key[2], device=self.device)  # type: ignore[index]
+        full = torch.empty(bucket.padded_numel, dtype=self._compute_dtype_of(bucket), device=self.device)
         view_params_into(bucket, full)
         full.untyped_storage().resize_(0)
-        bucket.extra.update(full=full, gathered=False, work=None)
-        return master
+        return master, full
 
     def _gather_params(self) -> None:
         """After ``step()``: drop every unit still gathered (its data predates the update, e.g. kept by a forward
         without backward under ``reshard_after_forward=False``); the next forward re-gathers from the masters."""
         for b in self.buckets:
             self._free(b)
-            self._users[b.index] = 0
+            self._gathers[b.index].users = 0
 
     def _make_bucketer(self) -> GradBucketer:
         return self._reduce_scatter_bucketer(
@@ -222,31 +179,32 @@ class ZeroStage3(ZeroOptimizer):
     # -- gather / free (collectives by the communicator) ---------------------------------------------------------------
     def _gather(self, b: FlatBucket) -> None:
         """Start the all-gather of bucket ``b`` into its (re-allocated) storage unless already gathered."""
-        if b.extra["gathered"]:
+        g = self._gathers[b.index]
+        if g.gathered:
             return
-        full: torch.Tensor = b.extra["full"]  # type: ignore[assignment]
+        full = g.full
         full.untyped_storage().resize_(full.numel() * full.element_size())
         lo, hi = b.shard_range()
         chunk = full[lo:hi]
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
             chunk.copy_(self.masters[b.index])
             work = self.communicator.all_gather(full, chunk, async_op=True)
-        b.extra.update(gathered=True, work=work)
+        g.gathered, g.work = True, work
 
     def _wait(self, b: FlatBucket) -> None:
-        work = b.extra["work"]
-        if work is not None:
+        g = self._gathers[b.index]
+        if g.work is not None:
             with phase(self.timers, "allgather"):
-                work.wait()  # type: ignore[attr-defined]
-            b.extra["work"] = None
+                g.work.wait()
+            g.work = None
 
     def _free(self, b: FlatBucket) -> None:
-        if not b.extra["gathered"]:
+        g = self._gathers[b.index]
+        if not g.gathered:
             return
         self._wait(b)
-        full: torch.Tensor = b.extra["full"]  # type: ignore[assignment]
-        full.untyped_storage().resize_(0)
-        b.extra["gathered"] = False
+        g.full.untyped_storage().resize_(0)
+        g.gathered = False
 
     def _use(self, unit: str) -> None:
         for i in self._needed[unit]:
@@ -263,7 +221,7 @@ class ZeroStage3(ZeroOptimizer):
             nbytes = 0
             for i in self._needed[order[j]]:
                 b = self.buckets[i]
-                nbytes += b.padded_numel * b.extra["full"].element_size()  # type: ignore[attr-defined]
+                nbytes += b.padded_numel * self._gathers[i].full.element_size()
                 self._gather(b)
             budget -= nbytes
             j += 1
@@ -285,14 +243,14 @@ class ZeroStage3(ZeroOptimizer):
             self._fwd_order.append(unit)
         self._use(unit)
         for i in self._needed[unit]:
-            self._users[i] += 1
+            self._gathers[i].users += 1
         self._prefetch(unit, self._fwd_order, self._fwd_index)
 
     def _post_forward(self, unit: str, module: nn.Module, args: Any, output: Any) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation inside backward (see _pre_forward): its backward needs the params now
         for i in self._needed[unit]:
-            self._users[i] -= 1
+            self._gathers[i].users -= 1
         if (
             not self._order_frozen and self._in_root and unit not in self._bwd_index
         ):  # backward visits units in reverse of this
@@ -301,11 +259,11 @@ class ZeroStage3(ZeroOptimizer):
         # without grad no backward will come to free the unit: reshard now even with reshard_after_forward=False
         reshard = self.reshard_after_forward or not torch.is_grad_enabled()
         for i in self._needed[unit]:
-            if self._users[i] == 0 and reshard:
+            if self._gathers[i].users == 0 and reshard:
                 self._free(self.buckets[i])
         if unit == "" and reshard:
             for b in self.buckets:  # prefetched but unused
-                if self._users[b.index] == 0:
+                if self._gathers[b.index].users == 0:
                     self._free(b)
         if unit == "":
             self._in_root = False
@@ -328,24 +286,24 @@ class ZeroStage3(ZeroOptimizer):
         self._entries.pop()
         idx = self._entry_buckets[name]
         for i in idx:
-            self._users[i] -= 1
+            self._gathers[i].users -= 1
         if self.reshard_after_forward or not torch.is_grad_enabled():
             for b in self.buckets:  # its own and any prefetched but unused
-                if self._users[b.index] == 0:
+                if self._gathers[b.index].users == 0:
                     self._free(b)
         self.communicator.settle()
         if torch.is_grad_enabled() and output is not None:
             _on_first_grad(output, functools.partial(self._pre_backward_buckets, idx))
 
     def _all_ready(self, idx: list[int]) -> bool:
-        return all(self.buckets[i].extra["gathered"] and self.buckets[i].extra["work"] is None for i in idx)
+        return all(self._gathers[i].gathered and self._gathers[i].work is None for i in idx)
 
     def _use_buckets(self, idx: list[int]) -> None:
         for i in idx:
             self._gather(self.buckets[i])
         for i in idx:
             self._wait(self.buckets[i])
-            self._users[i] += 1
+            self._gathers[i].users += 1
 
     def _pre_backward_buckets(self, idx: list[int]) -> None:
         if not self._bwd_callback_queued:
@@ -364,7 +322,7 @@ class ZeroStage3(ZeroOptimizer):
         self._prefetch(unit, self._bwd_order, self._bwd_index)
 
     def _on_ready(self, b: FlatBucket) -> None:
-        if self._users[b.index] == 0:
+        if self._gathers[b.index].users == 0:
             self._free(b)
 
     def _on_reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
@@ -378,7 +336,7 @@ class ZeroStage3(ZeroOptimizer):
         self._bwd_callback_queued = False
         self._order_frozen = self._order_frozen or bool(self._fwd_order)  # recorded by a root forward
         for b in self.buckets:
-            if self._users[b.index] == 0:
+            if self._gathers[b.index].users == 0:
                 self._free(b)
         self.communicator.settle()
 
@@ -409,6 +367,71 @@ class ZeroStage3(ZeroOptimizer):
     def unit_of_bucket(self) -> dict[int, str]:
         """Bucket index -> name of the unit (module) that gathers it."""
         return {i: u for u, idx in self._needed.items() for i in idx}
+
+
+class _Work(Protocol):
+    def wait(self) -> Any: ...
+
+
+@dataclass
+class _GatherState:
+    """Stage-3 state of one bucket: ``full``, the buffer its parameters view (storage freed while not gathered),
+    whether it is ``gathered``, the all-gather in flight (``work``), and ``users``: forwards in progress using it."""
+
+    full: torch.Tensor
+    gathered: bool = False
+    work: _Work | None = None
+    users: int = 0
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """Which unit gathers each trainable parameter, decided from the module and the ``units=`` spec alone (before the
+    optimizer exists): the stage-3 bucketing (one bucket per unit and bucket key)."""
+
+    units: tuple[str, ...]  # module names of the units, in module order (the root, "", first)
+    unit_of: dict[int, str]  # id(trainable parameter) -> its unit
+
+    @classmethod
+    def of(cls, module: nn.Module, spec: Any) -> UnitPlan:
+        """A parameter belongs to the nearest unit enclosing every module that registers it (tied ones included)."""
+        modules = list(module.named_modules())
+        list_children = frozenset(id(c) for _, m in modules if isinstance(m, nn.ModuleList) for c in m)
+        units = tuple(n for n, m in modules if _is_unit(spec, list_children, n, m))
+        registered_by: dict[int, list[str]] = {}
+        for mn, m in modules:
+            for p in m._parameters.values():
+                if p is not None and p.requires_grad:
+                    registered_by.setdefault(id(p), []).append(mn)
+        return cls(units, {pid: _enclosing(set(units), _common_prefix(ns)) for pid, ns in registered_by.items()})
+
+    def groups(self, named: Named, key: Callable[[nn.Parameter], Hashable]) -> list[list[tuple[str, nn.Parameter]]]:
+        """The buckets: per unit (in order), its parameters split by ``key`` (a :class:`~.flat.Grouping`)."""
+        owned: dict[str, dict[Hashable, list[tuple[str, nn.Parameter]]]] = {u: {} for u in self.units}
+        for name, p in named:
+            owned[self.unit_of[id(p)]].setdefault(key(p), []).append((name, p))
+        return [g for u in self.units for g in owned[u].values()]
+
+
+def _is_unit(spec: Any, list_children: frozenset[int], name: str, m: nn.Module) -> bool:
+    if name == "":
+        return True
+    if spec is None:
+        if list_children:  # blocks of the model's nn.ModuleLists
+            return id(m) in list_children
+        return any(p is not None and p.requires_grad for p in m._parameters.values())
+    if isinstance(spec, type) or (isinstance(spec, tuple) and all(isinstance(c, type) for c in spec)):
+        return isinstance(m, spec)
+    if isinstance(spec, frozenset):
+        return id(m) in spec
+    return bool(spec(m))
+
+
+def _enclosing(units: set[str], module_name: str) -> str:
+    """The unit ``module_name`` is in: itself or its nearest enclosing unit (the root at worst)."""
+    while module_name not in units:
+        module_name = module_name.rsplit(".", 1)[0] if "." in module_name else ""
+    return module_name
 
 
 def _on_first_grad(output: Any, fn: Callable[[], None]) -> None:

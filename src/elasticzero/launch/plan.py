@@ -152,10 +152,11 @@ class LaunchPlan:
 class BoundPlan:
     """A plan bound to its backend, once: what ``--dry-run`` prints and ``execute`` runs.
 
-    Made only by ``LauncherBackend.bind``: ``plan.options`` holds every option the backend declares, checked and
+    Made by ``LauncherBackend.bind``: ``plan.options`` holds every option the backend declares, checked and
     typed; ``commands`` are the argv lists the backend built for it, with the real environment values in each
     ``Command.env`` and none in any argv. Every backend hook (``preflight``, ``stage``, ``unstage``,
-    ``stop_job``) receives it, so nothing is checked or built twice.
+    ``stop_job``) receives it, so nothing is checked or built twice. Only the launcher's own ``save_pid`` may be
+    settled afterwards (a bare ``--save-pid`` gets its path when execution starts); the commands stay these.
     """
 
     plan: LaunchPlan

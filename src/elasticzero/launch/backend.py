@@ -48,7 +48,6 @@ __all__ = [
     "BackendOption",
     "BoundPlan",
     "Command",
-    "LaunchPlan",
     "LauncherBackend",
     "available_launchers",
     "get_launcher",

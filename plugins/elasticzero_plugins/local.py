@@ -19,7 +19,6 @@ class LocalBackend(LauncherBackend):
     replaces_launcher = True  # one local agent: the launcher execs it
 
     def commands(self, plan: LaunchPlan) -> list[Command]:
-        plan = self.with_options(plan)
         check_plan(plan, self.name)
         if len(plan.nodes) != 1:
             raise UsageError(

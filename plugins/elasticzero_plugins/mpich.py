@@ -45,5 +45,4 @@ class MPICHBackend(LauncherBackend):
     options = (PER_RANK, BackendOption("mpiexec", str, "mpiexec.hydra", "the hydra mpiexec program to run"))
 
     def commands(self, plan: LaunchPlan) -> list[Command]:
-        plan = self.with_options(plan)
         return [hydra_command(plan, plan.options["mpiexec"], self.name)]

@@ -53,7 +53,6 @@ class MVAPICHBackend(LauncherBackend):
             raise UsageError("launcher 'mvapich' needs 'mpirun_rsh' (or MVAPICH2's hydra 'mpiexec') on PATH")
 
     def commands(self, plan: LaunchPlan) -> list[Command]:
-        plan = self.with_options(plan)
         if plan.options["mvapich_launcher"] == "hydra":
             return [hydra_command(plan, plan.options["mpiexec"], self.name)]
         check_plan(plan, self.name)

@@ -24,7 +24,6 @@ class NoSSHBackend(LauncherBackend):
     options = (BackendOption("node_rank", int, None, "this node's rank in the hostfile order", flag="--node-rank"),)
 
     def commands(self, plan: LaunchPlan) -> list[Command]:
-        plan = self.with_options(plan)
         check_plan(plan, self.name)
         r = plan.options["node_rank"]
         if r is None:

@@ -27,7 +27,6 @@ class OpenMPIBackend(LauncherBackend):
     options = (PER_RANK,)
 
     def commands(self, plan: LaunchPlan) -> list[Command]:
-        plan = self.with_options(plan)
         check_plan(plan, self.name)
         env = job_env(plan)
         argv = [MPIRUN, "--allow-run-as-root", "--bind-to", "none", "-wdir", plan.cwd]

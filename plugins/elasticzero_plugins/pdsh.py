@@ -44,11 +44,13 @@ from elasticzero.launch.backend import BackendOption, Command, LauncherBackend
 from elasticzero_plugins._common import check_plan, job_env
 
 if TYPE_CHECKING:
-    from elasticzero.launch.plan import LaunchPlan
+    from elasticzero.launch.plan import BoundPlan, LaunchPlan
 
 SSH_CHECK_TIMEOUT = 20.0
 STOP_TIMEOUT = 30.0
 STAGE_TIMEOUT = 60.0
+#: the variable carrying pdsh's extra ssh options
+SSH_APPEND = "PDSH_SSH_ARGS_APPEND"
 #: the per-host directory that carries the exported environment: ``<prefix><job id>-<nonce>.<host>``
 ENV_DIR_PREFIX = "elasticzero-env-"
 
@@ -91,12 +93,21 @@ def remote_command(load_env: str, cwd: str, argv: list[str], *, host_placeholder
 
 
 def ssh_args_append(plan: LaunchPlan) -> str:
-    """``PDSH_SSH_ARGS_APPEND`` for the launch: the user's value, then batch mode and the plan's port."""
+    """``PDSH_SSH_ARGS_APPEND`` for the launch: the user's value, then batch mode and the plan's port.
+
+    It must split as a shell would (:func:`ssh_base` runs the same options for the preflight, the staging and the
+    cleanup), so a value that does not is a :class:`UsageError` while the plan is bound, before anything starts.
+    """
     append = ["-o BatchMode=yes"]
     if plan.options.get("ssh_port"):
         append.append(f"-p {int(plan.options['ssh_port'])}")
-    prior = os.environ.get("PDSH_SSH_ARGS_APPEND", "").strip()
-    return " ".join([prior, *append]).strip()
+    prior = os.environ.get(SSH_APPEND, "").strip()
+    text = " ".join([prior, *append]).strip()
+    try:
+        shlex.split(text)
+    except ValueError as exc:
+        raise UsageError(f"{SSH_APPEND}={prior!r} cannot be split: {exc}; balance its quotes") from None
+    return text
 
 
 def _pdsh_login(launcher_args: tuple[str, ...]) -> list[str]:
@@ -111,19 +122,17 @@ def _pdsh_login(launcher_args: tuple[str, ...]) -> list[str]:
     return found
 
 
-def ssh_base(plan: LaunchPlan) -> list[str]:
-    """The ``ssh`` that pdsh runs for this plan, for the preflight and the cleanup.
+def ssh_base(bound: BoundPlan) -> list[str]:
+    """The ``ssh`` that the bound pdsh command runs, for the preflight, the staging and the cleanup.
 
-    Same options as the launch: pdsh's ``-l USER`` from ``--launcher-args``, then ``PDSH_SSH_ARGS_APPEND`` as
-    :meth:`PdshBackend.commands` sets it (the user's value, ``-o BatchMode=yes``, ``-p PORT``), split as a shell
-    would (pdsh's own splitting is on blanks; quotes are the user's to avoid there). ``ConnectTimeout`` comes
-    last, so a value the user set wins (ssh keeps the first ``-o`` of each option).
+    Same options as the launch: pdsh's ``-l USER`` from ``--launcher-args``, then the ``PDSH_SSH_ARGS_APPEND``
+    the bound command carries (the user's value, ``-o BatchMode=yes``, ``-p PORT``), split as a shell would
+    (pdsh's own splitting is on blanks; quotes are the user's to avoid there). ``ConnectTimeout`` comes last, so a
+    value the user set wins (ssh keeps the first ``-o`` of each option).
     """
-    try:
-        append = shlex.split(ssh_args_append(plan))
-    except ValueError as exc:
-        raise UsageError(f"PDSH_SSH_ARGS_APPEND cannot be split: {exc}") from None
-    return ["ssh", *_pdsh_login(plan.launcher_args), *append, "-o", "ConnectTimeout=10"]
+    (pdsh,) = bound.commands
+    append = shlex.split(pdsh.env[SSH_APPEND])
+    return ["ssh", *_pdsh_login(bound.plan.launcher_args), *append, "-o", "ConnectTimeout=10"]
 
 
 class PdshBackend(LauncherBackend):
@@ -137,7 +146,6 @@ class PdshBackend(LauncherBackend):
     )
 
     def commands(self, plan: LaunchPlan) -> list[Command]:
-        plan = self.with_options(plan)
         check_plan(plan, self.name)
         placeholder = f"EZHOST{uuid.uuid4().hex}"
         argv = plan.agent_argv(["--node-host", placeholder])
@@ -145,27 +153,25 @@ class PdshBackend(LauncherBackend):
         hosts = ",".join(n.host for n in plan.nodes)
         pdsh = ["pdsh", "-R", "ssh", "-S", "-f", str(max(32, len(plan.nodes))), "-w", hosts]
         pdsh += [*plan.launcher_args, remote]
-        return [Command(argv=tuple(pdsh), env={"PDSH_SSH_ARGS_APPEND": ssh_args_append(plan)})]
+        return [Command(argv=tuple(pdsh), env={SSH_APPEND: ssh_args_append(plan)})]
 
-    def preflight(self, plan: LaunchPlan) -> None:
+    def preflight(self, bound: BoundPlan) -> None:
         """Check passwordless ssh (``BatchMode=yes``) to every host, unless ``ssh_check`` is false."""
-        plan = self.with_options(plan)
-        if not plan.options["ssh_check"]:
+        if not bound.plan.options["ssh_check"]:
             return
-        check_plan(plan, self.name)
-        for host, err in on_hosts(plan, lambda _host: "true", SSH_CHECK_TIMEOUT).items():
+        for host, err in on_hosts(bound, lambda _host: "true", SSH_CHECK_TIMEOUT).items():
             if err is not None:
                 raise UsageError(
                     f"passwordless ssh to {host!r} failed ({err}); set up key-based login "
                     "or pass --no-ssh-check to skip this check"
                 )
 
-    def stage(self, plan: LaunchPlan) -> None:
+    def stage(self, bound: BoundPlan) -> None:
         """Write the exported environment into a private file on every host, over ssh's stdin (see module doc)."""
-        plan = self.with_options(plan)
-        check_plan(plan, self.name)
+        plan = bound.plan
         payload = env_payload(job_env(plan))
-        failed = {h: e for h, e in on_hosts(plan, lambda h: stage_script(plan, h), STAGE_TIMEOUT, payload).items() if e}
+        staged = on_hosts(bound, lambda h: stage_script(plan, h), STAGE_TIMEOUT, payload)
+        failed = {h: e for h, e in staged.items() if e}
         if failed:
             host, err = next(iter(failed.items()))
             raise UsageError(
@@ -173,19 +179,13 @@ class PdshBackend(LauncherBackend):
                 f"({len(failed)} of {len(plan.nodes)} host(s) failed)"
             )
 
-    def unstage(self, plan: LaunchPlan) -> None:
+    def unstage(self, bound: BoundPlan) -> None:
         """Remove every host's env file the agent did not consume (a host that cannot be reached is named)."""
-        plan = self.with_options(plan)
-        try:
-            results = on_hosts(plan, lambda h: unstage_script(plan, h), STOP_TIMEOUT)
-        except UsageError as exc:  # the ssh options cannot be built: stage() failed on the same error
-            _report(f"cannot remove the job's env files: {exc}")
-            return
-        for host, err in results.items():
+        for host, err in on_hosts(bound, lambda h: unstage_script(bound.plan, h), STOP_TIMEOUT).items():
             if err is not None:
-                _report(f"could not remove the job's env file on {host}: {err} ({unstage_script(plan, host)})")
+                _report(f"could not remove the job's env file on {host}: {err} ({unstage_script(bound.plan, host)})")
 
-    def stop_job(self, plan: LaunchPlan) -> None:
+    def stop_job(self, bound: BoundPlan) -> None:
         """Kill this job's processes on every host: ``ssh HOST elasticzero-run --kill-job JOB`` in parallel.
 
         The kill is scoped by the ``ELASTICZERO_JOB_ID`` the job's processes carry. The ssh uses the launch's
@@ -193,28 +193,22 @@ class PdshBackend(LauncherBackend):
         mid-cleanup. Each host where the kill failed (ssh error, non-zero exit, no answer within
         :data:`STOP_TIMEOUT`) is reported on stderr, one line per host; the other hosts are still cleaned.
         """
-        remote = " ".join(
-            shlex.quote(a) for a in [plan.agent.python, "-m", "elasticzero.agent.cli", "--kill-job", plan.job_id]
-        )
-        try:
-            results = on_hosts(plan, lambda _host: remote, STOP_TIMEOUT)
-        except UsageError as exc:
-            _report(f"cannot stop job {plan.job_id} on any host: {exc}")
-            return
-        for host, err in results.items():
+        plan = bound.plan
+        remote = shlex.join([plan.agent.python, "-m", "elasticzero.agent.cli", "--kill-job", plan.job_id])
+        for host, err in on_hosts(bound, lambda _host: remote, STOP_TIMEOUT).items():
             if err is not None:
                 _report(f"could not stop job {plan.job_id} on {host}: {err} (run elasticzero-run --kill-job there)")
 
 
 def on_hosts(
-    plan: LaunchPlan, remote: Callable[[str], str], timeout: float, stdin: bytes = b""
+    bound: BoundPlan, remote: Callable[[str], str], timeout: float, stdin: bytes = b""
 ) -> dict[str, str | None]:
     """Run ``ssh HOST remote(HOST)`` on every host in parallel (launch ssh options, own session): host → error.
 
     ``stdin`` is what each ssh reads (the remote command's stdin); the error is ``None`` on success, else ssh's
     last stderr line with the exit code, or the timeout.
     """
-    base = ssh_base(plan)
+    base = ssh_base(bound)
 
     def run(host: str) -> str | None:
         try:
@@ -235,7 +229,7 @@ def on_hosts(
         tail = (p.stderr.decode(errors="replace").strip().splitlines() or [""])[-1]
         return f"exit code {p.returncode}" + (f": {tail}" if tail else "")
 
-    hosts = [n.host for n in plan.nodes]
+    hosts = [n.host for n in bound.plan.nodes]
     with ThreadPoolExecutor(max_workers=min(16, len(hosts))) as pool:
         return dict(zip(hosts, pool.map(run, hosts), strict=True))
 

@@ -100,7 +100,6 @@ class SlurmBackend(LauncherBackend):
     options = (PER_RANK,)
 
     def commands(self, plan: LaunchPlan) -> list[Command]:
-        plan = self.with_options(plan)
         check_plan(plan, self.name)
         n = len(plan.nodes)
         argv = ["srun", f"--nodelist={','.join(x.host for x in plan.nodes)}", f"--nodes={n}"]

@@ -120,7 +120,7 @@ def _config_flag(entry: Sequence[str], named: str | None) -> tuple[str, str]:
 
 def prepare(args: argparse.Namespace, entry: Sequence[str], env: Mapping[str, str], cwd: str) -> Setup:
     """Check everything and decide the search (pure apart from reading the config and discovering the pool)."""
-    from elasticzero.launch.cli import select_pool
+    from elasticzero.launch.resources import select_pool
 
     if not entry:
         raise UsageError(f"missing training script; usage: {PROG} [flags] SCRIPT [ARGS…]")
@@ -294,12 +294,26 @@ def _after(
     if not run_after:
         return 0
     from elasticzero.autotune.output import best_command
-    from elasticzero.launch.cli import main as launch_main
 
     config = paths.get("best_json", paths["best_yaml"])
     argv = best_command(setup, _final_flags(args), result.best[2].entry, config)[1:]
     print(f"{PROG}: training with the best config (autotuning off)", flush=True)
-    return launch_main(argv)
+    return _become_launcher(argv)
+
+
+def _become_launcher(argv: list[str]) -> int:
+    """Replace this process by ``elasticzero-launch argv`` (``execv``: same pid, so signals reach the launch and its
+    exit code is ours), started as the trials' launcher is (``python -m elasticzero.launch.cli``); 127 if it cannot.
+
+    Never an in-process call: the launcher's ``--autotuning`` hands over to this module, so this module importing
+    the launcher's would make an import circle.
+    """
+    sys.stderr.flush()
+    try:
+        os.execv(sys.executable, [sys.executable, "-m", "elasticzero.launch.cli", *argv])
+    except OSError as exc:
+        print(f"{PROG}: cannot start the launcher {sys.executable!r}: {exc}", file=sys.stderr)
+    return 127
 
 
 def run_from_launch(args: argparse.Namespace, entry: Sequence[str], mode: str) -> int:

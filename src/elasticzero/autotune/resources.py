@@ -1,7 +1,7 @@
 """Nodes, reservations and the resource manager over the pool ``elasticzero-launch`` discovers.
 
 The pool comes from the launcher's own discovery and filters (hostfile / Slurm allocation / local slots, then
-``-i``/``-e``/``--num-nodes``/``--num-gpus``: :func:`elasticzero.launch.cli.select_pool`), never from a second
+``-i``/``-e``/``--num-nodes``/``--num-gpus``: :func:`elasticzero.launch.resources.select_pool`), never from a second
 implementation. The manager is pure bookkeeping: which slots of which host are reserved by which experiment.
 
 Timing rule: on one host, experiments share the CPU cores (and memory bandwidth, PCIe, …) even when their slots

@@ -4,6 +4,11 @@ A backend turns a :class:`~elasticzero.launch.plan.LaunchPlan` into the local co
 ``elasticzero-run`` agent per node (``pdsh …``, ``mpirun …``, ``srun …``, or the agent itself). Backends are found
 through the entry-point group ``elasticzero.launchers``; the ones shipped with elasticzero live in ``plugins/``.
 
+A plan is bound to its backend once (torchx's ``submit_dryrun`` → ``schedule`` shape): :meth:`LauncherBackend.bind`
+checks and types the options and builds the commands into a frozen :class:`~elasticzero.launch.plan.BoundPlan`.
+``--dry-run`` prints that object and ``execute`` runs it; every hook (:meth:`~LauncherBackend.preflight`,
+:meth:`~LauncherBackend.stage`, :meth:`~LauncherBackend.unstage`, ``stop_job``) receives it and checks nothing again.
+
 Rules every backend follows:
 
 * commands are argv lists; the only place a string is built for a shell is a remote-shell boundary (pdsh/ssh,
@@ -14,12 +19,13 @@ Rules every backend follows:
 * each node's agent learns which node it is from the plan's node table (see
   :meth:`LaunchPlan.agent_argv`), never from the order a transport happens to pick;
 * environment *values* never appear in any process's argv, on any host (pdsh delivers them over ssh's stdin
-  into a private file, see :meth:`LauncherBackend.stage`).
+  into a private file, see :meth:`LauncherBackend.stage`); :meth:`~LauncherBackend.bind` enforces it for the
+  secret-looking ones, so the argv ``--dry-run`` prints verbatim never shows a secret.
 
 Options: a backend declares what it accepts in :attr:`LauncherBackend.options` (torchx ``runopts`` style: name,
 type, default, help). ``elasticzero-launch`` sets them with flags (``--ssh-port``, ``--per-rank``, …) or
-``--launcher-opt KEY=VALUE``, and :meth:`LauncherBackend.resolve_options` checks them against the declaration:
-a plan's ``options`` holds every declared option, typed, plus :data:`LAUNCHER_OPTIONS`.
+``--launcher-opt KEY=VALUE``, and :meth:`LauncherBackend.bind` checks them against the declaration once: a bound
+plan's ``options`` holds every declared option, typed, plus :data:`LAUNCHER_OPTIONS`.
 """
 
 from __future__ import annotations
@@ -30,29 +36,25 @@ import re
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, final
 
 from elasticzero.errors import UsageError
+from elasticzero.launch.plan import BoundPlan, Command, LaunchPlan, is_secret
 
-if TYPE_CHECKING:
-    from elasticzero.launch.plan import LaunchPlan
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "LAUNCHER_OPTIONS",
+    "BackendOption",
+    "BoundPlan",
+    "Command",
+    "LauncherBackend",
+    "available_launchers",
+    "get_launcher",
+    "launcher_class",
+]
 
 ENTRY_POINT_GROUP = "elasticzero.launchers"
-
-
-@dataclass(frozen=True)
-class Command:
-    """One local process the launcher starts.
-
-    ``env`` holds variables to add to the launcher's own environment for this process (for transports that
-    forward by name); ``host`` names the node it serves, or ``None`` when one command fans out to all nodes.
-    """
-
-    argv: tuple[str, ...]
-    env: dict[str, str] = field(default_factory=dict)
-    host: str | None = None
-
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -138,21 +140,50 @@ class LauncherBackend(ABC):
                     f"launcher {self.name!r} needs {prog!r} on PATH; install it or pick another --launcher"
                 )
 
-    def preflight(self, plan: LaunchPlan) -> None:  # noqa: B027 - optional hook
-        """Check the plan can start (e.g. passwordless ssh); raise :class:`UsageError` if not. Starts nothing."""
+    @final
+    def bind(self, plan: LaunchPlan, sources: Mapping[str, str] | None = None) -> BoundPlan:
+        """``plan`` bound to this backend, once: options checked and typed, commands built.
+
+        ``sources`` names the flag that set each option, for the message of an unknown key. Secret-looking
+        environment values reach :meth:`commands` as stand-ins (:func:`_stand_ins`): one found in an argv is a
+        :class:`UsageError` (every user of a host can read a process's argv), one in a ``Command.env`` value is
+        replaced by the real value. Pure apart from what :meth:`commands` itself reads; nothing starts.
+        """
+        checked = replace(plan, options=self.resolve_options(plan.options, sources))
+        stand_ins = _stand_ins(checked.env)
+        built = self.commands(replace(checked, env={**checked.env, **stand_ins}))
+        return BoundPlan(checked, tuple(self._reveal(cmd, stand_ins, checked.env) for cmd in built))
+
+    def _reveal(self, cmd: Command, stand_ins: Mapping[str, str], env: Mapping[str, str]) -> Command:
+        """``cmd`` with the real values in its env; a stand-in in its argv is a :class:`UsageError`."""
+        for name, token in stand_ins.items():
+            if any(token in arg for arg in cmd.argv):
+                raise UsageError(
+                    f"launcher {self.name!r} puts the value of {name} in a command line, where every user of the "
+                    "host can read it; the backend must pass it by name (Command.env) or stage it on the nodes"
+                )
+        return replace(cmd, env={key: _put_back(value, stand_ins, env) for key, value in cmd.env.items()})
+
+    def preflight(self, bound: BoundPlan) -> None:  # noqa: B027 - optional hook
+        """Check the bound plan can start (e.g. passwordless ssh); raise :class:`UsageError` if not. Starts nothing."""
 
     @abstractmethod
     def commands(self, plan: LaunchPlan) -> list[Command]:
-        """The commands that start one agent per node of ``plan``."""
+        """The commands that start one agent per node of ``plan``; called once, by :meth:`bind`.
 
-    def stage(self, plan: LaunchPlan) -> None:  # noqa: B027 - optional hook
-        """Put on the nodes what :meth:`commands` expects there (e.g. the exported environment's values).
+        ``plan.options`` is already checked and typed (every declared option present). Secret-looking env values
+        are stand-ins here: they may go into a ``Command.env`` value, never into an argv. Raise
+        :class:`UsageError` for a plan this backend cannot start.
+        """
+
+    def stage(self, bound: BoundPlan) -> None:  # noqa: B027 - optional hook
+        """Put on the nodes what the bound commands expect there (e.g. the exported environment's values).
 
         Called by ``execute`` right before the commands start (never by ``--dry-run``); raise
         :class:`UsageError` naming the host when that fails. Nothing may change on any host before this call.
         """
 
-    def unstage(self, plan: LaunchPlan) -> None:  # noqa: B027 - optional hook
+    def unstage(self, bound: BoundPlan) -> None:  # noqa: B027 - optional hook
         """Remove what :meth:`stage` left behind and the job did not consume; called when the run did not succeed."""
 
     @classmethod
@@ -178,12 +209,18 @@ class LauncherBackend(ABC):
                 )
         return {name: opt.parse(given.get(name, opt.default), cls.name) for name, opt in known.items()}
 
-    def with_options(self, plan: LaunchPlan) -> LaunchPlan:
-        """``plan`` with its options checked against this backend's declaration and typed (defaults filled).
 
-        Backends call it first in :meth:`commands`, so a plan built by hand is checked like one from the CLI.
-        """
-        return replace(plan, options=self.resolve_options(plan.options))
+def _put_back(value: str, stand_ins: Mapping[str, str], real: Mapping[str, str]) -> str:
+    """``value`` with every stand-in replaced by the real value it stands for."""
+    for name, token in stand_ins.items():
+        value = value.replace(token, real[name])
+    return value
+
+
+def _stand_ins(env: Mapping[str, str]) -> dict[str, str]:
+    """A random token per secret-looking variable: letters and digits only, so it survives any quoting and pdsh's
+    ``%`` doubling unchanged, and no argv holds it by chance (a value searched for could be as short as ``"1"``)."""
+    return {name: f"ezsecret{os.urandom(12).hex()}" for name in env if is_secret(name)}
 
 
 def options_help(launchers: Mapping[str, type[LauncherBackend]]) -> str:

@@ -1,13 +1,14 @@
-"""``elasticzero-launch``: discovery + filters + env rules + backend → :class:`LaunchPlan` → dry-run or execute.
+"""``elasticzero-launch``: discovery + filters + env rules → :class:`LaunchPlan` → bound once → dry-run or execute.
 
-Flow: parse flags (:mod:`.args`) → discover the pool (:mod:`.resources`) → ``-i``/``-e`` then ``--num-nodes`` /
-``--num-gpus`` (:mod:`.filters`) → exported env (:mod:`.envexport`) → :class:`LaunchPlan` → backend commands.
-``--dry-run`` prints the plan and starts nothing; otherwise ``backend.preflight(plan)`` and
-``elasticzero.launch.execute.execute(plan, backend)``, whose return value is the exit code.
+Flow: parse flags (:mod:`.args`) → the pool (:func:`.resources.select_pool`: discovery, then ``-i``/``-e`` and
+``--num-nodes``/``--num-gpus``) → exported env (:mod:`.envexport`) → :class:`LaunchPlan` →
+``backend.bind(plan)`` → :class:`BoundPlan` (options checked, commands built, once). ``--dry-run`` prints that
+bound plan and starts nothing; otherwise ``backend.preflight(bound)`` and
+``elasticzero.launch.execute.execute(bound, backend)`` run the very same commands; the exit code is execute's.
 
 Backend options: each backend declares them (:attr:`~elasticzero.launch.backend.LauncherBackend.options`); the
-flags of :data:`OPTION_FLAGS` and ``--launcher-opt KEY=VALUE`` set them, and the backend checks them while the plan
-is built, so ``plan.options`` is typed and complete and a key the backend does not have is a :class:`UsageError`.
+flags of :data:`OPTION_FLAGS` and ``--launcher-opt KEY=VALUE`` set them, and ``bind`` checks them, so the bound
+plan's ``options`` are typed and complete and a key the backend does not have is a :class:`UsageError`.
 
 Planning is pure: nothing on disk or on any host changes before execution starts. A bare ``--save-pid`` stays
 ``""`` in the plan; the private default path (:func:`default_pid_file`) is made only when the plan is executed.
@@ -34,10 +35,9 @@ from elasticzero.errors import UsageError, cli_main
 from elasticzero.launch import backend as backend_mod
 from elasticzero.launch.args import DEFAULT_MASTER_PORT, PROG, parse_args
 from elasticzero.launch.envexport import export_env
-from elasticzero.launch.filters import apply_filters, select_first
-from elasticzero.launch.hostfile import ResourcePool, host_problem, is_loopback, normalize_host
-from elasticzero.launch.plan import MASK, AgentOptions, LaunchPlan, NodeSpec, is_secret, mask_value
-from elasticzero.launch.resources import LOCALHOST, discover
+from elasticzero.launch.hostfile import host_problem, is_loopback, normalize_host
+from elasticzero.launch.plan import MASK, AgentOptions, BoundPlan, LaunchPlan, NodeSpec, is_secret, mask_value
+from elasticzero.launch.resources import LOCALHOST, select_pool
 from elasticzero.proc import check_job_id
 
 _NNODES = re.compile(r"(\d+)(?::(\d+))?")
@@ -214,15 +214,6 @@ def _launcher_name(args: argparse.Namespace, n_nodes: int) -> str:
     return "pdsh" if n_nodes > 1 or args.force_multi else "local"
 
 
-def select_pool(
-    args: argparse.Namespace, env: Mapping[str, str], detect_gpus: Callable[[], int] | None = None
-) -> ResourcePool:
-    """Discovery, then ``-i``/``-e``, then ``--num-nodes``/``--num-gpus``."""
-    found = discover(args.hostfile, env, args.num_gpus, detect_gpus)
-    pool = apply_filters(found.pool, args.include, args.exclude, found.source)
-    return select_first(pool, args.num_nodes, args.num_gpus, found.source)
-
-
 def build_plan(
     args: argparse.Namespace,
     entry: Sequence[str],
@@ -230,18 +221,31 @@ def build_plan(
     cwd: str,
     detect_gpus: Callable[[], int] | None = None,
 ) -> LaunchPlan:
-    """The plan (without commands) for parsed ``args`` and the user's ``entry``."""
-    return plan_and_backend(args, entry, env, cwd, detect_gpus)[0]
+    """The plan for parsed ``args`` and the user's ``entry``, bound to its backend (options checked and typed)."""
+    return bind_plan(args, entry, env, cwd, detect_gpus)[0].plan
 
 
-def plan_and_backend(
+def bind_plan(
     args: argparse.Namespace,
     entry: Sequence[str],
     env: Mapping[str, str],
     cwd: str,
     detect_gpus: Callable[[], int] | None = None,
-) -> tuple[LaunchPlan, backend_mod.LauncherBackend]:
-    """:func:`build_plan` and the backend it was checked against (the entry points are read once)."""
+) -> tuple[BoundPlan, backend_mod.LauncherBackend]:
+    """The plan bound to its backend, and the backend (the entry points are read once, the plan bound once)."""
+    plan, cls, sources = _plan(args, entry, env, cwd, detect_gpus)
+    backend = cls()
+    return backend.bind(plan, sources), backend
+
+
+def _plan(
+    args: argparse.Namespace,
+    entry: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str,
+    detect_gpus: Callable[[], int] | None,
+) -> tuple[LaunchPlan, type[backend_mod.LauncherBackend], dict[str, str]]:
+    """The unbound plan (options as the command line gives them), its backend class and the flag behind each option."""
     if not entry:
         raise UsageError(f"missing training script; usage: {PROG} [flags] SCRIPT [ARGS…]")
     if args.module and args.no_python:
@@ -258,7 +262,29 @@ def plan_and_backend(
     if args.elastic_config is not None:
         _check_elastic_config(os.path.join(cwd, args.elastic_config), nnodes, nodes)
     master_addr = explicit_master or ("127.0.0.1" if first == LOCALHOST else first)
-    agent = AgentOptions(
+    home = Path(env["HOME"]) if env.get("HOME") else None
+    exported = export_env(env, args.export, args.export_prefix, home=home, cwd=Path(cwd))
+    launcher_args = _launcher_args(args.launcher_args)
+    cls = backend_mod.launcher_class(name)
+    options, sources = _launcher_options(args, cls)
+    plan = LaunchPlan(
+        job_id=args.rdzv_id or make_job_id(),
+        backend=name,
+        nodes=nodes,
+        master_addr=master_addr,
+        master_port=args.master_port or DEFAULT_MASTER_PORT,
+        entry=tuple(entry),
+        cwd=cwd,
+        agent=_agent_options(args, nnodes, cwd),
+        env=exported,
+        launcher_args=launcher_args,
+        options=options,
+    )
+    return plan, cls, sources
+
+
+def _agent_options(args: argparse.Namespace, nnodes: str, cwd: str) -> AgentOptions:
+    return AgentOptions(
         nnodes=nnodes,
         rdzv_backend=args.rdzv_backend or AgentOptions.rdzv_backend,
         rdzv_conf=_rdzv_conf(args.rdzv_conf),
@@ -271,25 +297,6 @@ def plan_and_backend(
         module=args.module,
         no_python=args.no_python,
     )
-    home = Path(env["HOME"]) if env.get("HOME") else None
-    exported = export_env(env, args.export, args.export_prefix, home=home, cwd=Path(cwd))
-    launcher_args = _launcher_args(args.launcher_args)
-    cls = backend_mod.launcher_class(name)
-    options = cls.resolve_options(*_launcher_options(args, cls))
-    plan = LaunchPlan(
-        job_id=args.rdzv_id or make_job_id(),
-        backend=name,
-        nodes=nodes,
-        master_addr=master_addr,
-        master_port=args.master_port or DEFAULT_MASTER_PORT,
-        entry=tuple(entry),
-        cwd=cwd,
-        agent=agent,
-        env=exported,
-        launcher_args=launcher_args,
-        options=options,
-    )
-    return plan, cls()
 
 
 def _shown(name: str, value: str) -> str:
@@ -297,11 +304,13 @@ def _shown(name: str, value: str) -> str:
     return MASK if is_secret(name) else shlex.quote(value)
 
 
-def render_plan(plan: LaunchPlan) -> str:
-    """The plan for people: hosts, slots, endpoint, exported env (secrets masked), commands (shlex-quoted).
+def render_plan(bound: BoundPlan) -> str:
+    """The bound plan for people: hosts, slots, endpoint, exported env and options (secrets masked), commands.
 
-    Commands are printed as given: pass the plan from :func:`shown_plan`, whose commands hold only the mask.
+    The commands are the bound ones, verbatim (shlex-quoted argv; no argv holds a secret value, ``bind`` sees to
+    it), each with its own variables (secret ones masked).
     """
+    plan = bound.plan
     lines = [
         f"{PROG} plan (dry run; nothing started)",
         f"  job id:    {plan.job_id}",
@@ -318,17 +327,11 @@ def render_plan(plan: LaunchPlan) -> str:
     lines.append(f"  env ({len(plan.env)} exported):")
     lines += [f"    {k}={_shown(k, v)}" for k, v in sorted(plan.env.items())]
     lines.append("  commands:")
-    for cmd in plan.commands:
+    for cmd in bound.commands:
         where = f" [{cmd.host}]" if cmd.host else ""
         extra = " ".join(f"{k}={_shown(k, v)}" for k, v in sorted(cmd.env.items()))
         lines.append(f"   {where} {extra + ' ' if extra else ''}{shlex.join(cmd.argv)}")
     return "\n".join(lines)
-
-
-def shown_plan(plan: LaunchPlan, backend: backend_mod.LauncherBackend) -> LaunchPlan:
-    """The plan to print: secret values masked *before* the backend builds the commands (never executed)."""
-    masked = plan.masked()
-    return masked.with_commands(backend.commands(masked))
 
 
 def _run(argv: Sequence[str] | None) -> int:
@@ -340,35 +343,33 @@ def _run(argv: Sequence[str] | None) -> int:
         from elasticzero.autotune.cli import run_from_launch
 
         return run_from_launch(args, entry, args.autotuning)
-    plan, backend = plan_and_backend(args, entry, os.environ, os.getcwd())
-    return _show(args, plan, backend) if args.dry_run else _execute(plan, backend)
+    bound, backend = bind_plan(args, entry, os.environ, os.getcwd())
+    return _show(args, bound, backend) if args.dry_run else _execute(bound, backend)
 
 
-def _show(args: argparse.Namespace, plan: LaunchPlan, backend: backend_mod.LauncherBackend) -> int:
-    """Print the plan (``--dry-run``); nothing is created or started."""
+def _show(args: argparse.Namespace, bound: BoundPlan, backend: backend_mod.LauncherBackend) -> int:
+    """Print the bound plan (``--dry-run``): the commands a launch would run; nothing is created or started."""
     try:
         backend.check_available()
     except UsageError as exc:
         print(f"{PROG}: note: {exc} (a real launch would stop here)", file=sys.stderr)
-    backend.commands(plan)  # the real plan must build: its errors are the launch's errors
-    shown = shown_plan(plan, backend)
-    print(json.dumps(shown.to_json(), indent=2) if args.dry_run == "json" else render_plan(shown))
+    print(json.dumps(bound.to_json(), indent=2) if args.dry_run == "json" else render_plan(bound))
     return 0
 
 
-def _execute(plan: LaunchPlan, backend: backend_mod.LauncherBackend) -> int:
-    """Check, build the commands, preflight, then execute (the default pid path is made only now); the exit code."""
+def _execute(bound: BoundPlan, backend: backend_mod.LauncherBackend) -> int:
+    """Check, preflight, then execute the bound plan (the default pid path is made only now); the exit code."""
     backend.check_available()
-    plan = plan.with_commands(backend.commands(plan))
-    backend.preflight(plan)
+    backend.preflight(bound)
     from elasticzero.launch.execute import execute  # lazy: execution lives with the backends
 
+    plan = bound.plan
     if plan.options.get("save_pid") != "":
-        return int(execute(plan, backend, replace_process=True))  # local/no-ssh: this process becomes the agent
+        return int(execute(bound, backend, replace_process=True))  # local/no-ssh: this process becomes the agent
     path = default_pid_file(os.environ)  # execution starts here: the only place the default path is made
     pid_dir = _made_pid_dir(path)
-    try:
-        return int(execute(replace(plan, options={**plan.options, "save_pid": path}), backend))
+    try:  # the launcher's own option: the commands stay the very ones bound (and a dry run prints)
+        return int(execute(replace(bound, plan=replace(plan, options={**plan.options, "save_pid": path})), backend))
     finally:
         if pid_dir is not None:
             try:

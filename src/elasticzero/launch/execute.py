@@ -1,7 +1,8 @@
-"""Run a :class:`~elasticzero.launch.plan.LaunchPlan`: start its commands, wait, stop them on a signal.
+"""Run a :class:`~elasticzero.launch.plan.BoundPlan`: start its commands, wait, stop them on a signal.
 
-Each :class:`~elasticzero.launch.backend.Command` starts as a local process from its argv list (never a shell),
-with ``os.environ`` plus ``command.env``, in ``plan.cwd``, in its own session so a terminal's Ctrl-C reaches the
+The commands are the bound plan's, exactly as ``--dry-run`` prints them: nothing is rebuilt here. Each
+:class:`~elasticzero.launch.plan.Command` starts as a local process from its argv list (never a shell),
+with ``os.environ`` plus ``command.env``, in the plan's ``cwd``, in its own session so a terminal's Ctrl-C reaches the
 launcher only; its output goes straight to the launcher's stdout/stderr.
 
 Exception: a backend whose one command needs no live launcher (``local``, ``no-ssh``:
@@ -17,7 +18,7 @@ for a command killed by a signal. A transport command combines its processes' co
 ``mpirun`` the first failure's; only with one failing node (or equal codes) is it the first failing rank's code.
 
 On SIGINT, SIGTERM, SIGHUP (terminal closed) or SIGQUIT the launcher stops the job everywhere, waits for
-its commands, and exits with ``128+signal``: first the backend's optional ``stop_job(plan)`` (for transports that
+its commands, and exits with ``128+signal``: first the backend's optional ``stop_job(bound)`` (for transports that
 do not stop remote processes themselves, e.g. pdsh), then SIGTERM to each command's process group, SIGKILL after a
 grace period.
 
@@ -44,8 +45,8 @@ from elasticzero.proc import exit_status, parent_death_preexec, signal_exit_code
 if TYPE_CHECKING:
     import subprocess  # imported when commands start: a launcher that execs its one command never needs it
 
-    from elasticzero.launch.backend import Command, LauncherBackend
-    from elasticzero.launch.plan import LaunchPlan
+    from elasticzero.launch.backend import LauncherBackend
+    from elasticzero.launch.plan import BoundPlan, Command
 
 #: seconds a command gets between SIGTERM and SIGKILL
 STOP_GRACE = 15.0
@@ -61,33 +62,34 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 class StopsJob(Protocol):
     """A backend whose transport leaves remote processes running when terminated (pdsh)."""
 
-    def stop_job(self, plan: LaunchPlan) -> None: ...
+    def stop_job(self, bound: BoundPlan) -> None: ...
 
 
-def execute(plan: LaunchPlan, backend: LauncherBackend, *, replace_process: bool = False) -> int:
-    """Start ``plan.commands`` (or the backend's commands for ``plan``), wait, and return the exit code.
+def execute(bound: BoundPlan, backend: LauncherBackend, *, replace_process: bool = False) -> int:
+    """Start ``bound.commands``, wait, and return the exit code.
 
-    The caller runs ``backend.preflight(plan)`` first (``elasticzero-launch`` does). ``replace_process=True`` (the
-    ``elasticzero-launch`` process, which has nothing left to do after the job) lets a backend that
+    ``bound`` comes from ``backend.bind(plan)``; the caller runs ``backend.preflight(bound)`` first
+    (``elasticzero-launch`` does). ``replace_process=True`` (the ``elasticzero-launch`` process, which has nothing
+    left to do after the job) lets a backend that
     :attr:`~elasticzero.launch.backend.LauncherBackend.replaces_launcher` take this process over
     (:func:`exec_in_place`); a library caller keeps its process and gets a child.
     """
-    commands = list(plan.commands) or backend.commands(plan)
+    plan, commands = bound.plan, bound.commands
     pid_file = plan.options.get("save_pid")
     if replace_process and backend.replaces_launcher and len(commands) == 1 and not pid_file:
-        return exec_in_place(plan, commands[0])
+        return exec_in_place(plan.cwd, commands[0])
     if pid_file:
         write_pid_file(str(pid_file))
     received: list[int] = []
     restore = _install_handlers(received.append)
     code = 1
     try:
-        backend.stage(plan)  # what the commands need on the nodes (pdsh: the env file); nothing changed before
-        code = _run(plan, backend, commands, received)
+        backend.stage(bound)  # what the commands need on the nodes (pdsh: the env file); nothing changed before
+        code = _run(bound, backend, received)
         return code
     finally:
         if code != 0:
-            backend.unstage(plan)  # remove what the job did not consume
+            backend.unstage(bound)  # remove what the job did not consume
         restore()
         if pid_file:
             Path(pid_file).unlink(missing_ok=True)
@@ -117,12 +119,12 @@ def _command_env(cmd: Command) -> dict[str, str]:
     return env
 
 
-def exec_in_place(plan: LaunchPlan, cmd: Command) -> int:
+def exec_in_place(cwd: str, cmd: Command) -> int:
     """Replace this process by ``cmd`` (``execvpe``: same pid, no launcher left to wait on it); 127 if it cannot.
 
     For a backend whose one local command needs no live launcher (:attr:`LauncherBackend.replaces_launcher`): the
     command then gets the signals sent to the launcher and its exit code is the launch's. As for a child, it runs
-    in ``plan.cwd`` with stdin from ``/dev/null`` and the signals Python ignores (SIGPIPE, SIGXFSZ) at default;
+    in ``cwd`` with stdin from ``/dev/null`` and the signals Python ignores (SIGPIPE, SIGXFSZ) at default;
     it stays in the caller's session, so a terminal's Ctrl-C reaches it (torch's agent starts its workers in
     sessions of their own).
     """
@@ -130,7 +132,7 @@ def exec_in_place(plan: LaunchPlan, cmd: Command) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        os.chdir(plan.cwd)
+        os.chdir(cwd)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
@@ -143,35 +145,36 @@ def exec_in_place(plan: LaunchPlan, cmd: Command) -> int:
     return 127
 
 
-def _start(plan: LaunchPlan, cmd: Command) -> subprocess.Popen[bytes]:
+def _start(cwd: str, cmd: Command) -> subprocess.Popen[bytes]:
     import subprocess
 
     return subprocess.Popen(
         list(cmd.argv),
         env=_command_env(cmd),
-        cwd=plan.cwd,
+        cwd=cwd,
         start_new_session=True,
         stdin=subprocess.DEVNULL,
         preexec_fn=parent_death_preexec(signal.SIGTERM, os.getpid()),  # only prctl + getppid run in the child
     )
 
 
-def _run(plan: LaunchPlan, backend: LauncherBackend, commands: list[Command], received: list[int]) -> int:
+def _run(bound: BoundPlan, backend: LauncherBackend, received: list[int]) -> int:
     procs: list[subprocess.Popen[bytes]] = []
+    commands = bound.commands
     try:
         for cmd in commands:
             if received:
                 break
-            procs.append(_start(plan, cmd))
+            procs.append(_start(bound.plan.cwd, cmd))
     except OSError as exc:
-        _stop(plan, backend, procs)
+        _stop(bound, backend, procs)
         print(f"elasticzero-launch: cannot start {commands[len(procs)].argv[0]!r}: {exc}", file=sys.stderr)
         return 127
     first_failure: int | None = None
     failed_at = 0.0
     while True:
         if received:
-            _stop(plan, backend, procs)
+            _stop(bound, backend, procs)
             return signal_exit_code(received[0])
         codes = [p.poll() for p in procs]
         for rc in codes:
@@ -180,17 +183,17 @@ def _run(plan: LaunchPlan, backend: LauncherBackend, commands: list[Command], re
         if all(rc is not None for rc in codes):
             return first_failure or 0
         if first_failure is not None and time.monotonic() - failed_at > FAIL_GRACE:
-            _stop(plan, backend, procs)
+            _stop(bound, backend, procs)
             return first_failure
         time.sleep(POLL)
 
 
-def _stop(plan: LaunchPlan, backend: LauncherBackend, procs: list[subprocess.Popen[bytes]]) -> None:
+def _stop(bound: BoundPlan, backend: LauncherBackend, procs: list[subprocess.Popen[bytes]]) -> None:
     """Stop the job: backend cleanup on every node, then the local commands (TERM, then KILL)."""
     import subprocess
 
     if isinstance(backend, StopsJob):
-        backend.stop_job(plan)
+        backend.stop_job(bound)
     for p in procs:
         _signal_group(p, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE

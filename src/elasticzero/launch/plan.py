@@ -1,9 +1,10 @@
 """The launch plan: everything ``elasticzero-launch`` will do, decided before anything starts.
 
 Discovery (hostfile / Slurm allocation / local accelerators) and filters produce the nodes; env rules produce the
-exported environment; the backend turns the plan into :class:`~elasticzero.launch.backend.Command` argv lists.
-``--dry-run`` prints the plan, otherwise it is executed. The plan is plain data: it can be printed, compared in
-tests and serialised as JSON without touching the network.
+exported environment. The backend binds the plan once (``LauncherBackend.bind``): its options checked and typed,
+its :class:`Command` argv lists built, into a :class:`BoundPlan`. ``--dry-run`` prints that bound plan, otherwise
+that same bound plan is executed. Both are plain data: they can be printed, compared in tests and serialised as
+JSON without touching the network.
 """
 
 from __future__ import annotations
@@ -12,11 +13,8 @@ import json
 import os
 import re
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
-
-from elasticzero.launch.backend import Command
 
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 MASK = "****"
@@ -32,9 +30,17 @@ def mask_value(name: str, value: str) -> str:
     return MASK if is_secret(name) else value
 
 
-def mask_env(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` with every secret-looking variable's value replaced by :data:`MASK` (order kept)."""
-    return {k: mask_value(k, v) for k, v in env.items()}
+@dataclass(frozen=True)
+class Command:
+    """One local process the launcher starts.
+
+    ``env`` holds variables to add to the launcher's own environment for this process (for transports that
+    forward by name); ``host`` names the node it serves, or ``None`` when one command fans out to all nodes.
+    """
+
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    host: str | None = None
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,7 @@ class AgentOptions:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """Hosts in rank order, their slots, the rendezvous endpoint, the exported env, and the commands."""
+    """Hosts in rank order, their slots, the rendezvous endpoint, the exported env and the backend options."""
 
     job_id: str
     backend: str
@@ -78,9 +84,9 @@ class LaunchPlan:
     agent: AgentOptions
     env: dict[str, str] = field(default_factory=dict)  # exported name -> value
     launcher_args: tuple[str, ...] = ()  # raw extra args for the transport (--launcher-args), passed as given
-    #: backend options, typed and complete once checked by the backend (``LauncherBackend.resolve_options``)
+    #: backend options: as given (strings or typed values) until the backend binds the plan; a
+    #: :attr:`BoundPlan.plan` holds every option the backend declares, checked and typed
     options: dict[str, Any] = field(default_factory=dict)
-    commands: tuple[Command, ...] = ()
     #: random per plan: names what a backend stages on the nodes for this run (pdsh's env file)
     #: (``os.urandom`` is what ``secrets.token_hex`` reads; importing ``secrets`` loads OpenSSL: ~10 ms per launch)
     nonce: str = field(default_factory=lambda: os.urandom(8).hex(), compare=False)
@@ -127,24 +133,8 @@ class LaunchPlan:
             argv.append("--no-python")
         return [*argv, *self.entry]
 
-    def with_commands(self, commands: list[Command]) -> LaunchPlan:
-        return replace(self, commands=tuple(commands))
-
-    def masked(self) -> LaunchPlan:
-        """This plan for display: secret env values replaced by :data:`MASK`, no commands.
-
-        A transport may carry values inside argv, transformed on the way (pdsh's remote string holds each value
-        shell-quoted with ``%`` doubled), so printed commands are not redacted by searching for the values: they
-        are built by the backend from this masked plan instead (``backend.commands(plan.masked())``), and only
-        ever contain the mask. Never execute the masked plan's commands.
-        """
-        return replace(self, env=mask_env(self.env), commands=())
-
     def to_json(self) -> dict[str, Any]:
-        """The machine-readable plan printed by ``--dry-run=json`` (secret env values masked).
-
-        Commands are shown as they are: print it for a plan whose commands were built from :meth:`masked`.
-        """
+        """The plan's part of what ``--dry-run=json`` prints (secret env values and options masked)."""
         return {
             "job_id": self.job_id,
             "backend": self.backend,
@@ -152,11 +142,29 @@ class LaunchPlan:
             "master_addr": self.master_addr,
             "master_port": self.master_port,
             "nodes": [{"host": n.host, "node_rank": n.node_rank, "slots": list(n.slots)} for n in self.nodes],
-            "commands": [list(c.argv) for c in self.commands],
             "env": {k: mask_value(k, v) for k, v in sorted(self.env.items())},
             "options": {k: MASK if is_secret(k) else v for k, v in sorted(self.options.items())},
             "cwd": self.cwd,
         }
+
+
+@dataclass(frozen=True)
+class BoundPlan:
+    """A plan bound to its backend, once: what ``--dry-run`` prints and ``execute`` runs.
+
+    Made by ``LauncherBackend.bind``: ``plan.options`` holds every option the backend declares, checked and
+    typed; ``commands`` are the argv lists the backend built for it, with the real environment values in each
+    ``Command.env`` and none in any argv. Every backend hook (``preflight``, ``stage``, ``unstage``,
+    ``stop_job``) receives it, so nothing is checked or built twice. Only the launcher's own ``save_pid`` may be
+    settled afterwards (a bare ``--save-pid`` gets its path when execution starts); the commands stay these.
+    """
+
+    plan: LaunchPlan
+    commands: tuple[Command, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """What ``--dry-run=json`` prints: the plan (secrets masked) and the argv of every command, verbatim."""
+        return {**self.plan.to_json(), "commands": [list(c.argv) for c in self.commands]}
 
 
 def _host_for_url(host: str) -> str:

@@ -11,6 +11,9 @@ In order:
 5. localhost: the visible accelerators (``torch.cuda.device_count()``; the ids listed in an existing
    ``CUDA_VISIBLE_DEVICES`` become the slot ids), or on CPU ``--nproc-per-node`` processes (default 1).
 
+Then :func:`select_pool` applies the filters (``-i``/``-e``, then ``--num-nodes``/``--num-gpus``): the pool
+``elasticzero-launch`` plans on and the autotuner schedules trials on, by one rule.
+
 The decisions are pure functions of the environment mapping; only :func:`detect_gpu_count` and the hostfile read
 touch the machine.
 """
@@ -21,10 +24,15 @@ import glob
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from elasticzero.errors import UsageError
+from elasticzero.launch.filters import apply_filters, select_first
 from elasticzero.launch.hostfile import ResourcePool, host_key, host_problem, normalize_host, read_hostfile
 from elasticzero.launch.hostlist import expand_counts, expand_hostlist
+
+if TYPE_CHECKING:
+    import argparse
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 HOSTFILE_ENV = "ELASTICZERO_HOSTFILE"
@@ -73,6 +81,19 @@ def discover(
     if env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"):
         return Discovery(slurm_pool(env, nproc_per_node), "slurm", "Slurm allocation")
     return Discovery(local_pool(env, detect_gpus(), nproc_per_node), "local", "localhost")
+
+
+def select_pool(
+    args: argparse.Namespace, env: Mapping[str, str], detect_gpus: Callable[[], int] | None = None
+) -> ResourcePool:
+    """Discovery, then ``-i``/``-e``, then ``--num-nodes``/``--num-gpus``.
+
+    ``args`` holds the launcher's parsed flags (``hostfile``, ``include``, ``exclude``, ``num_nodes``,
+    ``num_gpus``); ``elasticzero-launch`` and ``elasticzero-autotune`` parse them alike.
+    """
+    found = discover(args.hostfile, env, args.num_gpus, detect_gpus)
+    pool = apply_filters(found.pool, args.include, args.exclude, found.source)
+    return select_first(pool, args.num_nodes, args.num_gpus, found.source)
 
 
 def local_pool(env: Mapping[str, str], gpu_count: int, nproc_per_node: int | None) -> ResourcePool:

@@ -37,13 +37,13 @@ def main() -> int:
         plan = plan_from_spec(json.load(f))
     backend = get_launcher(plan.backend)
     try:
+        bound = backend.bind(plan)
         backend.check_available()
-        plan = plan.with_commands(backend.commands(plan))
-        backend.preflight(plan)
+        backend.preflight(bound)
     except UsageError as exc:
         print(f"run_plan: error: {exc}", file=sys.stderr)
         return 2
-    return execute(plan, backend)
+    return execute(bound, backend)
 
 
 if __name__ == "__main__":

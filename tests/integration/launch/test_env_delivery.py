@@ -49,22 +49,23 @@ def test_stage_writes_a_private_file_per_host_refuses_reuse_and_unstage_removes_
     value = "v 'q' \"d\" $(touch /tmp/ez-pwn) %h\nline2\n"
     plan = _plan(hosts, {"HF_TOKEN": value})
     backend = get_launcher("pdsh")
+    bound = backend.bind(plan)
     try:
-        backend.stage(plan)
+        backend.stage(bound)
         dirs = _env_dirs(plan)
         assert [d.name.rsplit(".", 1)[1] for d in dirs] == sorted(hosts)
         for d in dirs:
             assert stat.S_IMODE(d.stat().st_mode) == 0o700 and stat.S_IMODE((d / "env").stat().st_mode) == 0o600
             assert (d / "env").stat().st_uid == os.getuid()
         with pytest.raises(UsageError, match=r"cannot deliver the environment to '(node\d)' over ssh \(exit code 1"):
-            backend.stage(plan)  # mkdir refuses what is already there: a stale or planted directory is never used
+            backend.stage(bound)  # mkdir refuses what is already there: a stale or planted directory is never used
         check = subprocess.run(
             ["sh", "-c", 'eval "$(cat -- "$1")"; printf %s "$HF_TOKEN"', "sh", str(dirs[0] / "env")],
             capture_output=True, timeout=30, check=True,
         )  # fmt: skip
         assert check.stdout == value.encode()
     finally:
-        backend.unstage(plan)
+        backend.unstage(bound)
     assert _env_dirs(plan) == []
     assert not Path("/tmp/ez-pwn").exists()
 
@@ -73,9 +74,10 @@ def test_an_unreachable_host_is_named_and_nothing_stays_behind(capfd: pytest.Cap
     _tb, hosts = bed("pdsh")
     plan = _plan([hosts[0], "ez-no-such-host"], {"HF_TOKEN": "x"})
     backend = get_launcher("pdsh")
+    bound = backend.bind(plan)
     with pytest.raises(UsageError, match="cannot deliver the environment to 'ez-no-such-host'"):
-        backend.stage(plan)
-    backend.unstage(plan)  # what execute() does when the run did not succeed
+        backend.stage(bound)
+    backend.unstage(bound)  # what execute() does when the run did not succeed
     assert _env_dirs(plan) == []
     assert "could not remove the job's env file on ez-no-such-host" in capfd.readouterr().err
 

@@ -40,7 +40,8 @@ class InPlace(LauncherBackend):
 plan = LaunchPlan(job_id="ez-exec-1", backend="inplace", nodes=(NodeSpec("localhost", 0, (0,)),),
                   master_addr="127.0.0.1", master_port=29500, entry=("noop.py",), cwd={cwd!r},
                   agent=AgentOptions(nnodes="1"), options={{"save_pid": sys.argv[3] or None}})
-sys.exit(execute(plan, InPlace(), replace_process=sys.argv[4] == "exec"))
+backend = InPlace()
+sys.exit(execute(backend.bind(plan), backend, replace_process=sys.argv[4] == "exec"))
 """
 
 

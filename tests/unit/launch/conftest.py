@@ -33,10 +33,11 @@ class FakeBackend(LauncherBackend):
         BackendOption("site_timeout", float, 30.0, "seconds"),
     )
 
-    def preflight(self, plan):
-        CALLS.append(("preflight", plan.job_id))
+    def preflight(self, bound):
+        CALLS.append(("preflight", bound))
 
     def commands(self, plan):
+        CALLS.append(("commands", plan.job_id))
         return [
             Command(tuple(plan.agent_argv(["--node-rank", str(n.node_rank)])), host=n.host, env={"EZ_T_TOKEN": "x"})
             for n in plan.nodes
@@ -44,7 +45,7 @@ class FakeBackend(LauncherBackend):
 
 
 class InlineEnvBackend(FakeBackend):
-    # carries env values inside argv, as pdsh's remote command string does
+    # carries env values inside argv (as pdsh's remote command string once did): bind refuses a secret one
     name = "fake-inline"
 
     def commands(self, plan):
@@ -77,7 +78,7 @@ def fake_backend_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @dataclass
 class Executions:
-    """What the stubbed ``elasticzero.launch.execute.execute`` was called with."""
+    """What the stubbed ``elasticzero.launch.execute.execute`` was called with: (bound plan, backend) per call."""
 
     calls: list[tuple[Any, Any]] = field(default_factory=list)
     rc: int = 0
@@ -103,8 +104,8 @@ def launch_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fake_backend_dir
     monkeypatch.syspath_prepend(str(fake_backend_dir))
     record = Executions()
 
-    def execute(plan: Any, backend: Any, **_: Any) -> int:
-        record.calls.append((plan, backend))
+    def execute(bound: Any, backend: Any, **_: Any) -> int:
+        record.calls.append((bound, backend))
         return record.rc
 
     stub = types.ModuleType("elasticzero.launch.execute")

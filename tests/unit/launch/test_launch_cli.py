@@ -83,18 +83,20 @@ def test_dry_run_masks_secrets(launch_env: Executions, capsys: pytest.CaptureFix
     assert launch_env.calls == []
 
 
-def test_secret_values_inside_commands_are_masked(
+def test_a_backend_putting_a_secret_value_in_an_argv_is_refused(
     launch_env: Executions, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-value")
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     plan = _json(capsys, ["--launcher", "fake-inline", "--dry-run=json", "t.py"])
-    assert "WANDB_API_KEY=****" in plan["commands"][0]
-    assert "NCCL_DEBUG=INFO" in plan["commands"][0]
-    assert main(["--launcher", "fake-inline", "--dry-run", "t.py"]) == 0
-    text = capsys.readouterr().out
-    assert "WANDB_API_KEY=****" in text
-    assert "wandb-secret-value" not in text
+    assert "NCCL_DEBUG=INFO" in plan["commands"][0]  # not secret: shown as it runs
+    for value in ("wandb-secret-value", "1"):  # a value too short to search for is caught all the same
+        monkeypatch.setenv("WANDB_API_KEY", value)
+        for dry in (["--dry-run"], ["--dry-run=json"], []):
+            msg = _error(capsys, ["--launcher", "fake-inline", *dry, "t.py"], launch_env)
+            assert msg == (
+                "launcher 'fake-inline' puts the value of WANDB_API_KEY in a command line, where every user of the "
+                "host can read it; the backend must pass it by name (Command.env) or stage it on the nodes"
+            )
 
 
 def test_dry_run_text_shows_hosts_slots_and_quoted_commands(
@@ -133,11 +135,13 @@ def test_execute_gets_the_plan_and_its_exit_code(
     launch_env.rc = 7
     hf = _hostfile(tmp_path / "hf")
     assert main(["-H", hf, "--num-nodes", "2", "--launcher", "fake", "train.py"]) == 7
-    [(plan, backend)] = launch_env.calls
+    [(bound, backend)] = launch_env.calls
     assert backend.name == "fake"
-    assert [n.host for n in plan.nodes] == ["w0", "w1"]
-    assert len(plan.commands) == 2
-    assert ez_fake_backend.CALLS == [("preflight", plan.job_id)]
+    assert [n.host for n in bound.plan.nodes] == ["w0", "w1"]
+    assert len(bound.commands) == 2
+    # built once, then the preflight and execute get that very bound plan
+    assert ez_fake_backend.CALLS == [("commands", bound.plan.job_id), ("preflight", bound)]
+    assert ez_fake_backend.CALLS[1][1] is bound
 
 
 def test_deepspeed_spellings(launch_env: Executions, tmp_path: Path) -> None:
@@ -390,7 +394,7 @@ def test_save_pid_path_with_equals_and_bare_flag(launch_env: Executions, tmp_pat
     pid = tmp_path / "ez.pid"
     assert main(["--launcher", "fake", f"--save-pid={pid}", "train.py", "--lr", "1"]) == 0
     assert main(["--launcher", "fake", "--save-pid", "--", "odd.pid"]) == 0
-    (given, _), (bare, _) = launch_env.calls
+    given, bare = (bound.plan for bound, _ in launch_env.calls)
     assert (given.options["save_pid"], given.entry) == (str(pid), ("train.py", "--lr", "1"))
     assert bare.entry == ("odd.pid",)
     assert bare.options["save_pid"] not in (None, "", "odd.pid")
@@ -469,8 +473,8 @@ def test_default_pid_file_in_xdg_runtime_dir(
     runtime.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     assert main(["--launcher", "fake", "--save-pid", "t.py"]) == 0
-    [(plan, _)] = launch_env.calls
-    assert plan.options["save_pid"] == str(runtime / f"elasticzero-{os.getpid()}.pid")
+    [(bound, _)] = launch_env.calls
+    assert bound.plan.options["save_pid"] == str(runtime / f"elasticzero-{os.getpid()}.pid")
 
 
 @pytest.mark.parametrize("xdg", [None, "relative/run", "/nonexistent-ez-runtime"])
@@ -486,8 +490,8 @@ def test_default_pid_file_without_runtime_dir_is_in_a_fresh_private_dir(
         monkeypatch.setenv("XDG_RUNTIME_DIR", xdg)
     seen: list[tuple[str, int]] = []
 
-    def execute(plan: Any, backend: Any, **_: Any) -> int:
-        path = Path(plan.options["save_pid"])
+    def execute(bound: Any, backend: Any, **_: Any) -> int:
+        path = Path(bound.plan.options["save_pid"])
         seen.append((str(path.relative_to(temp)), stat.S_IMODE(path.parent.stat().st_mode)))
         return 0
 
@@ -667,6 +671,51 @@ def test_dry_run_touches_nothing_with_any_flag_combination(
     assert runs == len(PURE_BACKENDS) * 2 ** len(optional)
     assert _tree(tmp_path) == before  # no file, directory, pid file or log dir was created or changed
     assert launch_env.calls == []
+
+
+@pytest.mark.parametrize("name", sorted(PURE_BACKENDS))
+def test_dry_run_prints_the_very_commands_execute_runs(
+    name: str,
+    launch_env: Executions,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """One bind per launch; the dry run prints what it returned, the launch executes what it returned."""
+    import shutil
+
+    from elasticzero.launch.backend import LauncherBackend
+
+    bound_plans: list[Any] = []
+    bind = LauncherBackend.bind
+
+    def spy(self: LauncherBackend, plan: Any, sources: Any = None) -> Any:
+        bound_plans.append(bind(self, plan, sources))
+        return bound_plans[-1]
+
+    monkeypatch.setattr(LauncherBackend, "bind", spy)
+    monkeypatch.setattr(shutil, "which", lambda prog: f"/usr/bin/{prog}")  # every transport "installed"
+    monkeypatch.setenv("SLURM_JOB_ID", "1")  # srun's CPU count from the (absent) allocation: no sinfo call
+    monkeypatch.setenv("HF_TOKEN", "hf_s3cr3t")
+    hf = _hostfile(tmp_path / "hf", "w0 slots=2\nw1 slots=2\n")
+    argv = ["-H", hf, *PURE_BACKENDS[name], "--rdzv-id", "ez-same-1"]
+    shown = _json(capsys, [*argv, "--dry-run=json", "t.py", "--x"])
+    assert main([*argv, "--dry-run", "t.py", "--x"]) == 0
+    text = capsys.readouterr().out
+    assert main([*argv, "t.py", "--x"]) == 0
+    printed, printed_text, executed = bound_plans  # bound once per launch, dry run or not
+    [(ran, _)] = launch_env.calls
+    assert ran.commands is executed.commands  # execute got the commands bind built, not a rebuild
+    assert shown["commands"] == [list(c.argv) for c in printed.commands]
+    assert all(shlex.join(c.argv) in text for c in printed_text.commands)
+    assert "hf_s3cr3t" not in json.dumps(shown) + text
+
+    # launches apart differ only by the plan's nonce (pdsh's env directory): the same argv, byte for byte
+    def plain(argv: Any) -> list[str]:
+        return [a.replace(printed.plan.nonce, "N").replace(executed.plan.nonce, "N") for a in argv]
+
+    assert [plain(c) for c in shown["commands"]] == [plain(c.argv) for c in ran.commands]
+    assert [c.env for c in ran.commands] == [c.env for c in printed.commands]  # the real values, unmasked
 
 
 def test_deepspeed_ssh_flags_are_ignored_with_a_note_where_no_ssh_is_used(

@@ -42,7 +42,7 @@ def test_every_backend_is_registered() -> None:
 
 
 def test_openmpi_agent_argv_env_by_name() -> None:
-    (cmd,) = get_launcher("openmpi").commands(make_plan("openmpi"))
+    (cmd,) = get_launcher("openmpi").bind(make_plan("openmpi")).commands
     assert list(cmd.argv) == [
         "mpirun.openmpi", "--allow-run-as-root", "--bind-to", "none", "-wdir", "/work/dir",
         "-H", "node1,node2", "-npernode", "1", "-np", "2", "-x", "NCCL_DEBUG", "-x", JOB,
@@ -52,7 +52,7 @@ def test_openmpi_agent_argv_env_by_name() -> None:
 
 
 def test_openmpi_per_rank() -> None:
-    (cmd,) = get_launcher("openmpi").commands(make_plan("openmpi", options={"per_rank": True}))
+    (cmd,) = get_launcher("openmpi").bind(make_plan("openmpi", options={"per_rank": True})).commands
     argv = list(cmd.argv)
     assert argv[argv.index("-H") + 1] == "node1:2,node2:2"
     assert argv[argv.index("-np") + 1] == "4" and "--map-by" in argv
@@ -60,7 +60,7 @@ def test_openmpi_per_rank() -> None:
 
 
 def test_mpich_agent_argv_and_env_pad() -> None:
-    (cmd,) = get_launcher("mpich").commands(make_plan("mpich", launcher_args=("-localhost", "10.0.0.1")))
+    (cmd,) = get_launcher("mpich").bind(make_plan("mpich", launcher_args=("-localhost", "10.0.0.1"))).commands
     assert list(cmd.argv) == [
         "mpiexec.hydra", "-hosts", "node1,node2", "-ppn", "1", "-n", "2", "-wdir", "/work/dir",
         "-genvlist", f"NCCL_DEBUG,{JOB}", "-localhost", "10.0.0.1", *agent(["--node-rank-env", "PMI_RANK"]),
@@ -70,7 +70,7 @@ def test_mpich_agent_argv_and_env_pad() -> None:
 
 
 def test_mpich_per_rank() -> None:
-    (cmd,) = get_launcher("mpich").commands(make_plan("mpich", options={"per_rank": True}))
+    (cmd,) = get_launcher("mpich").bind(make_plan("mpich", options={"per_rank": True})).commands
     argv = list(cmd.argv)
     assert argv[:5] == ["mpiexec.hydra", "-hosts", "node1:2,node2:2", "-n", "4"]
     assert argv[-len(rankenv()) :] == rankenv()
@@ -91,7 +91,7 @@ def _outside_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_slurm_agent_argv_env_in_srun_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(slurm_plugin, "sinfo_cpus", lambda hosts: 8 if list(hosts) == ["node1", "node2"] else None)
     plan = make_plan("slurm", env={"V": "a,b 'c' \"d\""})
-    (cmd,) = get_launcher("slurm").commands(plan)
+    (cmd,) = get_launcher("slurm").bind(plan).commands
     assert list(cmd.argv) == [
         "srun", "--nodelist=node1,node2", "--nodes=2", "--ntasks-per-node=1", "--ntasks=2", "--cpu-bind=none",
         "--exclusive", "--cpus-per-task=8", "--export=ALL", "--chdir=/work/dir",
@@ -122,12 +122,12 @@ def test_slurm_agent_task_gets_every_cpu_of_its_node(
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(slurm_plugin, "sinfo_cpus", lambda hosts: sinfo)
-    (cmd,) = get_launcher("slurm").commands(make_plan("slurm", launcher_args=("--cpus-per-task=4",)))
+    (cmd,) = get_launcher("slurm").bind(make_plan("slurm", launcher_args=("--cpus-per-task=4",))).commands
     argv = list(cmd.argv)
     i = argv.index("--ntasks=2")
     assert argv[i + 1 : argv.index("--export=ALL")] == cpu_args
     assert argv.index("--cpus-per-task=4") > argv.index("--export=ALL")  # --launcher-args come later: they win
-    (rr,) = get_launcher("slurm").commands(make_plan("slurm", options={"per_rank": True}))
+    (rr,) = get_launcher("slurm").bind(make_plan("slurm", options={"per_rank": True})).commands
     assert not {"--cpu-bind=none", "--exclusive"} & set(rr.argv)  # per-rank: Slurm's own placement per rank
 
 
@@ -146,45 +146,45 @@ def test_sinfo_cpus_reads_the_smallest_node(
 
 
 def test_slurm_per_rank_needs_even_slots() -> None:
-    (cmd,) = get_launcher("slurm").commands(make_plan("slurm", options={"per_rank": True}))
+    (cmd,) = get_launcher("slurm").bind(make_plan("slurm", options={"per_rank": True})).commands
     assert "--ntasks-per-node=2" in cmd.argv and "--ntasks=4" in cmd.argv
     assert list(cmd.argv[-len(rankenv("SLURMD_NODENAME")) :]) == rankenv("SLURMD_NODENAME")
     uneven = make_plan("slurm", [("node1", [0, 1]), ("node2", [0])], options={"per_rank": True})
     with pytest.raises(UsageError, match="same number of slots"):
-        get_launcher("slurm").commands(uneven)
+        get_launcher("slurm").bind(uneven)
 
 
 def test_mvapich_mpirun_rsh_shape() -> None:
-    (cmd,) = get_launcher("mvapich").commands(make_plan("mvapich"))
+    (cmd,) = get_launcher("mvapich").bind(make_plan("mvapich")).commands
     prog = [shlex.quote(a) for a in agent(["--node-rank-env", "MV2_COMM_WORLD_RANK"])]
     assert list(cmd.argv) == ["mpirun_rsh", "-export", "-np", "2", "node1", "node2", *prog]
     assert f"'{TABLE}'" in cmd.argv  # the node table keeps its JSON quotes through mpirun_rsh's shell
     assert cmd.env == {"NCCL_DEBUG": "INFO", JOB: "ez-test-1"}
-    (rr,) = get_launcher("mvapich").commands(make_plan("mvapich", options={"per_rank": True}))
+    (rr,) = get_launcher("mvapich").bind(make_plan("mvapich", options={"per_rank": True})).commands
     assert list(rr.argv[:8]) == ["mpirun_rsh", "-export", "-np", "4", "node1", "node1", "node2", "node2"]
 
 
 def test_mvapich_hydra_flavour() -> None:
     plan = make_plan("mvapich", options={"mvapich_launcher": "hydra"})
-    (cmd,) = get_launcher("mvapich").commands(plan)
+    (cmd,) = get_launcher("mvapich").bind(plan).commands
     assert cmd.argv[0] == "mpiexec" and "-genvlist" in cmd.argv and "PMI_RANK" in cmd.argv
     with pytest.raises(UsageError, match="mvapich_launcher"):
-        get_launcher("mvapich").commands(make_plan("mvapich", options={"mvapich_launcher": "rsh"}))
+        get_launcher("mvapich").bind(make_plan("mvapich", options={"mvapich_launcher": "rsh"}))
 
 
 def test_local_and_no_ssh() -> None:
-    (cmd,) = get_launcher("local").commands(make_plan("local", [("localhost", [0, 1])]))
+    (cmd,) = get_launcher("local").bind(make_plan("local", [("localhost", [0, 1])])).commands
     argv = list(cmd.argv)
     assert argv[:12] == [PY, "-u", "-X", "frozen_modules=off", "-m", "elasticzero.agent.cli", "--nnodes", "1",
                          "--node-table", '[["localhost",[0,1]]]', "--node-rank", "0"]  # fmt: skip
     assert cmd.env == {"NCCL_DEBUG": "INFO", JOB: "ez-test-1"} and cmd.host == "localhost"
     with pytest.raises(UsageError, match="one node"):
-        get_launcher("local").commands(make_plan("local"))
-    (mine,) = get_launcher("no-ssh").commands(make_plan("no-ssh", options={"node_rank": 1}))
+        get_launcher("local").bind(make_plan("local"))
+    (mine,) = get_launcher("no-ssh").bind(make_plan("no-ssh", options={"node_rank": 1})).commands
     assert mine.host == "node2" and list(mine.argv) == agent(["--node-rank", "1"])
     for bad, message in ((None, "needs --node-rank"), (2, "--node-rank 2 is out of range"), ("x", "node_rank='x'")):
         with pytest.raises(UsageError, match=message):
-            get_launcher("no-ssh").commands(make_plan("no-ssh", options={"node_rank": bad}))
+            get_launcher("no-ssh").bind(make_plan("no-ssh", options={"node_rank": bad}))
 
 
 def own_options(name: str) -> dict[str, Any]:
@@ -196,16 +196,28 @@ def own_options(name: str) -> dict[str, Any]:
 def test_per_rank_rejected_where_an_agent_is_required(name: str) -> None:
     nodes = [("localhost", [0])] if name == "local" else None
     with pytest.raises(UsageError, match=f"launcher '{name}' has no option 'per_rank'"):
-        get_launcher(name).commands(make_plan(name, nodes, options={"per_rank": True, **own_options(name)}))
+        get_launcher(name).bind(make_plan(name, nodes, options={"per_rank": True, **own_options(name)}))
 
 
 @pytest.mark.parametrize("name", ["openmpi", "mpich", "mvapich", "slurm"])
 def test_values_never_on_the_argv(name: str) -> None:
     env = {f"V{i}": v for i, v in enumerate(HOSTILE) if v}
-    (cmd,) = get_launcher(name).commands(make_plan(name, env=env))
+    (cmd,) = get_launcher(name).bind(make_plan(name, env=env)).commands
     for value in env.values():
         assert all(value not in a for a in cmd.argv), value
         assert value in cmd.env.values()
+
+
+@pytest.mark.parametrize("name", ["openmpi", "mpich", "mvapich", "slurm", "local", "no-ssh"])
+def test_bound_commands_carry_the_real_secret_values_by_name(name: str) -> None:
+    """bind hands ``commands()`` stand-ins for secret values and puts the real ones back into ``Command.env``."""
+    env = {"HF_TOKEN": HOSTILE[0], "DB_KEY": "1", "NCCL_DEBUG": "INFO"}
+    nodes = [("localhost", [0])] if name == "local" else None
+    bound = get_launcher(name).bind(make_plan(name, nodes, env=env, options=own_options(name)))
+    assert bound.plan.env == env
+    for cmd in bound.commands:
+        assert {k: cmd.env[k] for k in env} == env
+        assert "ezsecret" not in repr(cmd)  # no stand-in survives anywhere
 
 
 def _one_shell_parse(words: list[str]) -> list[str]:
@@ -222,7 +234,7 @@ def test_mvapich_mpirun_rsh_argv_survives_one_shell(per_rank: bool, tmp_path: Pa
     mark.mkdir()
     hostile = [*HOSTILE, f"a;touch {mark}/semi", f"$(touch {mark}/dollar)", f"`touch {mark}/tick`", "x'y\"z"]
     plan = make_plan("mvapich", entry=("t.py", *hostile), options={"per_rank": per_rank})
-    (cmd,) = get_launcher("mvapich").commands(plan)
+    (cmd,) = get_launcher("mvapich").bind(plan).commands
     expected = rankenv_prog(plan) if per_rank else plan.agent_argv(["--node-rank-env", "MV2_COMM_WORLD_RANK"])
     built = list(cmd.argv[cmd.argv.index("node2") + (2 if per_rank else 1) :])
     assert len(built) == len(expected)
@@ -232,27 +244,27 @@ def test_mvapich_mpirun_rsh_argv_survives_one_shell(per_rank: bool, tmp_path: Pa
 
 def test_mvapich_hydra_argv_stays_verbatim() -> None:
     plan = make_plan("mvapich", entry=("t.py", *HOSTILE), options={"mvapich_launcher": "hydra"})
-    (cmd,) = get_launcher("mvapich").commands(plan)
+    (cmd,) = get_launcher("mvapich").bind(plan).commands
     assert list(cmd.argv[-len(HOSTILE) :]) == HOSTILE
 
 
 def test_mvapich_mpirun_rsh_rejects_a_cwd_needing_quotes() -> None:
     with pytest.raises(UsageError, match="working directory"):
-        get_launcher("mvapich").commands(make_plan("mvapich", cwd="/w/$(x) 'a' ;b"))
-    get_launcher("mvapich").commands(make_plan("mvapich", options={"mvapich_launcher": "hydra"}, cwd="/w/a b"))
+        get_launcher("mvapich").bind(make_plan("mvapich", cwd="/w/$(x) 'a' ;b"))
+    get_launcher("mvapich").bind(make_plan("mvapich", options={"mvapich_launcher": "hydra"}, cwd="/w/a b"))
 
 
 @pytest.mark.parametrize("name", ["openmpi", "mpich", "slurm", "local", "no-ssh"])
 def test_hostile_entry_and_cwd_are_single_argv_elements(name: str) -> None:
     nodes = [("localhost", [0])] if name == "local" else None
     plan = make_plan(name, nodes, entry=("t.py", *HOSTILE), cwd="/w/$(x) 'a' ;b", options=own_options(name))
-    (cmd,) = get_launcher(name).commands(plan)
+    (cmd,) = get_launcher(name).bind(plan).commands
     assert list(cmd.argv[-len(HOSTILE) :]) == HOSTILE
 
 
 def test_launcher_args_are_inserted_raw() -> None:
     raw = ("--mca", "btl", "tcp,self")
-    (cmd,) = get_launcher("openmpi").commands(make_plan("openmpi", launcher_args=raw))
+    (cmd,) = get_launcher("openmpi").bind(make_plan("openmpi", launcher_args=raw)).commands
     i = list(cmd.argv).index("--mca")
     assert cmd.argv[i : i + 3] == raw and cmd.argv[i + 3] == PY
 
@@ -265,10 +277,10 @@ BAD_HOSTS = ["a;b", "n1,n2", "-oProxyCommand=x", "node[1-2]", "user@h", "::1", "
 def test_hostile_host_names_rejected(name: str, host: str) -> None:
     plan = make_plan(name, [("node1", [0]), (host, [0])], options=own_options(name))
     with pytest.raises(UsageError, match="host name"):
-        get_launcher(name).commands(plan)
+        get_launcher(name).bind(plan)
 
 
 @pytest.mark.parametrize("name", ["pdsh", "openmpi", "slurm"])
 def test_invalid_env_names_rejected(name: str) -> None:
     with pytest.raises(UsageError, match="environment variable name"):
-        get_launcher(name).commands(make_plan(name, env={"A;B": "1"}))
+        get_launcher(name).bind(make_plan(name, env={"A;B": "1"}))

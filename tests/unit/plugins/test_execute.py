@@ -26,18 +26,35 @@ class Scripted(LauncherBackend):
 
     name = "scripted"
 
-    def __init__(self, *snippets: str, env: dict[str, str] | None = None) -> None:
-        self.snippets, self.env = snippets, env or {}
+    def __init__(self, *snippets: str, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
+        self.snippets, self.env, self.args, self.built = snippets, env or {}, args, 0
 
     def commands(self, plan: LaunchPlan) -> list[Command]:
-        return [Command(argv=(sys.executable, "-c", s), env=self.env) for s in self.snippets]
+        self.built += 1
+        return [Command(argv=(sys.executable, "-c", s, *self.args), env=self.env) for s in self.snippets]
+
+
+def run(plan: LaunchPlan, backend: LauncherBackend) -> int:
+    """``plan`` bound to ``backend`` and executed, as ``elasticzero-launch`` does."""
+    return execute(backend.bind(plan), backend)
 
 
 def test_success_failure_and_signal_death(tmp_path: Path) -> None:
     plan = make_plan("scripted", cwd=str(tmp_path))
-    assert execute(plan, Scripted("pass", "pass")) == 0
-    assert execute(plan, Scripted("import sys; sys.exit(3)", "import time; time.sleep(0.5)")) == 3
-    assert execute(plan, Scripted("import os; os.kill(os.getpid(), 9)")) == 137
+    assert run(plan, Scripted("pass", "pass")) == 0
+    assert run(plan, Scripted("import sys; sys.exit(3)", "import time; time.sleep(0.5)")) == 3
+    assert run(plan, Scripted("import os; os.kill(os.getpid(), 9)")) == 137
+
+
+def test_what_runs_is_the_bound_commands_object(tmp_path: Path) -> None:
+    out = tmp_path / "cmdline"
+    snippet = f"open({str(out)!r}, 'wb').write(open('/proc/self/cmdline', 'rb').read())"
+    backend = Scripted(snippet, args=("a b", "$(x)", "%h", "x\ny"))
+    bound = backend.bind(make_plan("scripted", cwd=str(tmp_path)))
+    assert execute(bound, backend) == 0
+    (cmd,) = bound.commands
+    assert out.read_bytes().split(b"\0")[:-1] == [os.fsencode(a) for a in cmd.argv]  # the process's own argv
+    assert backend.built == 1  # built once, by bind: execute runs the bound commands, never rebuilds them
 
 
 def test_cwd_env_order_and_save_pid(tmp_path: Path) -> None:
@@ -48,7 +65,7 @@ def test_cwd_env_order_and_save_pid(tmp_path: Path) -> None:
         f" open({str(pid_file)!r}).read()], open({str(out)!r}, 'w'))"
     )
     plan = make_plan("scripted", cwd=str(tmp_path), options={"save_pid": str(pid_file)})
-    assert execute(plan, Scripted(snippet, env={"PATH": os.environ["PATH"], "B": "x\ny"})) == 0
+    assert run(plan, Scripted(snippet, env={"PATH": os.environ["PATH"], "B": "x\ny"})) == 0
     cwd, last, b, pid = json.loads(out.read_text())
     assert cwd == str(tmp_path) and last == ["PATH", "B"] and b == "x\ny"
     assert pid.strip() == str(os.getpid())
@@ -66,7 +83,7 @@ def test_save_pid_never_reuses_or_follows_an_existing_path(tmp_path: Path, plant
         pid_file.symlink_to(target)
     plan = make_plan("scripted", cwd=str(tmp_path), options={"save_pid": str(pid_file)})
     with pytest.raises(UsageError, match="already exists"):
-        execute(plan, Scripted(f"open({str(started)!r}, 'w').close()"))
+        run(plan, Scripted(f"open({str(started)!r}, 'w').close()"))
     assert not started.exists()  # nothing was started
     assert pid_file.is_symlink() or pid_file.read_text() == "4242\n"  # left as found, not removed
     assert (target.read_text() if target.exists() else None) == ("precious\n" if planted == "symlink" else None)
@@ -76,7 +93,7 @@ def test_save_pid_file_is_private(tmp_path: Path) -> None:
     pid_file, out = tmp_path / "launcher.pid", tmp_path / "mode"
     snippet = f"import os; open({str(out)!r}, 'w').write(oct(os.stat({str(pid_file)!r}).st_mode & 0o777))"
     plan = make_plan("scripted", cwd=str(tmp_path), options={"save_pid": str(pid_file)})
-    assert execute(plan, Scripted(snippet)) == 0
+    assert run(plan, Scripted(snippet)) == 0
     assert out.read_text() == "0o600" and not pid_file.exists()
 
 
@@ -93,10 +110,11 @@ class Sleepy(LauncherBackend):
     def commands(self, plan):
         code = "import os,time; open(os.path.join({tmp!r}, 'child-%d' % os.getpid()), 'w').close(); time.sleep(300)"
         return [Command(argv=(sys.executable, "-c", code))] * 2
-    def stop_job(self, plan):
+    def stop_job(self, bound):
         open(os.path.join({tmp!r}, "stop_job-called"), "w").close()
 
-sys.exit(execute(make_plan("sleepy", cwd={tmp!r}), Sleepy()))
+backend = Sleepy()
+sys.exit(execute(backend.bind(make_plan("sleepy", cwd={tmp!r})), backend))
 """
 
 

@@ -16,7 +16,7 @@ from plugin_plans import HOSTILE, PY, make_plan
 
 from elasticzero.errors import UsageError
 from elasticzero.launch.backend import get_launcher
-from elasticzero.launch.cli import render_plan, shown_plan
+from elasticzero.launch.cli import render_plan
 from elasticzero.launch.plan import LaunchPlan
 from elasticzero_plugins._common import job_env
 from elasticzero_plugins.pdsh import env_dir, env_payload, remote_command, ssh_base, stage_script, unstage_script
@@ -28,7 +28,7 @@ PROG = "import json,os,sys; print(json.dumps([os.getcwd(), {k: v for k, v in os.
 def test_pdsh_argv_shape_and_ssh_port(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PDSH_SSH_ARGS_APPEND", raising=False)
     plan = make_plan("pdsh", options={"ssh_port": 2222})
-    (cmd,) = get_launcher("pdsh").commands(plan)
+    (cmd,) = get_launcher("pdsh").bind(plan).commands
     assert list(cmd.argv[:-1]) == ["pdsh", "-R", "ssh", "-S", "-f", "32", "-w", "node1,node2"]
     remote = cmd.argv[-1]
     assert remote.count("%h") == 2 and "--node-host %h " in remote
@@ -46,7 +46,7 @@ def test_percent_in_user_data_is_escaped_for_pdsh() -> None:
 
 
 def test_launcher_args_go_before_the_remote_command() -> None:
-    (cmd,) = get_launcher("pdsh").commands(make_plan("pdsh", launcher_args=("-u", "30")))
+    (cmd,) = get_launcher("pdsh").bind(make_plan("pdsh", launcher_args=("-u", "30"))).commands
     assert list(cmd.argv[-3:-1]) == ["-u", "30"]
 
 
@@ -120,18 +120,17 @@ def test_dry_run_never_shows_a_secret_however_the_transport_rewrites_it(monkeypa
     monkeypatch.delenv("PDSH_SSH_ARGS_APPEND", raising=False)
     secrets = {"HF_TOKEN": "zq7%wx'vy", "DB_KEY": "qz"}  # quoting + %, and a value too short to search for
     plan = make_plan("pdsh", env={**secrets, "NCCL_DEBUG": "INFO"})
-    backend = get_launcher("pdsh")
-    shown = shown_plan(plan, backend)
-    outputs = [render_plan(shown), json.dumps(shown.to_json())]
+    bound = get_launcher("pdsh").bind(plan)
+    outputs = [render_plan(bound), json.dumps(bound.to_json())]
     for out in outputs:
         for piece in ("zq7", "wx", "vy", "qz"):
             assert piece not in out, (piece, out)
-    assert shown.to_json()["env"] == {"DB_KEY": "****", "HF_TOKEN": "****", "NCCL_DEBUG": "INFO"}
-    # what runs carries no value at all: they go over ssh's stdin (stage), never in an argv
-    (real,) = backend.commands(plan)
+    assert bound.to_json()["env"] == {"DB_KEY": "****", "HF_TOKEN": "****", "NCCL_DEBUG": "INFO"}
+    # what runs (the very commands printed) carries no value at all: they go over ssh's stdin (stage)
+    (real,) = bound.commands
     for piece in ("zq7", "wx", "vy", "qz", "INFO"):
         assert not any(piece in a for a in real.argv) and piece not in json.dumps(real.env)
-    assert f"export HF_TOKEN={shlex.quote(secrets['HF_TOKEN'])}\n".encode() in env_payload(job_env(plan))
+    assert f"export HF_TOKEN={shlex.quote(secrets['HF_TOKEN'])}\n".encode() in env_payload(job_env(bound.plan))
 
 
 FAKE_SSH = """#!{python}
@@ -159,8 +158,9 @@ def test_stop_job_uses_the_launch_ssh_options_own_session_and_names_failed_hosts
     nodes = [("good", [0]), ("bad1", [0]), ("bad2", [0])]
     plan = make_plan("pdsh", nodes, options={"ssh_port": 2222}, launcher_args=("-l", "alice", "-u", "30"))
     backend = get_launcher("pdsh")
-    (launch,) = backend.commands(plan)
-    backend.stop_job(plan)
+    bound = backend.bind(plan)
+    backend.stop_job(bound)
+    (launch,) = bound.commands
     expected = ["-l", "alice", *shlex.split(launch.env["PDSH_SSH_ARGS_APPEND"]), "-o", "ConnectTimeout=10"]
     assert expected[2:8] == ["-F", "/my ssh/config", "-o", "User=bob", "-o", "BatchMode=yes"]
     remote = f"{PY} -m elasticzero.agent.cli --kill-job ez-test-1"
@@ -179,9 +179,10 @@ def test_stop_job_uses_the_launch_ssh_options_own_session_and_names_failed_hosts
 def test_preflight_and_cleanup_share_the_ssh_options(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSH_SSH_ARGS_APPEND", "-i /k/id -o ConnectTimeout=3")
     plan = make_plan("pdsh", options={"ssh_port": 22})
-    assert ssh_base(plan) == [
+    assert ssh_base(get_launcher("pdsh").bind(plan)) == [
         "ssh", "-i", "/k/id", "-o", "ConnectTimeout=3", "-o", "BatchMode=yes", "-p", "22", "-o", "ConnectTimeout=10"
     ]  # fmt: skip
+    # a value the cleanup could not split is refused while the plan is bound, before anything starts
     monkeypatch.setenv("PDSH_SSH_ARGS_APPEND", "-o 'unbalanced")
-    with pytest.raises(UsageError, match="PDSH_SSH_ARGS_APPEND"):
-        ssh_base(plan)
+    with pytest.raises(UsageError, match=r"PDSH_SSH_ARGS_APPEND=\"-o 'unbalanced\" cannot be split: No closing"):
+        get_launcher("pdsh").bind(plan)

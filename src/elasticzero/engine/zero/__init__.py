@@ -48,6 +48,7 @@ _LAZY = {
     "GLOBAL_COMM_STATS": "elasticzero.engine.zero.comm",
     "FlatBucket": "elasticzero.engine.zero.flat",
     "ParamSlot": "elasticzero.engine.zero.flat",
+    "ZeroCheckpointState": "elasticzero.engine.zero.dcp_state",
 }
 
 __all__ = list(_LAZY)

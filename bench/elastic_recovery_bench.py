@@ -3,9 +3,10 @@
     .venv/bin/python bench/elastic_recovery_bench.py                     # 6 kills + 6 joins per interval, K=5 and K=20
     .venv/bin/python bench/elastic_recovery_bench.py --reps 10 --save-every 5,20,50 --seed 1
 
-The job is ``examples/train_gpt.py`` (ZeRO-2, gloo, tiny GPT, ``--async-save --save-every K``, ``--record-samples``)
-under two ``elasticzero-run --nnodes 1:2 --rdzv-backend c10d`` agents on this machine, each a "node" with one worker
-(the rendezvous settings are elasticzero-run's defaults). One job per block and interval; the blocks alternate the
+The job is ``examples/train_gpt.py`` (ZeRO-2, gloo, tiny GPT, ``--async-save --save-every K``), run through its test
+driver ``tests/integration/elastic/train_driver.py`` (the example's trainer plus ``--record-samples``), under two
+``elasticzero-run --nnodes 1:2 --rdzv-backend c10d`` agents on this machine, each a "node" with one worker (the
+rendezvous settings are elasticzero-run's defaults). One job per block and interval; the blocks alternate the
 intervals (K=5, K=20, K=5, K=20: side by side under the same load). Each repetition in a job:
 
 1. **node loss** — at a random point between checkpoints (a random step 1..K after the checkpoint the world-2 run
@@ -60,7 +61,7 @@ from ez_ports import free_port  # tests/ on sys.path: the one free-port rule of 
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = Path(sys.executable).with_name("elasticzero-run")
-EXAMPLE = REPO / "examples" / "train_gpt.py"
+DRIVER = REPO / "tests" / "integration" / "elastic" / "train_driver.py"  # examples/train_gpt.py + the record
 TIMEOUT = 240.0  # seconds to wait for any one event before giving up on the job (a hang, not a measurement)
 
 
@@ -114,7 +115,7 @@ class Job:
     tmp: Path
     save_every: int
     rng: random.Random
-    script: Path = EXAMPLE
+    script: Path = DRIVER
     job_id: str = field(default_factory=lambda: f"ezrec-{uuid.uuid4().hex[:8]}")
     endpoint: str = field(default_factory=lambda: f"127.0.0.1:{free_port()}")
     agents: list[subprocess.Popen[bytes]] = field(default_factory=list)
@@ -129,6 +130,7 @@ class Job:
         job = [str(self.script), "--config", str(REPO / "examples" / "configs" / "gpt.yaml"), "--zero", "2"]
         job += ["--size", "tiny", "--seq-len", "128", "--steps", "1000000", "--corpus-bytes", str(1 << 20)]
         job += ["--checkpoint-dir", str(self.tmp / "ckpt"), "--save-every", str(self.save_every), "--async-save"]
+        job += ["--cache-dir", str(self.tmp / "corpus")]
         return [*agent, *job, "--record-samples", str(self.records.path), "--hold-file", str(self.tmp / "hold")]
 
     def start_agent(self) -> None:
@@ -320,7 +322,7 @@ def main() -> int:
     p.add_argument("--blocks", type=int, default=2, help="jobs per interval, alternating the intervals (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seeds the kill and join points (default 0)")
     p.add_argument("--keep", action="store_true", help="keep the job directories (logs, records, checkpoints)")
-    p.add_argument("--script", type=Path, default=EXAMPLE, help="the job (default examples/train_gpt.py)")
+    p.add_argument("--script", type=Path, default=DRIVER, help=f"the job (default {DRIVER.relative_to(REPO)})")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERMed bench still stops its agents (finally)
     ks = [int(k) for k in args.save_every.split(",")]

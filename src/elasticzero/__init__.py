@@ -20,6 +20,7 @@ _LAZY = {
     "PhaseTimers": "elasticzero.engine.timers",
     "GradAccumulation": "elasticzero.engine.accumulation",
     "PrecisionPolicy": "elasticzero.engine.precision",
+    "optimizer_step": "elasticzero.engine.step",
     "build_pieces": "elasticzero.config.build",
     "load_config": "elasticzero.config.load",
 }

@@ -55,3 +55,15 @@ def test_every_flag_is_documented(doc: str, flags) -> None:
     assert wanted, "no flags found: the parser import is broken"
     missing = sorted(f for f in wanted if f not in text)
     assert not missing, f"{doc} does not mention: {', '.join(missing)}"
+
+
+def test_every_flag_of_the_example_job_is_documented(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``examples/train_gpt.py``'s flags are in docs/elastic-training.md (the flags the README and docs name stay)."""
+    monkeypatch.syspath_prepend(str(REPO / "examples"))  # as Python does for the script: its gpt.py beside it
+    import train_gpt
+
+    wanted = _long_dash_flags(train_gpt.Trainer.parser())
+    text = (REPO / "docs" / "elastic-training.md").read_text()
+    assert {"--config", "--steps", "--checkpoint-dir", "--cache-dir"} <= wanted
+    missing = sorted(f for f in wanted if f"`{f}" not in text)
+    assert not missing, f"docs/elastic-training.md does not mention: {', '.join(missing)}"

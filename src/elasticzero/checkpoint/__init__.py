@@ -13,6 +13,7 @@ _LAZY = {
     "Checkpointer": "elasticzero.checkpoint.checkpointer",
     "FlatChunk": "elasticzero.engine.zero.layout",
     "RNGState": "elasticzero.checkpoint.rng",
+    "ReplicatedState": "elasticzero.checkpoint.replicated",
     "Snapshot": "elasticzero.checkpoint.snapshot",
     "DiskTier": "elasticzero.checkpoint.disk",
     "ZeroSavePlanner": "elasticzero.checkpoint.planner",

@@ -28,6 +28,7 @@ _LAZY = {
     "BatchPlan": "elasticzero.config.elastic",
     "ElasticBatch": "elasticzero.config.elastic",
     "elastic_batch": "elasticzero.config.elastic",
+    "batch_plan": "elasticzero.config.elastic",
     "check_world_range": "elasticzero.config.elastic",
     "load_elastic_batch": "elasticzero.config.load",
     "check_elastic_config": "elasticzero.config.load",

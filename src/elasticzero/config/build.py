@@ -1,24 +1,21 @@
 """Build the engine pieces from a config, for DeepSpeed migrants. It returns the pieces; the loop stays yours::
 
     pieces = build_pieces(model, "ds_config.json")
-    opt, scaler, timers, acc = pieces.optimizer, pieces.scaler, pieces.timers, pieces.accumulation
+    net, opt, timers, acc = pieces.wrap(model), pieces.optimizer, pieces.timers, pieces.accumulation
     for x, y in loader:
-        with acc.no_sync(opt):                # backward inside: the gradient hooks read the sync flag
-            with timers.phase("forward"):
-                loss = acc.scale_loss(loss_fn(model(x), y))
+        with acc.no_sync(net, opt):           # backward inside: the gradient hooks read the sync flag
+            with timers.phase("forward"), pieces.autocast():
+                loss = acc.scale_loss(loss_fn(net(x), y))
             with timers.phase("backward"):
-                (scaler.scale(loss) if scaler else loss).backward()
+                pieces.backward(loss)         # through the loss scaler when there is one
         if acc.advance():
-            if scaler: scaler.unscale_(opt)
-            pieces.clip_grad_norm_()
-            scaler.step(opt) if scaler else opt.step()
-            if scaler: scaler.update()
-            opt.zero_grad()
+            pieces.step()                     # unscale → clip → step → update the scale → zero_grad
 
-Stage 0 returns a plain ``torch.optim`` optimizer over ``model.parameters()`` (wrap the model in DDP yourself); with
-bf16/fp16 it sets ``autocast_dtype`` for ``torch.autocast`` (the model stays fp32, torch AMP style). Stages 1-3 return
-``ZeroStageN(model, torch.optim.<type>, precision=..., bucket_bytes=..., prefetch=..., **params)`` (each ``zero.*``
-option only when set and taken by that stage).
+The same loop runs every stage; ``pieces.stateful(model)`` is what a checkpoint of it holds. Stage 0 returns a plain
+``torch.optim`` optimizer over ``model.parameters()`` (``pieces.wrap`` puts the model in DDP); with bf16/fp16 it sets
+``autocast_dtype`` for ``torch.autocast`` (the model stays fp32, torch AMP style; ``pieces.autocast()``). Stages 1-3
+return ``ZeroStageN(model, torch.optim.<type>, precision=..., bucket_bytes=..., prefetch=..., **params)`` (each
+``zero.*`` option only when set and taken by that stage).
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ import importlib
 import inspect
 import logging
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,12 +33,13 @@ from typing import Any
 import torch
 
 from elasticzero.config.batch import check_batch_sizes, resolve_world_size
-from elasticzero.config.elastic import apply_batch_plan
+from elasticzero.config.elastic import BatchPlan, batch_plan
 from elasticzero.config.load import load_config, optimizer_class
 from elasticzero.config.schema import EngineConfig, Precision
 from elasticzero.engine.accumulation import GradAccumulation
 from elasticzero.engine.loss_scaler import LossScaler
 from elasticzero.engine.precision import PrecisionPolicy
+from elasticzero.engine.step import StepResult, backward, clip_grad_norm, optimizer_step
 from elasticzero.engine.timers import PhaseTimers
 
 __all__ = ["EnginePieces", "build_loss_scaler", "build_pieces"]
@@ -70,13 +69,44 @@ class EnginePieces:
     def clip_grad_norm_(self) -> torch.Tensor | None:
         """Clip to ``clip_grad_norm`` (after ``scaler.unscale_``): the ZeRO optimizer's global-norm clip, or
         ``torch.nn.utils.clip_grad_norm_`` for a plain optimizer. Returns the total norm, None when clipping is off."""
-        if self.clip_grad_norm is None:
-            return None
-        own = getattr(self.optimizer, "clip_grad_norm_", None)
-        if callable(own):
-            return own(self.clip_grad_norm)
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        return torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+        return None if self.clip_grad_norm is None else clip_grad_norm(self.optimizer, self.clip_grad_norm)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, through the loss scaler when there is one."""
+        backward(loss, self.scaler)
+
+    def step(self) -> StepResult:
+        """End the optimizer step: unscale → clip → step → update the scale → zero_grad
+        (:func:`~elasticzero.engine.step.optimizer_step`)."""
+        return optimizer_step(self.optimizer, scaler=self.scaler, max_norm=self.clip_grad_norm)
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module to train: ``DistributedDataParallel(model)`` at stage 0 (it averages the plain optimizer's
+        gradients; needs ``torch.distributed`` initialised), ``model`` itself at stages 1-3 (the ZeRO stage hooks
+        it)."""
+        return torch.nn.parallel.DistributedDataParallel(model) if self.config.zero.stage == 0 else model
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        """Where the forward runs: ``torch.autocast`` at ``autocast_dtype`` (stage 0 with bf16/fp16), else a plain
+        context (the ZeRO stages keep compute copies in their precision)."""
+        if self.autocast_dtype is None:
+            return nullcontext()
+        device = next(p for g in self.optimizer.param_groups for p in g["params"]).device
+        return torch.autocast(device.type, dtype=self.autocast_dtype)
+
+    def stateful(self, model: torch.nn.Module) -> dict[str, Any]:
+        """What a checkpoint of these pieces holds, for :class:`~elasticzero.checkpoint.Checkpointer`: ``"model"``
+        (model and optimizer: ``ZeroCheckpointState`` at stages 1-3, ``ReplicatedState`` at stage 0; both reshard
+        to any world size) and ``"scaler"`` when there is a loss scaler."""
+        if self.config.zero.stage == 0:
+            from elasticzero.checkpoint.replicated import ReplicatedState
+
+            state: dict[str, Any] = {"model": ReplicatedState(model, self.optimizer)}
+        else:
+            from elasticzero.engine.zero import ZeroCheckpointState
+
+            state = {"model": ZeroCheckpointState(self.optimizer)}
+        return state if self.scaler is None else {**state, "scaler": self.scaler}
 
 
 def build_loss_scaler(cfg: EngineConfig, process_group: Any = None) -> LossScaler | None:
@@ -115,9 +145,8 @@ def build_pieces(
     if not isinstance(cfg, EngineConfig):
         cfg = load_config(cfg, overrides=overrides, strict=strict)
     world = _world_size(process_group)
-    if world is not None and cfg.elasticity.enabled:  # the plan for this world (the config may predate it)
-        cfg = copy.deepcopy(cfg)
-        apply_batch_plan(cfg, set(), world, "config")
+    if world is not None:  # the plan for this world (an elastic config may predate it), checked against it
+        cfg = _with_plan(cfg, batch_plan(cfg, world))
     check_batch_sizes(cfg.train_batch_size, cfg.micro_batch_size, cfg.accumulation_steps, world, "config")
     policy = PrecisionPolicy.from_name(cfg.precision.dtype.value, cfg.precision.reduce_in_low_precision)
     timers = PhaseTimers(enabled=cfg.timers.enabled, synchronize=cfg.timers.synchronize)
@@ -165,6 +194,16 @@ def build_pieces(
 
 
 _ZERO_OPTIONS = ("bucket_bytes", "prefetch", "reshard_after_forward")
+
+
+def _with_plan(cfg: EngineConfig, plan: BatchPlan) -> EngineConfig:
+    """``cfg`` with ``plan``'s batch sizes: ``cfg`` itself when they are its own, else a copy."""
+    sizes = (plan.global_batch_size, plan.micro_batch_size, plan.accumulation_steps)
+    if (cfg.train_batch_size, cfg.micro_batch_size, cfg.accumulation_steps) == sizes:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    cfg.train_batch_size, cfg.micro_batch_size, cfg.accumulation_steps = sizes
+    return cfg
 
 
 def _keyword_names(stage_cls: type) -> set[str]:

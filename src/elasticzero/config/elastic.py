@@ -20,7 +20,7 @@ import math
 from collections.abc import Set
 from dataclasses import dataclass
 
-from elasticzero.config.batch import resolve_batch_sizes
+from elasticzero.config.batch import check_batch_sizes, resolve_batch_sizes
 from elasticzero.config.schema import ElasticityConfig, EngineConfig
 from elasticzero.errors import UsageError
 
@@ -28,6 +28,7 @@ __all__ = [
     "BatchPlan",
     "ElasticBatch",
     "apply_batch_plan",
+    "batch_plan",
     "check_elasticity",
     "check_world_range",
     "deepspeed_global_batch",
@@ -180,6 +181,19 @@ def apply_batch_plan(cfg: EngineConfig, given: Set[str], world: int | None, sour
         return
     cfg.train_batch_size, cfg.micro_batch_size = plan.global_batch_size, plan.micro_batch_size
     cfg.accumulation_steps = plan.accumulation_steps
+
+
+def batch_plan(cfg: EngineConfig, world: int, source: str = "config") -> BatchPlan:
+    """The batch sizes ``cfg`` trains with at ``world`` ranks (what :func:`~elasticzero.config.build_pieces` and
+    :func:`~elasticzero.data.build_loader` build from): with ``elasticity`` on, the block's plan for this world
+    (whatever world the config was loaded for); otherwise the config's own sizes, checked against ``world``."""
+    if cfg.elasticity.enabled:
+        batch = elastic_batch(cfg, source)
+        assert batch is not None
+        return batch.require(world)
+    check_batch_sizes(cfg.train_batch_size, cfg.micro_batch_size, cfg.accumulation_steps, world, source)
+    micro, accum = cfg.micro_batch_size, cfg.accumulation_steps
+    return BatchPlan(micro * accum * world, micro, accum, world)
 
 
 def _any_plan(batch: ElasticBatch) -> BatchPlan:

@@ -1,4 +1,5 @@
-"""elasticzero.data: a world-size-independent, resumable distributed sampler, its loader, and a byte-level corpus.
+"""elasticzero.data: a world-size-independent, resumable distributed sampler, its loader (and the builder that makes
+it agree with the gradient accumulation), and a byte-level corpus.
 
 Names resolve lazily (PEP 562): importing the package loads no torch.
 """
@@ -13,6 +14,8 @@ _LAZY = {
     "ElasticLoader": "elasticzero.data.loader",
     "ByteCorpus": "elasticzero.data.corpus",
     "stdlib_corpus": "elasticzero.data.corpus",
+    "default_cache_dir": "elasticzero.data.corpus",
+    "build_loader": "elasticzero.data.build",
 }
 
 __all__ = list(_LAZY)

@@ -3,13 +3,14 @@
 :func:`stdlib_corpus` concatenates the ``.py`` files of ``sysconfig.get_paths()["stdlib"]`` (tests and
 ``site-packages`` left out) in sorted relative-path order, so every process with the same Python build gets the same
 bytes; every ``eval_every``-th file goes to the eval split. The bytes are cached in ``cache_dir`` (written aside,
-renamed into place). :class:`ByteCorpus` cuts a byte stream into non-overlapping ``(input, target)`` windows for a
-byte-level language model (vocabulary 256).
+renamed into place; by default the user's cache directory, :func:`default_cache_dir`). :class:`ByteCorpus` cuts a
+byte stream into non-overlapping ``(input, target)`` windows for a byte-level language model (vocabulary 256).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -20,7 +21,7 @@ from torch.utils.data import Dataset
 from elasticzero.errors import UsageError
 from elasticzero.fileio import write_atomic
 
-__all__ = ["ByteCorpus", "stdlib_corpus", "stdlib_files"]
+__all__ = ["ByteCorpus", "default_cache_dir", "stdlib_corpus", "stdlib_files"]
 
 _SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
 
@@ -32,15 +33,22 @@ def stdlib_files(root: Path | None = None) -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/elasticzero``, else ``~/.cache/elasticzero`` (the XDG base directory rule)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "elasticzero"
+
+
 def stdlib_corpus(
-    cache_dir: str | Path, split: str = "train", *, eval_every: int = 20, max_bytes: int = 8 << 20
+    cache_dir: str | Path | None = None, split: str = "train", *, eval_every: int = 20, max_bytes: int = 8 << 20
 ) -> torch.Tensor:
-    """The ``split`` (``train`` or ``eval``) bytes as a uint8 tensor, at most ``max_bytes`` of them (cached)."""
+    """The ``split`` (``train`` or ``eval``) bytes as a uint8 tensor, at most ``max_bytes`` of them, cached in
+    ``cache_dir`` (default :func:`default_cache_dir`)."""
     if split not in ("train", "eval"):
         raise UsageError(f"stdlib_corpus: split must be 'train' or 'eval', got {split!r}")
     root = sysconfig.get_paths()["stdlib"]  # one Python build's stdlib does not change: it keys the cache
     key = hashlib.sha256(repr((sys.version, root, split, eval_every, max_bytes)).encode())
-    path = Path(cache_dir) / f"stdlib-{split}-{key.hexdigest()[:16]}.bin"
+    path = Path(cache_dir or default_cache_dir()) / f"stdlib-{split}-{key.hexdigest()[:16]}.bin"
     if not path.exists():
         files = [
             f for i, f in enumerate(stdlib_files(Path(root))) if (i % eval_every == eval_every - 1) == (split == "eval")

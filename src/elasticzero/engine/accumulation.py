@@ -4,7 +4,7 @@
 
     acc = GradAccumulation(steps=4)
     for x, y in loader:
-        with acc.no_sync(opt):                        # opt.no_sync() (ZeRO 1/2, DDP) except on the boundary
+        with acc.no_sync(model, opt):                 # DDP's or ZeRO 1/2's no_sync() except on the boundary
             (acc.scale_loss(loss_fn(model(x), y))).backward()
         if acc.advance():                             # True on every 4th micro-batch
             opt.step(); opt.zero_grad()
@@ -15,7 +15,7 @@ big batch would give (and as DeepSpeed does internally).
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any
 
 from elasticzero.errors import UsageError
@@ -42,12 +42,18 @@ class GradAccumulation:
         """``loss / steps`` (the loss itself when ``steps == 1``)."""
         return loss if self.steps == 1 else loss / self.steps
 
-    def no_sync(self, target: Any) -> AbstractContextManager[Any]:
-        """``target.no_sync()`` unless this micro-batch is a boundary, ``target`` has no ``no_sync``, or it says
-        ``supports_no_sync = False`` (ZeRO stage 3, whose gradients are sharded as they are produced)."""
-        if self.is_boundary or not hasattr(target, "no_sync") or not getattr(target, "supports_no_sync", True):
+    def no_sync(self, *targets: Any) -> AbstractContextManager[Any]:
+        """``target.no_sync()`` of each target unless this micro-batch is a boundary; a target without ``no_sync``,
+        or saying ``supports_no_sync = False`` (ZeRO stage 3, whose gradients are sharded as they are produced), is
+        skipped. Pass the module and the optimizer (``acc.no_sync(model, opt)``) and the same loop defers DDP's
+        all-reduce (the module has it) or a ZeRO stage's reduce-scatter (the optimizer has it)."""
+        deferring = [t for t in targets if hasattr(t, "no_sync") and getattr(t, "supports_no_sync", True)]
+        if self.is_boundary or not deferring:
             return nullcontext()
-        return target.no_sync()
+        with ExitStack() as stack:  # one target failing to enter leaves none entered
+            for target in deferring:
+                stack.enter_context(target.no_sync())
+            return stack.pop_all()
 
     def advance(self) -> bool:
         """Count one micro-batch; True when it completed an optimizer step (time to ``step``/``zero_grad``)."""

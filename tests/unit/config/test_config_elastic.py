@@ -7,6 +7,7 @@ import pytest
 from elasticzero.config.elastic import (
     BatchPlan,
     ElasticBatch,
+    batch_plan,
     check_world_range,
     deepspeed_global_batch,
     elastic_batch,
@@ -163,3 +164,17 @@ def test_build_pieces_plans_an_elastic_config_for_the_running_world(monkeypatch:
     monkeypatch.setenv("WORLD_SIZE", "5")
     with pytest.raises(UsageError, match=r"^config: world size 5 has no batch plan"):
         build_pieces(torch.nn.Linear(2, 2), cfg)
+
+
+def test_batch_plan_is_the_plan_at_the_running_world() -> None:
+    block = {"enabled": True, "max_train_batch_size": 24, "micro_batch_sizes": [2, 4]}
+    elastic = config_from_dict({"elasticity": block})
+    assert [batch_plan(elastic, w) for w in (1, 4)] == [BatchPlan(24, 4, 6, 1), BatchPlan(24, 2, 3, 4)]
+    with pytest.raises(UsageError, match=r"^config: world size 5 has no batch plan"):
+        batch_plan(elastic, 5)
+    fixed = config_from_dict({"train_batch_size": 16, "micro_batch_size": 4}, world_size=2)
+    assert batch_plan(fixed, 2) == BatchPlan(16, 4, 2, 2)
+    with pytest.raises(UsageError, match=r"^config: contradictory batch sizes: train_batch_size=16 != micro batch 4"):
+        batch_plan(fixed, 4)  # loaded for world 2 (accumulation 2), running at 4
+    follows = config_from_dict({"micro_batch_size": 3, "accumulation_steps": 2})  # the global batch follows the world
+    assert batch_plan(follows, 5) == BatchPlan(30, 3, 2, 5)

@@ -40,3 +40,14 @@ def test_windows_are_inputs_and_next_byte_targets() -> None:
     assert x.tolist() == [15, 16, 17, 18, 19] and y.tolist() == [16, 17, 18, 19, 20] and x.dtype == torch.int64
     with pytest.raises(UsageError, match="more than seq_len=30 bytes"):
         ByteCorpus(data, seq_len=30)
+
+
+def test_default_cache_is_the_users_cache_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert corpus_mod.default_cache_dir() == tmp_path / "xdg" / "elasticzero"
+    train = stdlib_corpus(None, "train", max_bytes=512)
+    assert [p.parent for p in (tmp_path / "xdg").rglob("stdlib-train-*.bin")] == [tmp_path / "xdg" / "elasticzero"]
+    assert torch.equal(stdlib_corpus(tmp_path / "own", "train", max_bytes=512), train)
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # not absolute: ignored, as the XDG rule says
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert corpus_mod.default_cache_dir() == tmp_path / "home" / ".cache" / "elasticzero"

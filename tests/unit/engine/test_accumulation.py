@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import pytest
@@ -68,6 +68,48 @@ def test_no_sync_falls_back_when_target_does_not_support_it() -> None:
         acc.advance()
     assert target.entered == 0 and acc.micro_step == 4
     # (a real ZeroStage3 goes through this loop in tests/unit/config/test_config_build.py)
+
+
+def test_no_sync_of_several_targets_enters_each_that_has_one() -> None:
+    """``acc.no_sync(model, opt)``: DDP's module or a ZeRO optimizer defers, whichever of the two has ``no_sync``."""
+    acc, module, opt = GradAccumulation(3), _WithNoSync(), _WithNoSync()
+    for _ in range(6):
+        with acc.no_sync(module, object(), opt, _RefusesNoSync()):
+            pass
+        acc.advance()
+    assert (module.entered, opt.entered) == (4, 4)  # micro-batches 1, 2, 4, 5 of 6; never on a boundary
+
+
+class _Exits(_WithNoSync):
+    def __init__(self) -> None:
+        super().__init__()
+        self.exited = 0
+
+    def no_sync(self) -> Any:
+        @contextmanager
+        def deferring() -> Any:
+            self.entered += 1
+            try:
+                yield
+            finally:
+                self.exited += 1
+
+        return deferring()
+
+
+class _FailsToEnter(_WithNoSync):
+    def no_sync(self) -> nullcontext[None]:
+        raise RuntimeError("cannot defer")
+
+
+def test_no_sync_of_several_targets_leaves_none_entered_when_one_fails() -> None:
+    acc, first = GradAccumulation(2), _Exits()
+    with pytest.raises(RuntimeError, match="cannot defer"):
+        acc.no_sync(first, _FailsToEnter())
+    assert (first.entered, first.exited) == (1, 1)
+    with acc.no_sync(first):
+        assert (first.entered, first.exited) == (2, 1)
+    assert first.exited == 2
 
 
 def test_state_round_trip_and_bad_steps() -> None:

@@ -15,6 +15,7 @@ IMMUTABLE_FACTORIES = {"nullcontext", "lazy_getattr", "getattr", "frozenset", "t
 # module-level containers that are constant tables, never changed after import
 CONSTANT_TABLES = {
     ("precision.py", "_DTYPES"): "name -> dtype table read by PrecisionPolicy.from_name",
+    ("__init__.py", "_LAZY"): "lazy export table read by lazy_getattr",
     ("zero/__init__.py", "_LAZY"): "lazy export table read by lazy_getattr",
 }
 

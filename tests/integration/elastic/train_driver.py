@@ -1,0 +1,101 @@
+"""The example job (``examples/train_gpt.py``) with the hooks of the elastic tests and benchmarks around its trainer.
+
+Run it as the example is run (under ``elasticzero-run``, or directly: a world of one), with the example's flags and:
+
+- ``--record-samples FILE``: after every optimizer step each rank appends one JSON line ``{"step", "rank", "world",
+  "attempt", "resumed", "started", "load_s", "time", "samples": [[epoch, id], ...]}`` (docs/elastic-training.md, "The
+  sample record");
+- ``--hold-file FILE``: before step N+1 (after step N and its checkpoint) the job waits while FILE exists and holds a
+  number <= N, collectively (a lost peer fails the job). A test holds the job at a known step this way.
+
+:class:`DrivenTrainer` subclasses the example's ``Trainer``: the example's own loop runs, the hooks wrap its
+``load`` and ``train_step``. Used by ``test_elastic_e2e.py`` and ``bench/elastic_recovery_bench.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))  # the example job and its gpt.py
+import train_gpt
+
+
+class DrivenTrainer(train_gpt.Trainer):
+    """The example's trainer, recording each step's samples and holding at the step a file names."""
+
+    @staticmethod
+    def parser() -> argparse.ArgumentParser:
+        p = train_gpt.Trainer.parser()
+        p.add_argument("--record-samples", type=Path, help="append each step's sample ids per rank to this JSONL file")
+        p.add_argument("--hold-file", type=Path, help="before step N+1, wait while this file holds a number <= N")
+        return p
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        self.recording = args.record_samples is not None
+        if self.recording:
+            self.loader.sampler.record = []  # (epoch, index) of every sample this rank trains on
+        self.started = psutil.Process().create_time()  # this worker process's start (wall clock)
+        self.attempt, self.resumed, self.load_s = 0, 0, 0.0
+
+    def load(self) -> int:
+        t0 = time.perf_counter()
+        self.resumed = super().load()
+        self.load_s = time.perf_counter() - t0
+        self.attempt = attempt_id()
+        return self.resumed
+
+    def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        hold(self.args.hold_file, self.step - 1)
+        loss = super().train_step(batches)
+        if self.recording:
+            self.record()
+        return loss
+
+    def record(self) -> None:
+        """The sample ids this rank trained on in this step, one JSON line (O_APPEND keeps the ranks' lines whole)."""
+        sampler = self.loader.sampler
+        assert sampler.record is not None
+        samples, sampler.record[:] = list(sampler.record), []
+        fields = {"step": self.step, "rank": self.rank, "world": self.world, "attempt": self.attempt}
+        fields |= {"resumed": self.resumed, "started": self.started, "load_s": self.load_s, "time": time.time()}
+        with self.args.record_samples.open("a") as fh:
+            fh.write(json.dumps({**fields, "samples": samples}) + "\n")
+
+
+def attempt_id() -> int:
+    """One id per (re)start of the job, the same on every rank and larger at each restart (rank 0's clock)."""
+    stamp = torch.tensor(time.time_ns(), dtype=torch.int64)
+    dist.broadcast(stamp, 0)
+    return int(stamp.item())
+
+
+def hold(path: Path | None, step: int) -> None:
+    """Wait (collectively: a lost peer fails the job) while ``path`` exists and names a step <= ``step``."""
+    while path is not None:
+        flag = torch.tensor(int(dist.get_rank() == 0 and held(path, step)))
+        dist.broadcast(flag, 0)
+        if not flag.item():
+            return
+        time.sleep(0.2)
+
+
+def held(path: Path, step: int) -> bool:
+    try:
+        return int(path.read_text().strip() or 0) <= step
+    except (FileNotFoundError, ValueError):
+        return False
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)  # the ranks of a test share this machine's cores
+    raise SystemExit(train_gpt.main(trainer=DrivenTrainer))

@@ -12,8 +12,9 @@ What keeps it cheap on larger spaces:
   the first success;
 * first improvement: the unmeasured neighbours are proposed in priority order — the direction of the last move
   first, then the plane, then the settings still open — and the search moves to the best measured neighbour as soon
-  as one beats the current point. On a one-experiment pool that is after the first better one; when the pool runs
-  the neighbours side by side, the best of those measured;
+  as one is clearly better than the current point (beyond the noise, :func:`~.metrics.clearly_better`); a smaller
+  improvement moves it once the whole neighbourhood is measured. On a one-experiment pool that is after the first
+  clearly better one; when the pool runs the neighbours side by side, the best of those measured;
 * screening: a setting that was compared at two points of the rest of the space without contradiction (no value
   clearly beat another at one point and clearly lost to it at the other; ties agree with anything) does not interact
   with where the search is: it is not probed again after a move, and the search keeps the value it carries. A
@@ -62,8 +63,8 @@ def descend(
         return [p for p in start_order(points, live, first) if p not in first][:1]
     incumbent = next(p for p in first if p in measured)  # the first success: where the walk ended
     usable = {p for p in live if p not in first or p in measured}  # not ruled out, not failed
-    previous, incumbent = climb(incumbent, points, usable, measured, metric)
     skip = screened(points, measured, metric, noise)
+    previous, incumbent = climb(incumbent, points, usable, measured, metric, noise, skip)
     todo = [p for p in neighbours(incumbent, points, usable, previous, skip) if p not in first]
     return todo[: None if limit is None else limit - len(first)]
 
@@ -77,17 +78,28 @@ def start_order(points: Sequence[Point], live: Sequence[Point], first: Mapping[P
 
 
 def climb(
-    start: Point, points: Sequence[Point], usable: set[Point], measured: Mapping[Point, Measurement], metric: Metric
+    start: Point,
+    points: Sequence[Point],
+    usable: set[Point],
+    measured: Mapping[Point, Measurement],
+    metric: Metric,
+    noise: float,
+    skip: frozenset[str],
 ) -> tuple[Point | None, Point]:
-    """``(the point before, the current point)``: from ``start``, moves to the best measured neighbour while one
-    beats the current point (strictly; each move improves, so the walk ends)."""
+    """``(the point before, the current point)``: from ``start``, moves to the best measured neighbour while it is
+    clearly better than the current point (beyond the noise), or better at all once every neighbour the search
+    would probe is measured (each move improves, so the walk ends)."""
     key = {p: metric.sort_key(m.value) for p, m in measured.items()}
     previous, current = None, start
     while True:
-        better = [p for p in neighbours(current, points, usable) if p in key and key[p] < key[current]]
-        if not better:
+        near = neighbours(current, points, usable)
+        better = sorted((p for p in near if p in key and key[p] < key[current]), key=key.__getitem__)
+        complete = all(p in key for p in neighbours(current, points, usable, skip=skip))
+        if not better or not (
+            complete or clearly_better(metric, measured[better[0]], measured[current], rel_floor=noise)
+        ):
             return previous, current
-        previous, current = current, min(better, key=key.__getitem__)
+        previous, current = current, better[0]
 
 
 def neighbours(

@@ -188,3 +188,13 @@ def test_halving_only_where_cutting_to_one_in_eta_pays() -> None:
     # halving 3 x 15 s + 1 x 21 s = 66 s > 3 x 21 s = 63 s for three points: one round
     assert ratio < default_one_round_ratio(spec.eta) and ModelBasedTuner(spec).one_round(hist) is True
     assert ModelBasedTuner(spec, one_round_ratio=ratio * 0.9).one_round(hist) is False
+
+
+def test_an_improvement_within_the_noise_moves_only_once_the_neighbourhood_is_measured() -> None:
+    points = _points()
+    first = _first(points, {(1, 16, 1024, "bf16"): None, (1, 8, 1024, "bf16"): None, (1, 4, 1024, "bf16"): 1.0})
+    first |= _first(points, {(1, 2, 1024, "bf16"): 1.005})  # better by 0.5 %, under the 1 % noise floor
+    rest = _descend(points, first)
+    assert _at(points, 2, 4) in rest and _at(points, 1, 1) not in rest  # still z1 mb4's neighbourhood
+    first |= {p: _ok(0.5) for p in rest}  # the rest is worse: now the small improvement is the best there is
+    assert _at(points, 1, 1) in _descend(points, first)

@@ -414,15 +414,6 @@ class Job:
         """An experiment's seconds: the fixed cost and its steps (warm-up included); an OOM dies in its first step."""
         return self.fixed_s + step * (steps if fits else 1)
 
-    def grid_seconds(self, points, steps: int) -> float:
-        """The grid's seconds: every point once, ``steps`` steps after the warm-up."""
-        total = 0.0
-        for p in points:
-            fits = self.memory(p.stage, p.micro_batch, p.bucket_bytes, p.precision) <= self.capacity
-            step = self.step_seconds(p.stage, p.micro_batch, p.accumulation, p.bucket_bytes, p.precision)
-            total += self.seconds(fits, step, steps)
-        return total
-
     def throughput(self, p) -> float | None:
         """A point's true samples/s (``None``: it does not fit)."""
         if self.memory(p.stage, p.micro_batch, p.bucket_bytes, p.precision) > self.capacity:
@@ -488,24 +479,26 @@ def _synth_tune(tuner, points, job: Job, rng: random.Random, spec, tmp: Path) ->
 
 
 def synth_replay(seeds: int, fixed: tuple[float, float], ratio: float | None = None) -> dict:
-    """Per seed (a job drawn from the seed): the grid's seconds (every point once at ``measure_steps``), the
-    model-based tuner (``ratio``: its one-round threshold; ``None``: the default) and random search at the tuner's
-    seconds. Quality = the true throughput of the point chosen / the best point's; cost = experiment seconds / the
-    grid's."""
+    """Per seed (a job drawn from the seed): the grid run to its end (every point once at ``measure_steps``; its
+    seconds are the reference), the model-based tuner (``ratio``: its one-round threshold; ``None``: the default)
+    and random search at the tuner's seconds. Quality = the true throughput of the point chosen / the best point's;
+    cost = experiment seconds / the grid's."""
     from elasticzero.autotune.space import Base, expand, parse_tuning
-    from elasticzero.autotune.tuners import ModelBasedTuner, best
+    from elasticzero.autotune.tuners import GridTuner, ModelBasedTuner, best
 
     spec = parse_tuning({"space": SYNTH_SPACE, **SYNTH_WINDOW}, "bench")
     base = Base(1, 1, SYNTH_CONFIG["accumulation_steps"], SYNTH_CONFIG["train_batch_size"])
     points = expand(spec, base, SYNTH_WORLD)[0]
-    out: dict = {"count": [], "quality": [], "cost": [], "random": [], "points": len(points), "ooms": []}
+    out: dict = {"count": [], "quality": [], "cost": [], "random": [], "grid": [], "points": len(points), "ooms": []}
     shm = Path("/dev/shm")  # a report is written atomically (fsync): in memory when the machine has it
     with tempfile.TemporaryDirectory(prefix="at_synth_", dir=shm if shm.is_dir() else None) as tmp:
         for seed in range(seeds):
             job = Job.draw(random.Random(seed), fixed)
             true = {p: v for p in points if (v := job.throughput(p)) is not None}
             top = max(true.values())
-            grid_s = job.grid_seconds(points, spec.warmup_steps + spec.measure_steps)
+            grid = _synth_tune(GridTuner(spec), points, job, random.Random(seed), spec, Path(tmp))
+            grid_s = sum(o.seconds for _, o in grid)
+            out["grid"].append(true[best(grid, spec.metric)[0].point] / top)  # its choice: one measurement each
             tuner = ModelBasedTuner(spec) if ratio is None else ModelBasedTuner(spec, ratio)
             hist = _synth_tune(tuner, points, job, random.Random(10_000 + seed), spec, Path(tmp))
             spent = sum(o.seconds for _, o in hist)
@@ -551,7 +544,10 @@ def synthetic(seeds: int) -> None:
             print(f"{regime + ': ' + label:<44} {med(c):>2.0f}/{r['points']} ({min(c)}-{max(c)}) "
                   f"{med(t):.3f} ({max(t):.3f})  {med(q):.3f} ({min(q):.3f})  {share:>5.0%}    "
                   f"{med(rnd):.3f} ({min(rnd):.3f})")  # fmt: skip
-        print(f"{regime}: out-of-memory points per job {med(r['ooms']):.0f} ({min(r['ooms'])}-{max(r['ooms'])})")
+        g = r["grid"]
+        print(f"{regime}: the grid's own choice {med(g):.3f} ({min(g):.3f}), >= 0.95 in "
+              f"{sum(x >= 0.95 for x in g) / len(g):.0%}; out-of-memory points per job {med(r['ooms']):.0f} "
+              f"({min(r['ooms'])}-{max(r['ooms'])})")  # fmt: skip
 
 
 def main() -> int:

@@ -111,27 +111,16 @@ def neighbours(
 ) -> list[Point]:
     """``q``'s usable neighbours (see the module docstring) in priority order: the continuation of the move
     ``previous`` → ``q``, then micro-batch steps, stage steps, the diagonal, the settings but those in ``skip`` (the
-    prior breaks ties). Another value of a setting that is ruled out or failed at ``q``'s micro batch is tried
-    at the largest smaller one still usable (walking down past the OOM, as the start does)."""
+    prior breaks ties)."""
     stages = sorted({p.stage for p in points})
     micros = sorted({p.micro_batch for p in points})
     ahead = _ahead(previous, q, stages, micros)
     ranked = []
     for p in points:
         rank = _rank(q, p, stages, micros)
-        if rank == SETTING and _differs_in(q, p) not in skip:
-            near = p if p in usable else _below(p, usable)
-        else:
-            near = p if rank not in (None, SETTING) and p in usable else None
-        if near is not None:
-            ranked.append((0 if (near.stage, near.micro_batch) == ahead else 1, rank, prior(near), near))
+        if rank is not None and p in usable and _differs_in(q, p) not in skip:
+            ranked.append((0 if (p.stage, p.micro_batch) == ahead else 1, rank, prior(p), p))
     return [p for *_, p in sorted(ranked, key=lambda t: t[:3])]
-
-
-def _below(p: Point, usable: set[Point]) -> Point | None:
-    """``p``'s settings at its stage with the largest smaller micro batch still usable (``None``: none)."""
-    below = [u for u in usable if (u.stage, u.memory_class()) == (p.stage, p.memory_class())]
-    return max((u for u in below if u.micro_batch < p.micro_batch), key=lambda u: u.micro_batch, default=None)
 
 
 def _rank(q: Point, p: Point, stages: list[int], micros: list[int]) -> int | None:

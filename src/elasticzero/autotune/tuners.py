@@ -15,7 +15,8 @@ OOM) is dropped before it starts, and a restarted tuner recomputes the same prop
      fits at s+1, so what does not fit at s does not fit below it);
   2. round 0 (``min_steps`` steps each, or ``measure_steps``: see below) is a local search (:mod:`.search`): from
      the lowest stage with the largest micro batch the memory model allows, it measures the neighbours of the
-     current point in priority order and moves as soon as one is better, until the point is a local optimum;
+     current point in priority order and moves as soon as one is clearly better, until the point is a local
+     optimum;
      settings found not to interact are not probed again after a move;
   3. successive halving on round 0's results: each round keeps the best 1/eta — plus every point the noise-aware
      comparison cannot tell apart from the last one kept — and measures them ``eta`` times longer, up to

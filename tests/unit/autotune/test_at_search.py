@@ -158,16 +158,6 @@ def test_ties_agree_with_anything() -> None:
     assert "precision" in screened(points, tied, THR, 0.01)  # 0.5 % is within the noise floor: no contradiction
 
 
-def test_a_setting_that_does_not_fit_here_is_tried_one_micro_batch_down() -> None:
-    points = _points()
-    first = _first(
-        points,
-        {(1, 16, 1024, "bf16"): None, (1, 8, 1024, "bf16"): 1.0, (1, 4, 1024, "bf16"): 0.5, (2, 8, 1024, "bf16"): 0.5},
-    )
-    first |= _first(points, {(2, 16, 1024, "bf16"): 0.5, (1, 8, 4096, "bf16"): 0.9, (1, 8, 1024, "fp32"): None})
-    assert _key(_descend(points, first)[0]) == (1, 4, 1024, "fp32")  # fp32 OOMs at mb8: its best chance is mb4
-
-
 @pytest.mark.parametrize(("min_steps", "measure", "rungs"), [(3, 10, [3, 10]), (3, 9, [3, 9]), (2, 18, [2, 6, 18])])
 def test_halving_skips_a_round_that_would_leave_less_than_eta(min_steps: int, measure: int, rungs: list[int]) -> None:
     spec = parse_tuning({"space": {"micro_batch": [1, 2]}, "min_steps": min_steps, "measure_steps": measure}, "x")

@@ -18,6 +18,15 @@ Not a test: nothing asserts; every figure printed comes from this run or from th
 3. ``confirm`` (live): one real model-based run; its choice, experiment count and cost next to the grid's and next
    to the simulator's prediction (noise from ``--live`` if given, else ``sd``), and the run-to-run noise between
    it and the table.
+4. ``synthetic``: the larger space — 3 stages x 5 micro batches x 2 bucket sizes x 2 precisions = 60 points — of a
+   synthetic job (:class:`Job`: memory and step time from ZeRO's partitioning and traffic, out-of-memory regions at
+   the lower stages and larger micro batches, noise per step and per run), its figures drawn per seed so the best
+   point moves. Each experiment goes through the trial contract (:func:`synthetic_trial`: the trial config the tuner
+   writes, the window in the environment, the report file read back and classified as a live one), one at a time.
+   Quality = the true throughput of the point chosen / the best point's; time = the experiments' seconds / the
+   grid's (every point once, out-of-memory ones included); random search gets the same seconds. Two cost regimes
+   (start-up or steps dominate an experiment), each with the cost-aware tuner, one that always halves and one that
+   never does; medians (and min / max) over the seeds.
 
 ::
 
@@ -25,6 +34,7 @@ Not a test: nothing asserts; every figure printed comes from this run or from th
     .venv/bin/python bench/autotune_bench.py simulate --table bench/results/autotune_grid/results.csv --seeds 21 \
         [--live bench/results/autotune_grid_confirm/results/results.csv]
     .venv/bin/python bench/autotune_bench.py confirm --table bench/results/autotune_grid/results.csv
+    .venv/bin/python bench/autotune_bench.py synthetic --seeds 51
 """
 
 from __future__ import annotations
@@ -40,6 +50,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -329,6 +341,215 @@ def simulate(table: Path, seeds: int, live: Path | None) -> None:
         print(_line(f"{label[noise]}: model-based, always halving", replay(table, seeds, noise, sig, 0.0)))
 
 
+# ------------------------------------------------------------------------------------------------ the synthetic space
+
+#: the larger space: 3 stages x 5 micro batches x 2 bucket sizes x 2 precisions = 60 points
+SYNTH_SPACE = {
+    "stage": [1, 2, 3],
+    "micro_batch": [1, 2, 4, 8, 16],
+    "bucket_bytes": [262144, 8388608],
+    "precision": ["fp32", "bf16"],
+}
+SYNTH_CONFIG = {"zero": {"stage": 1}, "micro_batch_size": 1, "accumulation_steps": 16, "train_batch_size": 128}
+SYNTH_WORLD = 8
+SYNTH_WINDOW = {"warmup_steps": 3, "measure_steps": 10, "min_steps": 3, "eta": 3}
+#: an experiment's fixed cost (launch, imports, model build), seconds: start-up dominated, step dominated
+SYNTH_REGIMES = {"start-up dominated": (20.0, 40.0), "step dominated": (2.0, 5.0)}
+
+
+@dataclass(frozen=True)
+class Job:
+    """The synthetic job: a 1 B-parameter model on 8 data-parallel ranks, global batch 128; its figures are drawn per
+    seed (so is where its best configuration lies).
+
+    Memory per rank (GB): the model states ZeRO leaves on a rank (bytes per parameter: fp32 weights 4 + grads 4 +
+    Adam 8; bf16 2 + 2 beside 12 of fp32 masters and Adam; stage 1 partitions the optimizer, 2 also the grads, 3 also
+    the weights) + activations x micro batch (bf16 0.6 of fp32's) + two buckets; above ``capacity`` the trial reports
+    ``oom`` in its first step. A step: ``accumulation`` micro-batches of compute (``sample_s`` a sample, bf16
+    ``bf16_speed`` times that — faster or slower by the hardware — plus ``micro_s`` overhead per micro-batch) and the
+    gradient traffic: stage 1 reduces once a step, stage 2 reduce-scatters every micro-batch and gathers the weights
+    once, stage 3 also gathers the weights twice a micro-batch; bf16 halves the bytes; ``exposed`` of it is not hidden
+    behind compute, a large bucket exposes ``late`` more, each bucket's collective costs ``call_s``. So micro batch
+    and stage interact strongly (memory, traffic per micro-batch), bucket size and precision weakly (traffic volume,
+    bucket count, activation memory).
+    """
+
+    capacity: float  # GB per rank
+    sample_s: float  # compute seconds per sample, fp32
+    bf16_speed: float  # bf16 compute time / fp32's
+    micro_s: float  # overhead per micro-batch
+    bandwidth: float  # GB/s between the ranks
+    call_s: float  # latency of one bucket's collective
+    late: float  # extra share of the traffic a large bucket exposes
+    exposed: float  # share of the traffic not hidden behind compute
+    fixed_s: float  # launch, imports, model build
+    step_sd: float  # relative per-step spread
+    run_sd: float  # relative run-to-run noise
+
+    PARAMS = 1.0e9
+
+    @classmethod
+    def draw(cls, rng: random.Random, fixed: tuple[float, float]) -> Job:
+        u = rng.uniform
+        return cls(u(12.0, 16.0), u(0.05, 0.09), u(0.6, 1.15), u(0.01, 0.05), u(10.0, 40.0), u(5e-7, 5e-6),
+                   u(0.05, 0.3), u(0.15, 0.4), u(*fixed), u(0.03, 0.08), u(0.01, 0.04))  # fmt: skip
+
+    def memory(self, stage: int, micro: int, bucket: int, precision: str) -> float:
+        bf16 = precision == "bf16"
+        weights, grads, optim = (2.0, 2.0, 12.0) if bf16 else (4.0, 4.0, 8.0)
+        n = SYNTH_WORLD
+        per_param = weights / (n if stage >= 3 else 1) + grads / (n if stage >= 2 else 1) + optim / n
+        return self.PARAMS * per_param / 1e9 + micro * (0.6 if bf16 else 1.0) + 2 * bucket / 1e9
+
+    def step_seconds(self, stage: int, micro: int, accumulation: int, bucket: int, precision: str) -> float:
+        bf16 = precision == "bf16"
+        compute = accumulation * (micro * self.sample_s * (self.bf16_speed if bf16 else 1.0) + self.micro_s)
+        volume = self.PARAMS * (2 if bf16 else 4) / 1e9  # GB of gradients
+        passes = {1: 1.0, 2: 0.5 * accumulation + 0.5, 3: 1.5 * accumulation + 0.5}[stage]
+        calls = passes * volume * 1e9 / bucket * self.call_s
+        exposed = self.exposed + (self.late if bucket > 1 << 20 else 0.0)
+        return compute + passes * volume / self.bandwidth * exposed + calls
+
+    def seconds(self, fits: bool, step: float, steps: int) -> float:
+        """An experiment's seconds: the fixed cost and its steps (warm-up included); an OOM dies in its first step."""
+        return self.fixed_s + step * (steps if fits else 1)
+
+    def throughput(self, p) -> float | None:
+        """A point's true samples/s (``None``: it does not fit)."""
+        if self.memory(p.stage, p.micro_batch, p.bucket_bytes, p.precision) > self.capacity:
+            return None
+        step = self.step_seconds(p.stage, p.micro_batch, p.accumulation, p.bucket_bytes, p.precision)
+        return SYNTH_CONFIG["train_batch_size"] / step
+
+
+def synthetic_trial(config: Mapping, job: Job, rng: random.Random, env: Mapping[str, str]) -> float:
+    """One experiment of the synthetic job as a trial script runs it: its config (what the tuner wrote), its window
+    from the environment, its report through ``autotune.report`` to ``$ELASTICZERO_AUTOTUNE_METRICS``; returns the
+    seconds it took (the fixed cost plus its warm-up and measured steps; an OOM dies in its first step). The measured
+    step time is the true one times the run-to-run noise and the per-step spread averaged over the steps; the
+    reported spread is drawn as a sample of that many steps gives it."""
+    from elasticzero import autotune
+
+    zero = config["zero"]
+    stage, micro, accum = zero["stage"], config["micro_batch_size"], config["accumulation_steps"]
+    bucket, precision = zero["bucket_bytes"], config["precision"]["dtype"]
+    step = job.step_seconds(stage, micro, accum, bucket, precision)
+    path = env["ELASTICZERO_AUTOTUNE_METRICS"]
+    warmup, steps = int(env["ELASTICZERO_AUTOTUNE_WARMUP_STEPS"]), int(env["ELASTICZERO_AUTOTUNE_MEASURE_STEPS"])
+    seconds = job.seconds(job.memory(stage, micro, bucket, precision) <= job.capacity, step, warmup + steps)
+    if job.memory(stage, micro, bucket, precision) > job.capacity:
+        autotune.report("oom", message="OutOfMemoryError: synthetic", path=path)
+        return seconds
+    noise = math.hypot(job.run_sd, job.step_sd / math.sqrt(steps))
+    latency = step * math.exp(rng.gauss(0.0, noise))
+    spread = job.step_sd * math.sqrt(rng.gammavariate((steps - 1) / 2, 2) / (steps - 1)) if steps > 1 else 0.0
+    thr = config["train_batch_size"] / latency
+    metrics = {"throughput": thr, "throughput_stdev": thr * spread, "latency": latency,
+               "latency_stdev": latency * spread, "steps": steps}  # fmt: skip
+    autotune.report("ok", metrics, path=path)
+    return seconds
+
+
+def _synth_run(cand, job: Job, rng: random.Random, spec, report_path: Path):
+    """An experiment of the synthetic job through the contract: the trial config the tuner writes, the window in the
+    environment, the report file read back and classified as the tuner classifies a live one."""
+    from elasticzero.autotune.contract import read_report
+    from elasticzero.autotune.dialect import apply_point
+    from elasticzero.autotune.outcome import classify
+
+    config = apply_point(SYNTH_CONFIG, cand.point, False, SYNTH_CONFIG["train_batch_size"])
+    env = {
+        "ELASTICZERO_AUTOTUNE_METRICS": str(report_path),
+        "ELASTICZERO_AUTOTUNE_WARMUP_STEPS": str(spec.warmup_steps),
+        "ELASTICZERO_AUTOTUNE_MEASURE_STEPS": str(cand.steps),
+    }
+    report_path.unlink(missing_ok=True)
+    seconds = synthetic_trial(config, job, rng, env)
+    report = read_report(report_path)
+    code = 0 if not isinstance(report, str) and report.status == "ok" else 1
+    return classify(code, report, False, spec.metric, seconds, spec.timeout)
+
+
+def _synth_tune(tuner, points, job: Job, rng: random.Random, spec, tmp: Path) -> list:
+    """The tuner run to its end one experiment at a time (its first proposal each time), as on a one-host pool."""
+    hist: list = []
+    while cands := tuner.propose(points, hist):
+        hist.append((cands[0], _synth_run(cands[0], job, rng, spec, tmp / "metrics.json")))
+    return hist
+
+
+def synth_replay(seeds: int, fixed: tuple[float, float], ratio: float | None = None) -> dict:
+    """Per seed (a job drawn from the seed): the grid run to its end (every point once at ``measure_steps``; its
+    seconds are the reference), the model-based tuner (``ratio``: its one-round threshold; ``None``: the default)
+    and random search at the tuner's seconds. Quality = the true throughput of the point chosen / the best point's;
+    cost = experiment seconds / the grid's."""
+    from elasticzero.autotune.space import Base, expand, parse_tuning
+    from elasticzero.autotune.tuners import GridTuner, ModelBasedTuner, best
+
+    spec = parse_tuning({"space": SYNTH_SPACE, **SYNTH_WINDOW}, "bench")
+    base = Base(1, 1, SYNTH_CONFIG["accumulation_steps"], SYNTH_CONFIG["train_batch_size"])
+    points = expand(spec, base, SYNTH_WORLD)[0]
+    out: dict = {"count": [], "quality": [], "cost": [], "random": [], "grid": [], "points": len(points), "ooms": []}
+    shm = Path("/dev/shm")  # a report is written atomically (fsync): in memory when the machine has it
+    with tempfile.TemporaryDirectory(prefix="at_synth_", dir=shm if shm.is_dir() else None) as tmp:
+        for seed in range(seeds):
+            job = Job.draw(random.Random(seed), fixed)
+            true = {p: v for p in points if (v := job.throughput(p)) is not None}
+            top = max(true.values())
+            grid = _synth_tune(GridTuner(spec), points, job, random.Random(seed), spec, Path(tmp))
+            grid_s = sum(o.seconds for _, o in grid)
+            out["grid"].append(true[best(grid, spec.metric)[0].point] / top)  # its choice: one measurement each
+            tuner = ModelBasedTuner(spec) if ratio is None else ModelBasedTuner(spec, ratio)
+            hist = _synth_tune(tuner, points, job, random.Random(10_000 + seed), spec, Path(tmp))
+            spent = sum(o.seconds for _, o in hist)
+            chosen = best(hist, spec.metric)
+            out["count"].append(len(hist))
+            out["ooms"].append(len(points) - len(true))
+            out["quality"].append(true.get(chosen[0].point, 0.0) / top if chosen else 0.0)
+            out["cost"].append(spent / grid_s)
+            rnd = _synth_random(points, spent, seed, job, spec, Path(tmp))
+            out["random"].append(true.get(rnd, 0.0) / top if rnd else 0.0)
+    return out
+
+
+def _synth_random(points, budget: float, seed: int, job: Job, spec, tmp: Path):
+    """Random search at the model-based tuner's cost: seeded order, full measurements, until the budget is spent."""
+    from elasticzero.autotune.tuners import Candidate, best
+
+    order = list(points)
+    random.Random(1000 + seed).shuffle(order)
+    hist: list = []
+    rng = random.Random(20_000 + seed)
+    for p in order:
+        if sum(o.seconds for _, o in hist) >= budget:
+            break
+        cand = Candidate(p, spec.measure_steps)
+        hist.append((cand, _synth_run(cand, job, rng, spec, tmp / "metrics.json")))
+    found = best(hist, spec.metric)
+    return found[0].point if found else None
+
+
+def synthetic(seeds: int) -> None:
+    """The 60-point synthetic space in both cost regimes, medians (and min or max) over ``seeds`` jobs."""
+    med = statistics.median
+    print(f"synthetic space: {' x '.join(str(len(v)) for v in SYNTH_SPACE.values())} points "
+          f"({', '.join(SYNTH_SPACE)}), {SYNTH_WORLD} ranks, global batch {SYNTH_CONFIG['train_batch_size']}, "
+          f"{seeds} seeds (a job drawn per seed); median (min or max):")  # fmt: skip
+    print(f"{'regime: tuner':<44} {'experiments':<12} {'grid time':<15} {'quality':<15} {'>= 0.95':<8} random")
+    for regime, fixed in SYNTH_REGIMES.items():
+        for label, ratio in (("model-based", None), ("always halving", 0.0), ("one round", math.inf)):
+            r = synth_replay(seeds, fixed, ratio)
+            c, q, t, rnd = r["count"], r["quality"], r["cost"], r["random"]
+            share = sum(x >= 0.95 for x in q) / len(q)
+            print(f"{regime + ': ' + label:<44} {med(c):>2.0f}/{r['points']} ({min(c)}-{max(c)}) "
+                  f"{med(t):.3f} ({max(t):.3f})  {med(q):.3f} ({min(q):.3f})  {share:>5.0%}    "
+                  f"{med(rnd):.3f} ({min(rnd):.3f})")  # fmt: skip
+        g = r["grid"]
+        print(f"{regime}: the grid's own choice {med(g):.3f} ({min(g):.3f}), >= 0.95 in "
+              f"{sum(x >= 0.95 for x in g) / len(g):.0%}; out-of-memory points per job {med(r['ooms']):.0f} "
+              f"({min(r['ooms'])}-{max(r['ooms'])})")  # fmt: skip
+
+
 def main() -> int:
     if "--trial" in sys.argv:
         p = argparse.ArgumentParser()
@@ -339,7 +560,7 @@ def main() -> int:
         a = p.parse_args()
         return trial(a.config, a.size, a.seq_len)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", choices=["record", "simulate", "confirm", "duel"])
+    p.add_argument("mode", choices=["record", "simulate", "confirm", "duel", "synthetic"])
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "autotune_grid")
     p.add_argument("--table", type=Path)
     p.add_argument("--seeds", type=int, default=21)
@@ -352,6 +573,8 @@ def main() -> int:
         record(a.out, a.port)
     elif a.mode == "duel":
         duel(a.table or a.out / "results" / "results.csv", a.chosen, a.pairs)
+    elif a.mode == "synthetic":
+        synthetic(a.seeds)
     elif a.mode == "simulate":
         simulate(a.table or a.out / "results" / "results.csv", a.seeds, a.live)
     else:

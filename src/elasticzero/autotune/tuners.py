@@ -10,21 +10,25 @@ OOM) is dropped before it starts, and a restarted tuner recomputes the same prop
 * :class:`ModelBasedTuner` — memory-model pruning, a local search, then successive halving — or one round when
   an experiment's fixed cost dominates its steps:
 
-  1. an OOM at (stage s, micro batch m) rules out every point of the same other settings with a micro batch
-     ≥ m at a stage ≤ s (a larger batch needs more memory; what fits at stage s fits at s+1, so what does not
-     fit at s does not fit below it);
-  2. round 0 (``min_steps`` steps each, or ``measure_steps``: see below) is a local search (:func:`descend`): from
-     the lowest stage with the largest micro batch the memory model allows, it measures the unmeasured neighbours
-     of the best point so far until that point is a local optimum;
+  1. an OOM at (stage s, micro batch m, bucket b) rules out every point of the same other settings with a micro
+     batch ≥ m at a stage ≤ s with a bucket ≥ b (a larger batch or bucket needs more memory; what fits at stage s
+     fits at s+1, so what does not fit at s does not fit below it);
+  2. round 0 (``min_steps`` steps each, or ``measure_steps``: see below) is a local search (:mod:`.search`): from
+     the lowest stage with the largest micro batch the memory model allows, it measures the neighbours of the
+     current point in priority order and moves as soon as one is clearly better, until the point is a local
+     optimum;
+     settings found not to interact are not probed again after a move;
   3. successive halving on round 0's results: each round keeps the best 1/eta — plus every point the noise-aware
      comparison cannot tell apart from the last one kept — and measures them ``eta`` times longer, up to
-     ``measure_steps``; it stops when one point is left or the full ``measure_steps`` round is done. A point already
-     measured at least a round's steps is not measured again.
+     ``measure_steps`` (a round that would leave less than a factor ``eta`` to ``measure_steps`` goes straight to
+     it); it stops when one point is left or the full ``measure_steps`` round is done. A point already measured at
+     least a round's steps is not measured again.
 
 Cost-aware (:func:`estimate_cost`, :meth:`ModelBasedTuner.one_round`): from the experiments so far the tuner
-estimates an experiment's fixed cost (launch, imports, model build, warm-up) and its cost per step. When measuring
-``measure_steps`` costs less than ``one_round_ratio`` (1.25) times measuring ``min_steps``, re-launching survivors
-for longer measurements buys nothing: round 0 measures ``measure_steps`` and halving jumps straight to
+estimates an experiment's fixed cost (launch, imports, model build, warm-up) and its cost per step. Halving pays only
+when cutting round 0 to 1/eta saves more than round 0 costs: when measuring ``measure_steps`` costs less than
+``eta/(eta-1)`` (1.5 for eta 3) times measuring ``min_steps`` (:func:`default_one_round_ratio`), re-launching
+survivors for longer measurements buys nothing: round 0 measures ``measure_steps`` and halving jumps straight to
 ``measure_steps``: nothing is measured twice. Until a first success tells the cost, probes measure
 ``measure_steps`` (in the fixed-cost regime that is their only measurement; in the step regime it is one longer
 experiment, kept). A round's cut uses each point's measurements up to that round; a clear winner that lacks the
@@ -41,6 +45,7 @@ from dataclasses import dataclass
 
 from elasticzero.autotune.metrics import Measurement, Metric, clearly_better
 from elasticzero.autotune.outcome import Outcome
+from elasticzero.autotune.search import descend
 from elasticzero.autotune.space import Point, TuningSpec
 
 __all__ = [
@@ -50,9 +55,11 @@ __all__ = [
     "ModelBasedTuner",
     "RandomTuner",
     "best",
+    "default_one_round_ratio",
     "descend",
     "estimate_cost",
     "make_tuner",
+    "needs_more_memory",
     "pruned_by_oom",
     "stalled",
 ]
@@ -89,8 +96,10 @@ class RandomTuner:
         return _missing([Candidate(p, self.spec.measure_steps) for p in order[:n]], history)
 
 
-#: measuring ``measure_steps`` costing less than this many times ``min_steps``: one round (see the module docstring)
-ONE_ROUND_RATIO = 1.25
+def default_one_round_ratio(eta: int) -> float:
+    """Halving pays when cutting to 1/eta saves more than round 0 costs: N x cost(min) + N/eta x cost(measure) <
+    N x cost(measure), i.e. cost(measure) > eta/(eta-1) x cost(min); below that ratio, one round (1.5 for eta 3)."""
+    return eta / (eta - 1)
 
 
 @dataclass(frozen=True)
@@ -126,9 +135,9 @@ def estimate_cost(history: History, warmup_steps: int) -> CostModel | None:
 
 
 class ModelBasedTuner:
-    def __init__(self, spec: TuningSpec, one_round_ratio: float = ONE_ROUND_RATIO) -> None:
+    def __init__(self, spec: TuningSpec, one_round_ratio: float | None = None) -> None:
         self.spec = spec
-        self.one_round_ratio = one_round_ratio
+        self.one_round_ratio = default_one_round_ratio(spec.eta) if one_round_ratio is None else one_round_ratio
 
     def one_round(self, history: History) -> bool | None:
         """Whether the fixed cost dominates: ``measure_steps`` cost < ratio x ``min_steps`` (``None``: unknown)."""
@@ -147,13 +156,16 @@ class ModelBasedTuner:
     def rung_steps(self, rung: int, one_round: bool = False) -> int:
         if one_round:
             return self.spec.measure_steps if rung else min(self.spec.min_steps, self.spec.measure_steps)
-        return min(self.spec.measure_steps, self.spec.min_steps * self.spec.eta**rung)
+        steps = self.spec.min_steps * self.spec.eta**rung
+        if rung and steps * self.spec.eta > self.spec.measure_steps:  # the next round would be cut short: go there
+            return self.spec.measure_steps
+        return min(self.spec.measure_steps, steps)
 
     def propose(self, points: Sequence[Point], history: History) -> list[Candidate]:
         pruned = pruned_by_oom(points, history)
         live = [p for p in points if p not in pruned]
         first = {c.point: o for c, o in history if c.rung == 0}
-        probe = descend(points, live, first, self.spec.metric, self.spec.max_trials)
+        probe = descend(points, live, first, self.spec.metric, self.spec.max_trials, self.spec.noise)
         if probe:
             steps = self.probe_steps(history)
             return [Candidate(p, steps, 0) for p in probe]
@@ -199,85 +211,6 @@ def _longest(history: History, rung: int | None) -> dict[Point, tuple[int, Outco
     return out
 
 
-def _prior(p: Point) -> tuple[object, ...]:
-    """Where the descent starts: the lowest stage (least communication) with the largest micro batch."""
-    return (p.stage, -p.micro_batch, tuple(str(v) for v in p.memory_class()))
-
-
-def descend(
-    points: Sequence[Point],
-    live: Sequence[Point],
-    first: dict[Point, Outcome],
-    metric: Metric,
-    limit: int | None,
-) -> list[Point]:
-    """Round 0's next probes: a best-improvement local search on the space.
-
-    Neighbours differ in one setting — the adjacent micro batch or stage, any other value of the remaining settings
-    — or go one stage up *and* one micro batch up (a higher stage frees the memory a larger batch needs). Before any
-    success the start is the lowest stage with the largest micro batch the memory model still allows; from the
-    first success on, the whole neighbourhood of the current point is measured, then the search moves to the best
-    of it (replayed from the results, so the path is the same after a restart). An empty list: a local optimum
-    (or ``limit`` probes were made), and successive halving takes over.
-    """
-    if limit is not None and len(first) >= limit:
-        return []
-    live_set = set(live)
-
-    def value(p: Point) -> float | None:
-        m = first[p].measurement(metric) if p in first else None
-        return None if m is None else metric.sort_key(m.value)
-
-    incumbent = next((p for p in sorted(first, key=_prior) if value(p) is not None), None)
-    if incumbent is None:  # nothing succeeded yet: walk down from the prior's favourite
-        start = next((p for p in sorted(live, key=_prior) if p not in first), None)
-        return [start] if start is not None else []
-    while True:  # best improvement: a whole neighbourhood is measured before the search moves
-        near = [p for p in _neighbours(incumbent, points) if p in live_set]
-        todo = [p for p in near if p not in first]
-        if todo:
-            return todo[: None if limit is None else limit - len(first)]
-        scored = [(v, p) for p in [incumbent, *near] if (v := value(p)) is not None]
-        nxt = min(scored, key=lambda vp: vp[0])[1]
-        if nxt == incumbent:
-            return []
-        incumbent = nxt
-
-
-def _neighbours(q: Point, points: Sequence[Point]) -> list[Point]:
-    """``q``'s neighbours (see :func:`descend`), micro-batch steps first, then stage steps, diagonal, the rest."""
-    stages = sorted({p.stage for p in points})
-    micros = sorted({p.micro_batch for p in points})
-    ranked: list[tuple[int, Point]] = []
-    for p in points:
-        rank = _neighbour_rank(q, p, stages, micros)
-        if rank is not None:
-            ranked.append((rank, p))
-    return [p for _, p in sorted(ranked, key=lambda rp: (rp[0], _prior(rp[1])))]
-
-
-def _neighbour_rank(q: Point, p: Point, stages: list[int], micros: list[int]) -> int | None:
-    def at(levels: list[int], value: int, by: int) -> int | None:
-        i = levels.index(value) + by
-        return levels[i] if 0 <= i < len(levels) else None
-
-    same_rest = (p.bucket_bytes, p.precision) == (q.bucket_bytes, q.precision) and (
-        (p.stage == 3) != (q.stage == 3)
-        or (p.prefetch, p.reshard_after_forward) == (q.prefetch, q.reshard_after_forward)
-    )
-    if (p.stage, p.micro_batch) == (q.stage, q.micro_batch):
-        return 3 if sum(a != b for a, b in zip(p.memory_class(), q.memory_class(), strict=True)) == 1 else None
-    if not same_rest:
-        return None
-    if p.stage == q.stage and p.micro_batch in (at(micros, q.micro_batch, -1), at(micros, q.micro_batch, 1)):
-        return 0
-    if p.micro_batch == q.micro_batch and p.stage in (at(stages, q.stage, -1), at(stages, q.stage, 1)):
-        return 1
-    if p.stage == at(stages, q.stage, 1) and p.micro_batch == at(micros, q.micro_batch, 1):
-        return 2
-    return None
-
-
 def _missing(cands: list[Candidate], history: History) -> list[Candidate]:
     done = {c for c, _ in history}
     return [c for c in cands if c not in done]
@@ -288,12 +221,20 @@ def pruned_by_oom(points: Sequence[Point], history: History) -> dict[Point, Poin
     ooms = [c.point for c, o in history if o.status == "oom"]
     out: dict[Point, Point] = {}
     for p in points:
-        for q in ooms:
-            same = p.memory_class() == q.memory_class()
-            if same and p.stage <= q.stage and p.micro_batch >= q.micro_batch and p != q:
-                out[p] = q
-                break
+        q = next((q for q in ooms if p != q and needs_more_memory(p, q)), None)
+        if q is not None:
+            out[p] = q
     return out
+
+
+def needs_more_memory(p: Point, q: Point) -> bool:
+    """Whether ``p`` needs at least ``q``'s memory: a micro batch ≥ q's at a stage ≤ q's with a bucket ≥ q's (the
+    buckets are allocated buffers), every other setting equal."""
+    rest = (p.precision, p.prefetch, p.reshard_after_forward) == (q.precision, q.prefetch, q.reshard_after_forward)
+    bucket = p.bucket_bytes == q.bucket_bytes or (
+        p.bucket_bytes is not None and q.bucket_bytes is not None and p.bucket_bytes >= q.bucket_bytes
+    )
+    return rest and bucket and p.stage <= q.stage and p.micro_batch >= q.micro_batch
 
 
 def stalled(history: History, metric: Metric, patience: int | None, noise: float) -> bool:

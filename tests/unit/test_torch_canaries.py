@@ -121,6 +121,16 @@ def _trampoline_names(*names: str) -> Check:
     return check
 
 
+def _method_params(method: str, *names: str) -> Check:
+    """The object (a class attribute torch sets) has ``method`` taking these parameters first."""
+
+    def check(obj: Any) -> str | None:
+        bound = getattr(obj, method, None)
+        return f"has no {method}()" if bound is None else _params(*names)(bound)
+
+    return check
+
+
 def _source(obj: Any) -> str:
     try:
         return inspect.getsource(obj)
@@ -171,6 +181,12 @@ CANARIES = [
     Canary("torch.distributed.elastic.multiprocessing.api.DefaultLogsSpecs._local_ranks_filter", "agent/logs.py"),
     # -- the rendezvous handler: rank order by hint, fresh bootstrap info per round ------------------------------
     Canary(f"{HANDLER}._get_world", HANDLER_PY, _params()),
+    Canary(f"{HANDLER}._node_desc_generator", HANDLER_PY, _method_params("generate", "local_addr")),
+    Canary(
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous._BackendRendezvousStateHolder",
+        HANDLER_PY,
+        _params("backend", "settings"),
+    ),
     Canary(f"{HANDLER}._this_node", HANDLER_PY, None),
     Canary(f"{HANDLER}._state_holder", HANDLER_PY, None),
     Canary(f"{HANDLER}._bootstrap_store_info", HANDLER_PY, None),
@@ -181,7 +197,7 @@ CANARIES = [
     ),
     Canary(
         "torch.distributed.elastic.rendezvous.dynamic_rendezvous._NodeDesc",
-        "rendezvous/ordering.py (hint keys)",
+        "rendezvous/ordering.py (hint keys), rendezvous/handler.py (constructor)",
         _fields("addr", "pid", "local_id"),
     ),
     Canary(

@@ -55,10 +55,7 @@ from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 from elasticzero.agent.binding import AGENT_PID_ENV
 from elasticzero.agent.health import HealthFile
-from elasticzero.agent.plan import MONITOR_HOLD_ENV
 from elasticzero.agent.proctree import descendants, kill_now, processes_with_env
-
-__all__ = ["MONITOR_HOLD_ENV", "ElasticZeroAgent", "PeerFailedError"]
 
 logger = logging.getLogger(__name__)
 
@@ -241,7 +238,7 @@ class ElasticZeroAgent(LocalElasticAgent):
             return RoundView()
 
     def _hold_for_test(self) -> None:
-        """Test hook (:data:`MONITOR_HOLD_ENV`): wait while the hold file exists, after acknowledging it."""
+        """Test hook (:data:`~elasticzero.agent.plan.MONITOR_HOLD_ENV`): wait while the hold file exists."""
         path = self._monitor_hold_file
         if not path or not os.path.exists(path):
             return

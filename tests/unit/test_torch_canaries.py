@@ -121,6 +121,27 @@ def _trampoline_names(*names: str) -> Check:
     return check
 
 
+def _method_params(method: str, *names: str) -> Check:
+    """The object (a class attribute torch sets) has ``method`` taking these parameters first."""
+
+    def check(obj: Any) -> str | None:
+        bound = getattr(obj, method, None)
+        return f"has no {method}()" if bound is None else _params(*names)(bound)
+
+    return check
+
+
+def _called_per_worker(func: Any) -> str | None:
+    """``_set_local_rank_env(worker_env, local_rank, spec)``, called by ``_start_workers`` for each worker's env."""
+    problem = _params("worker_env", "local_rank", "spec")(func)
+    if problem is not None:
+        return problem
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    call = "self._set_local_rank_env(worker_env, local_rank, spec)"
+    return None if call in _source(LocalElasticAgent._start_workers) else f"_start_workers no longer calls {call}"
+
+
 def _source(obj: Any) -> str:
     try:
         return inspect.getsource(obj)
@@ -139,6 +160,7 @@ CANARIES = [
     # -- the agent: the hooks torch's run loop calls, and the state it keeps -------------------------------------
     Canary(f"{AGENT}._invoke_run", AGENT_PY, _params("role")),
     Canary(f"{LOCAL_AGENT}._start_workers", AGENT_PY, _params(WG)),
+    Canary(f"{LOCAL_AGENT}._set_local_rank_env", AGENT_PY, _called_per_worker),
     Canary(f"{LOCAL_AGENT}._monitor_workers", AGENT_PY, _params(WG)),
     Canary(f"{AGENT}._restart_workers", AGENT_PY, _params(WG)),
     Canary(f"{LOCAL_AGENT}._stop_workers", AGENT_PY, _params(WG)),
@@ -158,10 +180,10 @@ CANARIES = [
         _has_params("virtual_local_rank", "numa_options", "duplicate_stdout_filters", "duplicate_stderr_filters"),
     ),
     Canary("torch.distributed.launcher.api._get_addr_and_port", "agent/launch.py (launch)", _params("rdzv_parameters")),
-    Canary("torch.distributed.run._parse_rendezvous_config", "agent/cli.py (_launch)", _params("config_str")),
+    Canary("torch.distributed.run._parse_rendezvous_config", "agent/plan.py (plan_agent)", _params("config_str")),
     Canary(
         "torch.distributed.elastic.rendezvous.dynamic_rendezvous:TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
-        "agent/cli.py (_launch)",
+        "agent/plan.py (torch_knobs), agent/launch.py (apply_torch_knobs)",
         _mentions("TORCH_DISABLE_SHARE_RDZV_TCP_STORE"),
     ),
     # -- LogsSpecs: torch's DefaultLogsSpecs keeps its settings private ------------------------------------------
@@ -171,6 +193,12 @@ CANARIES = [
     Canary("torch.distributed.elastic.multiprocessing.api.DefaultLogsSpecs._local_ranks_filter", "agent/logs.py"),
     # -- the rendezvous handler: rank order by hint, fresh bootstrap info per round ------------------------------
     Canary(f"{HANDLER}._get_world", HANDLER_PY, _params()),
+    Canary(f"{HANDLER}._node_desc_generator", HANDLER_PY, _method_params("generate", "local_addr")),
+    Canary(
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous._BackendRendezvousStateHolder",
+        HANDLER_PY,
+        _params("backend", "settings"),
+    ),
     Canary(f"{HANDLER}._this_node", HANDLER_PY, None),
     Canary(f"{HANDLER}._state_holder", HANDLER_PY, None),
     Canary(f"{HANDLER}._bootstrap_store_info", HANDLER_PY, None),
@@ -181,7 +209,7 @@ CANARIES = [
     ),
     Canary(
         "torch.distributed.elastic.rendezvous.dynamic_rendezvous._NodeDesc",
-        "rendezvous/ordering.py (hint keys)",
+        "rendezvous/ordering.py (hint keys), rendezvous/handler.py (constructor)",
         _fields("addr", "pid", "local_id"),
     ),
     Canary(

@@ -3,6 +3,9 @@
 Only the hooks torch's run loop (``SimpleElasticAgent._invoke_run``) calls are overridden — protected methods, not a
 public API; ``tests/unit/agent/test_exit_barrier.py`` checks torch still calls ``_exit_barrier`` there:
 
+* ``_set_local_rank_env`` — torch's (``LOCAL_RANK``), then what the agent was built with for that local rank
+  (``worker_env``: job id, agent pid, devices, cores; see :meth:`~elasticzero.agent.plan.WorkersPlan.worker_env`):
+  the workers' environment is handed over where torch builds it, never through the agent's ``os.environ``;
 * ``_start_workers`` — torch's, then the health file says ``running`` with this round's ranks and pids;
 * ``_monitor_workers`` — torch's; on a failure, the root-cause rank and its error file are reported once — unless
   the round is changing (:func:`failure_action`): then the workers are restarted through a new rendezvous without
@@ -29,6 +32,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
@@ -74,8 +78,6 @@ MEMBERSHIP_RESTART = "restarting its workers for nodes waiting to join"
 #: round-scoped key a node sets just before it stops its workers for a membership change (a node waiting to join,
 #: or this node leaving on a signal while enough nodes remain); value: ``node <group rank>: <why>``
 ROUND_CHANGE_KEY = "elasticzero/agent/round_changing"
-#: test hook (docs/agent.md): while the file this names exists, each monitor tick waits (after creating ``<file>.held``)
-MONITOR_HOLD_ENV = "ELASTICZERO_TEST_MONITOR_HOLD"
 
 
 class FailureAction(Enum):
@@ -126,9 +128,11 @@ class ElasticZeroAgent(LocalElasticAgent):
         health_file: str | None = None,
         min_nodes: int = 1,
         monitor_hold_file: str | None = None,
+        worker_env: Callable[[int], Mapping[str, str]] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(spec, logs_specs, **kwargs)
+        self._worker_env = worker_env
         self._health = HealthFile(health_file)
         self._min_nodes = min_nodes
         self._monitor_hold_file = monitor_hold_file
@@ -138,6 +142,20 @@ class ElasticZeroAgent(LocalElasticAgent):
     def remove_health_file(self) -> None:
         """Delete the health file (called once the agent is done)."""
         self._health.remove()
+
+    def _set_local_rank_env(self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec) -> None:
+        """torch's ``LOCAL_RANK`` (and virtual-rank devices), then ours for ``local_rank`` (ours win).
+
+        With ``--virtual-local-rank`` torch maps the rank through the *agent's* ``CUDA_VISIBLE_DEVICES``; when ours
+        names the node's devices, torch's mapping is not asked (it would fail or disagree): ``LOCAL_RANK`` is 0, as
+        torch sets it in that mode, and the device is ours.
+        """
+        extra = self._worker_env(local_rank) if self._worker_env is not None else {}
+        if spec.virtual_local_rank and "CUDA_VISIBLE_DEVICES" in extra:
+            worker_env["LOCAL_RANK"] = "0"
+        else:
+            super()._set_local_rank_env(worker_env, local_rank, spec)
+        worker_env.update(extra)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pids = super()._start_workers(worker_group)
@@ -220,7 +238,7 @@ class ElasticZeroAgent(LocalElasticAgent):
             return RoundView()
 
     def _hold_for_test(self) -> None:
-        """Test hook (:data:`MONITOR_HOLD_ENV`): wait while the hold file exists, after acknowledging it."""
+        """Test hook (:data:`~elasticzero.agent.plan.MONITOR_HOLD_ENV`): wait while the hold file exists."""
         path = self._monitor_hold_file
         if not path or not os.path.exists(path):
             return

@@ -1,7 +1,9 @@
 """Slot and core binding, and the environment elasticzero adds to torch's worker environment.
 
-Pure functions: the agent calls them with facts it gathered; the exec shim (:mod:`elasticzero.agent.shim`)
-applies the result inside each worker before it execs the user's program.
+Pure functions: the agent plan (:mod:`elasticzero.agent.plan`) calls them with the facts probed before planning; the
+agent's start hook adds :func:`worker_env` to each worker's environment (never to the agent's own ``os.environ``);
+the exec shim (:mod:`elasticzero.agent.shim`) applies the binding inside each worker before it execs the user's
+program.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from collections.abc import Mapping, Sequence
 
 from elasticzero.proc import JOB_ID_ENV
 
-#: environment names elasticzero sets for the agent and every worker (and JOB_ID_ENV, see elasticzero.proc)
+#: environment names elasticzero sets for every worker (and JOB_ID_ENV, see elasticzero.proc)
 AGENT_PID_ENV = "ELASTICZERO_AGENT_PID"
-CPUS_ENV = "ELASTICZERO_CPUS"  # ";"-separated core lists, one per local rank (set only with --bind-cores-to-rank)
+CPUS_ENV = "ELASTICZERO_CPUS"  # this worker's cores, comma-joined (set only with --bind-cores-to-rank)
 
 
 def visible_devices(slots: Sequence[int]) -> str:
@@ -38,25 +40,40 @@ def split_cores(cores: Sequence[int], nproc: int) -> list[list[int]]:
     return [cores[i * per : (i + 1) * per] for i in range(nproc)]
 
 
-def format_cpus_table(chunks: Sequence[Sequence[int]]) -> str:
-    """Encode per-local-rank core lists for :data:`CPUS_ENV`: ``"0,1;2,3"``."""
-    return ";".join(",".join(str(c) for c in chunk) for chunk in chunks)
+def format_cores(cores: Sequence[int]) -> str:
+    """Encode one worker's cores for :data:`CPUS_ENV`: ``"0,1"``."""
+    return ",".join(str(c) for c in cores)
 
 
-def parse_cpus_table(text: str) -> list[list[int]]:
-    """Inverse of :func:`format_cpus_table`."""
-    return [[int(c) for c in part.split(",") if c] for part in text.split(";")]
+def parse_cores(text: str) -> list[int]:
+    """Inverse of :func:`format_cores`."""
+    return [int(c) for c in text.split(",") if c]
 
 
-def agent_env(job_id: str, slots: Sequence[int] | None, cpus: Sequence[Sequence[int]] | None) -> dict[str, str]:
-    """Variables the agent sets in its own environment; torch copies them into every worker's environment."""
-    import os
+def node_env(job_id: str, agent_pid: int) -> dict[str, str]:
+    """What every worker of this agent carries: its job (``--kill-job``'s scope) and its agent (the cleanup scope)."""
+    return {JOB_ID_ENV: job_id, AGENT_PID_ENV: str(agent_pid)}
 
-    env = {JOB_ID_ENV: job_id, AGENT_PID_ENV: str(os.getpid())}
-    if slots is not None:
-        env["CUDA_VISIBLE_DEVICES"] = visible_devices(slots)
+
+def worker_env(
+    base: Mapping[str, str],
+    local_rank: int,
+    devices: Sequence[int] | None,
+    cpus: Sequence[Sequence[int]] | None,
+    virtual_local_rank: bool,
+) -> dict[str, str]:
+    """What elasticzero adds to torch's environment of local rank ``local_rank``: ``base`` (:func:`node_env`, …) plus
+    its devices and cores. The agent's start hook applies it.
+
+    ``CUDA_VISIBLE_DEVICES`` = the node's slots, comma-joined (``LOCAL_RANK`` indexes into them, DeepSpeed style), or
+    with ``--virtual-local-rank`` only this rank's slot (torch's rule there, applied to the slots instead of the
+    agent's own ``CUDA_VISIBLE_DEVICES``); :data:`CPUS_ENV` = this rank's cores.
+    """
+    env = dict(base)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(devices[local_rank]) if virtual_local_rank else visible_devices(devices)
     if cpus is not None:
-        env[CPUS_ENV] = format_cpus_table(cpus)
+        env[CPUS_ENV] = format_cores(cpus[local_rank])
     return env
 
 
@@ -81,12 +98,9 @@ def worker_extra_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def cores_for_worker(env: Mapping[str, str]) -> list[int] | None:
-    """The cores this worker is bound to (from :data:`CPUS_ENV` and ``LOCAL_RANK``), or ``None``."""
-    table = env.get(CPUS_ENV)
-    if not table:
-        return None
-    chunks = parse_cpus_table(table)
-    return chunks[int(env.get("LOCAL_RANK", "0")) % len(chunks)]
+    """The cores this worker is bound to (:data:`CPUS_ENV`), or ``None``."""
+    cores = env.get(CPUS_ENV)
+    return parse_cores(cores) if cores else None
 
 
 #: the exec shim's entry, run without ``site`` (``python -S``): argv[1] is the directory holding the elasticzero package

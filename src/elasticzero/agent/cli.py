@@ -1,7 +1,9 @@
 """``elasticzero-run``: torchrun's command line, run by :class:`~elasticzero.agent.agent.ElasticZeroAgent`.
 
-Every torchrun flag works as in torchrun (torch's own parser and ``config_from_args`` are reused); the flags
-added by :mod:`elasticzero.agent.options` bind the node to its slots from ``--node-table``. Also
+Every torchrun flag works as in torchrun (torch's own parser is reused, and the plan follows torchrun's
+``config_from_args``); the flags added by :mod:`elasticzero.agent.options` bind the node to its slots from
+``--node-table``. The command line, the environment and what was probed on this machine become one frozen
+:class:`~elasticzero.agent.plan.AgentPlan` before anything starts; ``--dry-run`` prints it. Also
 ``elasticzero-run --kill-job JOBID [--grace S]`` (first flag) to stop a job's processes on this host.
 
 Exit status: 0 on success; 2 for bad input (one line on stderr, nothing started); the root-cause worker's exit
@@ -13,19 +15,20 @@ errors (rendezvous timeout/closed, …).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import signal
 import sys
 import threading
-import uuid
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from elasticzero.errors import UsageError, cli_main
 from elasticzero.launch.execute import STOP_SIGNALS  # the launcher's and torch's stop signals
 from elasticzero.proc import check_job_id, exit_status, signal_exit_code
+
+if TYPE_CHECKING:
+    from elasticzero.agent.plan import AgentPlan
 
 PROG = "elasticzero-run"
 logger = logging.getLogger(__name__)
@@ -82,40 +85,36 @@ def _kill_job(argv: list[str]) -> int:
 
 
 def _launch(args: argparse.Namespace, startup_handlers: Mapping[int, object]) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.run import _parse_rendezvous_config, config_from_args
+    """Probe, plan (nothing started on bad input), check, then print the plan (``--dry-run``) or run it."""
+    from elasticzero.agent.facts import probe_facts
+    from elasticzero.agent.launch import logs_specs_class
+    from elasticzero.agent.plan import plan_agent
 
-    from elasticzero.agent.agent import PeerFailedError
-    from elasticzero.agent.binding import agent_env, package_root, shim_argv
-    from elasticzero.agent.launch import launch
-    from elasticzero.agent.options import rdzv_configs, resolve
-
-    settings = resolve(args)
-    _standalone(args)
-    settings = dataclasses.replace(settings, job_id=check_job_id(args.rdzv_id, "--rdzv-id"))  # --standalone picks it
-    try:
-        user_keys = set(_parse_rendezvous_config(args.rdzv_conf))
-        config, cmd, cmd_args = config_from_args(args)
-    except (ValueError, AssertionError) as exc:
-        raise UsageError(str(exc)) from None
-    if args.elastic_config is not None:
+    environ = dict(os.environ)
+    plan = plan_agent(args, environ, probe_facts(args, environ))
+    if plan.elastic_config is not None:
         from elasticzero.config.load import check_elastic_config
 
-        check_elastic_config(args.elastic_config, config.min_nodes, config.max_nodes, config.nproc_per_node)
-    rdzv_configs(config.rdzv_configs, user_keys, settings, config.rdzv_backend, config.rdzv_endpoint)
-    os.environ.update(agent_env(settings.job_id, settings.node.slots if settings.node else None, settings.cpus))
-    # torch >= 2.4 lets workers reuse the rank-0 agent's rendezvous TCPStore, without a per-round key prefix: after
-    # a restart the new workers read the dead workers' gloo/NCCL keys and hang. A fresh store per round avoids it.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    entrypoint: Callable[..., Any] | str
-    if callable(cmd):
-        entrypoint, entry_args = cmd, cmd_args
-    else:
-        entrypoint, entry_args = shim_argv(sys.executable, cmd, cmd_args, package_root())
+        rdzv = plan.rdzv
+        check_elastic_config(plan.elastic_config, rdzv.min_nodes, rdzv.max_nodes, plan.workers.nproc_per_node)
+    logs_specs_class(plan.workers.logs.specs)  # an unknown --logs-specs is bad input too
+    if args.dry_run:
+        print(plan.to_text())
+        return 0
     restore_handlers(startup_handlers)  # from the rendezvous on, torch's signal rules (as for torchrun)
+    return _run(plan)
+
+
+def _run(plan: AgentPlan) -> int:
+    """Run the plan; the exit status (module docstring)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    from elasticzero.agent.agent import PeerFailedError
+    from elasticzero.agent.launch import launch
+
     try:
-        result, agent = launch(config, entrypoint, entry_args, health_file=settings.health_file)
+        result, _ = launch(plan)
     except SignalException as exc:
         print(f"{PROG}: stopped by {exc.sigval.name}", file=sys.stderr)
         return signal_exit_code(exc.sigval)
@@ -127,32 +126,21 @@ def _launch(args: argparse.Namespace, startup_handlers: Mapping[int, object]) ->
         return 1
     if result is None or not result.is_failed():
         return 0
-    return _failed_exit(result, agent)
+    return _failed_exit(result, plan.error_file)
 
 
-def _failed_exit(result: object, agent: object) -> int:
-    """Exit code from the root-cause failure; copy its error file to ours like torch's ``@record`` does."""
+def _failed_exit(result: object, error_file: str | None) -> int:
+    """Exit code from the root-cause failure; copy its error file to ours (``error_file``) like torch's ``@record``."""
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
     from elasticzero.agent.agent import describe_failure, root_cause
 
     rank, failure = root_cause(result.failures)  # type: ignore[attr-defined]
     print(f"{PROG}: workers failed, restarts exhausted; {describe_failure(rank, failure)}", file=sys.stderr)
-    if os.path.isfile(failure.error_file) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    if os.path.isfile(failure.error_file) and error_file:
         get_error_handler().dump_error_file(failure.error_file, failure.exitcode)
     code = failure.exitcode
     return exit_status(code) or 1
-
-
-def _standalone(args: argparse.Namespace) -> None:
-    """torchrun's ``--standalone`` and single-node shortcuts (from ``torch.distributed.run.run``)."""
-    if args.standalone:
-        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
-        if args.nnodes.split(":")[-1] == "1":
-            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-    if args.master_port is None:
-        args.master_port = 29500
 
 
 def exit_on_stop_signals() -> dict[int, object]:

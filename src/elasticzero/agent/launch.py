@@ -1,73 +1,120 @@
-"""Our small launch function: torch's ``launch_agent`` shape, running :class:`ElasticZeroAgent`.
+"""Our small launch function: torch's ``launch_agent`` shape, running :class:`ElasticZeroAgent` from an agent plan.
 
-torch's ``launch_agent`` hard-codes ``LocalElasticAgent``; this builds the same rendezvous handler and
-``WorkerSpec`` from a ``LaunchConfig`` and runs our agent instead. The rendezvous is closed on the way out
-(so other nodes stop too) unless the agent was stopped by a signal, as torch does. When this node's workers
-failed with restarts exhausted, it first marks the job failed in the round's store
-(:meth:`ElasticZeroAgent.announce_failure`) and, after closing, waits a few seconds at most for the other nodes
-to see it — it may be the node hosting the embedded store.
+torch's ``launch_agent`` hard-codes ``LocalElasticAgent``; this builds the rendezvous handler, the ``LogsSpecs``
+and the ``WorkerSpec`` from an :class:`~elasticzero.agent.plan.AgentPlan` (as torch builds them from a
+``LaunchConfig``) and runs our agent instead; the plan's worker environment goes to the agent's start hook. The
+rendezvous is closed on the way out (so other nodes stop too) unless the agent was stopped by a signal, as torch
+does. When this node's workers failed with restarts exhausted, it first marks the job failed in the round's store
+(:meth:`ElasticZeroAgent.announce_failure`) and, after closing, waits a few seconds at most for the other nodes to
+see it — it may be the node hosting the embedded store.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any
+from importlib import metadata
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port
+from torch.distributed.launcher.api import _get_addr_and_port
+from torch.distributed.run import run_script_path
+from torch.numa.binding import AffinityMode, NumaOptions
 
-from elasticzero.agent.agent import MONITOR_HOLD_ENV, ElasticZeroAgent, PeerFailedError
+from elasticzero.agent.agent import ElasticZeroAgent, PeerFailedError
+from elasticzero.agent.plan import AgentPlan, LogsPlan, RendezvousPlan
+from elasticzero.errors import UsageError
+
+#: torchrun's entry-point group for ``--logs-specs NAME``
+LOGS_SPECS_GROUP = "torchrun.logs_specs"
 
 
-def launch(
-    config: LaunchConfig,
-    entrypoint: Callable[..., Any] | str,
-    args: list[str],
-    *,
-    health_file: str | None = None,
-) -> tuple[RunResult, ElasticZeroAgent]:
-    """Rendezvous, run the workers under :class:`ElasticZeroAgent` until they finish; return the result."""
-    params = RendezvousParameters(
-        backend=config.rdzv_backend,
-        endpoint=config.rdzv_endpoint,
-        run_id=config.run_id,
-        min_nodes=config.min_nodes,
-        max_nodes=config.max_nodes,
-        local_addr=config.local_addr,
-        **config.rdzv_configs,
+def logs_specs_class(name: str | None) -> type[LogsSpecs]:
+    """The ``LogsSpecs`` class ``--logs-specs`` names (torchrun's entry-point lookup); torch's default for None."""
+    if name is None:
+        return DefaultLogsSpecs
+    found = metadata.entry_points(group=LOGS_SPECS_GROUP, name=name)
+    if not found:
+        raise UsageError(f"--logs-specs {name}: no entry point {name!r} in group {LOGS_SPECS_GROUP}")
+    cls: type[LogsSpecs] = next(iter(found)).load()
+    return cls
+
+
+def build_logs_specs(logs: LogsPlan) -> LogsSpecs:
+    """The ``LogsSpecs`` object (torch's ``DefaultLogsSpecs`` may create a log directory here)."""
+    return logs_specs_class(logs.specs)(
+        log_dir=logs.log_dir,
+        redirects=Std.from_str(logs.redirects),
+        tee=Std.from_str(logs.tee),
+        local_ranks_filter=set(logs.local_ranks_filter) if logs.local_ranks_filter is not None else None,
     )
+
+
+def rdzv_parameters(rdzv: RendezvousPlan) -> RendezvousParameters:
+    """torch's parameters for the rendezvous handler (a fresh config dict: the plan's stays untouched)."""
+    return RendezvousParameters(
+        backend=rdzv.backend,
+        endpoint=rdzv.endpoint,
+        run_id=rdzv.run_id,
+        min_nodes=rdzv.min_nodes,
+        max_nodes=rdzv.max_nodes,
+        local_addr=rdzv.local_addr,
+        **rdzv.config,
+    )
+
+
+def worker_spec(plan: AgentPlan, handler: RendezvousHandler, params: RendezvousParameters) -> WorkerSpec:
+    """torch's ``WorkerSpec`` for the plan's workers, with ``handler`` (built from ``params``) as their rendezvous."""
+    workers = plan.workers
     master_addr, master_port = _get_addr_and_port(params)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    spec = WorkerSpec(
-        role=config.role,
-        local_world_size=config.nproc_per_node,
-        entrypoint=entrypoint,
-        args=tuple(args),
-        rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
-        max_restarts=config.max_restarts,
-        monitor_interval=config.monitor_interval,
+    numa = None if workers.numa_binding is None else NumaOptions(affinity_mode=AffinityMode(workers.numa_binding))
+    return WorkerSpec(
+        role=workers.role,
+        local_world_size=workers.nproc_per_node,
+        entrypoint=workers.entrypoint if workers.entrypoint is not None else run_script_path,
+        args=workers.args,
+        rdzv_handler=handler,
+        max_restarts=plan.max_restarts,
+        monitor_interval=plan.monitor_interval,
         master_addr=master_addr,
         master_port=master_port,
-        local_addr=config.local_addr,
-        event_log_handler=config.event_log_handler,
-        numa_options=config.numa_options,
-        duplicate_stdout_filters=config.duplicate_stdout_filters,
-        duplicate_stderr_filters=config.duplicate_stderr_filters,
-        virtual_local_rank=config.virtual_local_rank,
+        local_addr=plan.rdzv.local_addr,
+        event_log_handler=plan.event_log_handler,
+        numa_options=numa,
+        duplicate_stdout_filters=list(workers.duplicate_stdout_filters),
+        duplicate_stderr_filters=list(workers.duplicate_stderr_filters),
+        virtual_local_rank=workers.virtual_local_rank,
     )
+
+
+def apply_torch_knobs(plan: AgentPlan) -> None:
+    """Set the agent process's torch knobs (:attr:`AgentPlan.torch_knobs`): torch reads them with ``os.getenv``.
+
+    The one place the agent writes its own environment, as torch's ``launch_agent`` does for the signals: these are
+    settings of torch's code in this process, not the workers' environment (that goes through the start hook).
+    """
+    for name, value in plan.torch_knobs.items():
+        os.environ[name] = value
+
+
+def launch(plan: AgentPlan) -> tuple[RunResult, ElasticZeroAgent]:
+    """Rendezvous, run the workers under :class:`ElasticZeroAgent` until they finish; return the result."""
+    logs_specs = build_logs_specs(plan.workers.logs)
+    apply_torch_knobs(plan)
+    params = rdzv_parameters(plan.rdzv)
+    spec = worker_spec(plan, rdzv_registry.get_rendezvous_handler(params), params)
     agent = ElasticZeroAgent(
         spec,
-        config.logs_specs,  # type: ignore[arg-type]
-        health_file=health_file,
-        min_nodes=config.min_nodes,
-        monitor_hold_file=os.environ.get(MONITOR_HOLD_ENV),
-        start_method=config.start_method,
-        log_line_prefix_template=config.log_line_prefix_template,
-        shutdown_timeout=config.shutdown_timeout,
+        logs_specs,
+        health_file=plan.health_file,
+        min_nodes=plan.rdzv.min_nodes,
+        monitor_hold_file=plan.monitor_hold_file,
+        worker_env=plan.workers.worker_env,
+        start_method=plan.workers.start_method,
+        log_line_prefix_template=plan.workers.log_line_prefix_template,
+        shutdown_timeout=plan.shutdown_timeout,
     )
     close_rendezvous = True
     failed = False

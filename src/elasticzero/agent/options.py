@@ -1,30 +1,13 @@
-"""elasticzero-run's own flags on top of torchrun's, and how they become torchrun settings.
+"""elasticzero-run's own flags on top of torchrun's, and the rendezvous config they imply.
 
-:func:`add_agent_flags` extends torch's parser; :func:`resolve` turns the parsed namespace (plus the
-environment and this host's facts) into :class:`AgentSettings` and the torchrun fields they imply
-(``nproc_per_node``, ``nnodes``, ``node_rank``). Pure: no process is started and nothing is contacted, so
-every contradiction is found before launch and reported as a :class:`UsageError`.
+:func:`add_agent_flags` extends torch's parser; :func:`rdzv_config` is the rule for the config the rendezvous
+handler is built with. The whole plan (identity, workers, rendezvous) is :func:`elasticzero.agent.plan.plan_agent`.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-
-from elasticzero.agent.binding import split_cores
-from elasticzero.agent.nodetable import (
-    HostFacts,
-    NodeRow,
-    local_host_facts,
-    match_local_host,
-    parse_node_table,
-    rank_from_env,
-    rank_of_host,
-    resolve_hosts,
-)
-from elasticzero.errors import UsageError
+from collections.abc import Mapping
 
 #: rendezvous backends built on torch's DynamicRendezvousHandler (they read the keys in RDZV_DEFAULTS)
 DYNAMIC_BACKENDS = frozenset({"c10d", "elasticzero", "etcd-v2"})
@@ -42,18 +25,8 @@ IDENTITY_FLAGS = ("--node-rank", "--node-rank-env", "--node-host", "--node-host-
 #: backends whose embedded c10d TCPStore honours ``is_host`` (torch's c10d and our elasticzero handler)
 STORE_HOSTING_BACKENDS = frozenset({"c10d", "elasticzero"})
 
-
-@dataclass(frozen=True)
-class AgentSettings:
-    """What the agent needs beyond torch's LaunchConfig."""
-
-    job_id: str
-    node_rank: int | None  # None: not known before rendezvous (no table, no --node-rank)
-    node: NodeRow | None  # this node's row of --node-table
-    cpus: list[list[int]] | None  # per-local-rank cores with --bind-cores-to-rank
-    health_file: str | None
-    rdzv_defaults: bool
-    first_host: str | None = None  # the host of --node-table's row 0 (the front-end's default endpoint host)
+#: the rendezvous timeout torchrun's ``LaunchConfig`` puts into a static rendezvous's config when none is given
+TORCHRUN_RDZV_TIMEOUT = 900
 
 
 def add_agent_flags(parser: argparse.ArgumentParser) -> None:
@@ -104,109 +77,32 @@ def add_agent_flags(parser: argparse.ArgumentParser) -> None:
         help="(first flag) stop every process of job JOBID on this host, then exit",
     )
     g.add_argument("--grace", type=float, default=5.0, help="with --kill-job: seconds between SIGTERM and SIGKILL")
+    g.add_argument(
+        "--dry-run",
+        "--dry_run",
+        action="store_true",
+        help="print this node's plan (rendezvous, workers' command and environment) as JSON and exit; start nothing",
+    )
     # unset detection: torch defaults these (node_rank=0, nproc_per_node="1", nnodes="1:1")
     parser.set_defaults(node_rank=None, nproc_per_node=None, nnodes=None)
     # per-rank log files named by global rank and attempt (elasticzero.agent.logs) unless --logs-specs says otherwise
     parser.set_defaults(logs_specs="elasticzero")
 
 
-def resolve(
-    args: argparse.Namespace,
-    env: Mapping[str, str] = os.environ,
-    host_facts: Callable[[], HostFacts] = local_host_facts,
-    resolver: Callable[[tuple[NodeRow, ...]], Mapping[str, set[str]]] = resolve_hosts,
-    cores: Callable[[], list[int]] = lambda: sorted(os.sched_getaffinity(0)),
-) -> AgentSettings:
-    """Validate our flags, fill torchrun's ``node_rank``/``nproc_per_node``/``nnodes`` in ``args``; return settings."""
-    _torch_env_fallbacks(args, env)
-    values = (args.node_rank, args.node_rank_env, args.node_host, args.node_host_env)
-    given = [flag for flag, value in zip(IDENTITY_FLAGS, values, strict=True) if value is not None]
-    if len(given) > 1:
-        raise UsageError(f"{' and '.join(given)} contradict each other: give one of {', '.join(IDENTITY_FLAGS)}")
-    table = parse_node_table(args.node_table) if args.node_table is not None else None
-    node_rank: int | None = args.node_rank
-    if args.node_rank_env is not None:
-        node_rank = rank_from_env(args.node_rank_env, env)
-    if table is None:
-        if args.node_host is not None or args.node_host_env is not None:
-            raise UsageError(f"{given[0]} needs --node-table to look the host up in")
-    else:
-        if args.node_host is not None:
-            node_rank = rank_of_host(args.node_host, table, "--node-host")
-        elif args.node_host_env is not None:
-            name = env.get(args.node_host_env)
-            if not name:
-                raise UsageError(f"--node-host-env {args.node_host_env}: the variable is not set in this environment")
-            node_rank = rank_of_host(name, table, f"--node-host-env {args.node_host_env}=")
-        elif node_rank is None:
-            node_rank = match_local_host(table, host_facts(), resolver(table))
-    node = _check_table(args, table, node_rank)
-    if node_rank is not None and node_rank < 0:
-        raise UsageError(f"node rank must be >= 0, got {node_rank}")
-    args.node_rank = node_rank if node_rank is not None else 0
-    if args.nproc_per_node is None:
-        args.nproc_per_node = "1"
-    if args.nnodes is None:
-        args.nnodes = str(len(table)) if table is not None else "1:1"
-    cpus = None
-    if args.bind_cores_to_rank:
-        if args.run_path:
-            raise UsageError("--bind-cores-to-rank needs a program to exec; it does not work with --run-path")
-        if not args.nproc_per_node.isdigit():
-            raise UsageError(f"--bind-cores-to-rank needs a numeric --nproc-per-node, got {args.nproc_per_node!r}")
-        cpus = split_cores(cores(), int(args.nproc_per_node))
-    return AgentSettings(
-        job_id=args.rdzv_id,
-        node_rank=node_rank,
-        node=node,
-        first_host=table[0].host if table else None,
-        cpus=cpus,
-        health_file=args.health_file,
-        rdzv_defaults=not args.torch_rdzv_defaults,
-    )
-
-
-def _check_table(args: argparse.Namespace, table: tuple[NodeRow, ...] | None, node_rank: int | None) -> NodeRow | None:
-    if table is None or node_rank is None:
-        return None
-    if not 0 <= node_rank < len(table):
-        raise UsageError(f"node rank {node_rank} is outside the node table (0..{len(table) - 1})")
-    node = table[node_rank]
-    nslots = len(node.slots)
-    if args.nproc_per_node is not None and args.nproc_per_node != str(nslots):
-        raise UsageError(
-            f"--nproc-per-node {args.nproc_per_node} contradicts the node table ({node.host} has {nslots} slots)"
-        )
-    args.nproc_per_node = str(nslots)
-    return node
-
-
-def _torch_env_fallbacks(args: argparse.Namespace, env: Mapping[str, str]) -> None:
-    """torchrun reads ``PET_<FLAG>`` for unset flags; keep that for the three flags whose default we unset."""
-    for dest, var in (
-        ("node_rank", "PET_NODE_RANK"),
-        ("nproc_per_node", "PET_NPROC_PER_NODE"),
-        ("nnodes", "PET_NNODES"),
-    ):
-        if getattr(args, dest) is None and var in env:
-            value = env[var]
-            if dest == "node_rank":
-                try:
-                    setattr(args, dest, int(value))
-                except ValueError:
-                    raise UsageError(f"{var}={value!r} is not an integer") from None
-            else:
-                setattr(args, dest, value)
-
-
-def rdzv_configs(
-    configs: dict[str, object],
-    user_keys: set[str],
-    settings: AgentSettings,
+def rdzv_config(
+    user: Mapping[str, str],
     backend: str,
-    endpoint: str = "",
-) -> None:
-    """Adjust torch's rendezvous config in place: our defaults, the node-rank hint, ``is_host``, no phantom ``timeout``.
+    endpoint: str,
+    *,
+    node_rank: int | None,
+    first_host: str | None,
+    torch_defaults: bool,
+) -> dict[str, object]:
+    """The rendezvous config the handler is built with: ``--rdzv-conf`` (``user``) plus ours, as a new dict.
+
+    Static: torchrun's ``rank`` and ``timeout``. Dynamic backends: our defaults (:data:`RDZV_DEFAULTS`) unless
+    ``torch_defaults``; the node-rank hint; ``is_host``; and no ``timeout`` nobody set (torchrun's ``LaunchConfig``
+    injects ``timeout=900`` whether or not the user wrote it).
 
     ``is_host``: when the endpoint host is the node table's first host (``elasticzero-launch``'s default), node 0
     hosts the embedded c10d store — ``is_host=true`` there, ``false`` elsewhere — instead of torch's guess from
@@ -214,22 +110,21 @@ def rdzv_configs(
     to 127.0.1.1: no node matches, every agent is a client). A user-set ``is_host`` wins.
     """
     if backend == "static":
-        return
-    if "timeout" not in user_keys:
-        configs.pop("timeout", None)  # torch's LaunchConfig injects timeout=900 whether or not the user set it
-    if settings.rdzv_defaults and backend in DYNAMIC_BACKENDS:
-        for key, value in RDZV_DEFAULTS.items():
-            configs.setdefault(key, value)
-    if settings.node_rank is not None:
-        configs["node_rank_hint"] = settings.node_rank
+        return {"timeout": TORCHRUN_RDZV_TIMEOUT, **user, "rank": node_rank or 0}
+    config: dict[str, object] = dict(user)
+    if not torch_defaults and backend in DYNAMIC_BACKENDS:
+        config = {**RDZV_DEFAULTS, **config}
+    if node_rank is not None:
+        config["node_rank_hint"] = node_rank
     if (
         backend in STORE_HOSTING_BACKENDS
-        and "is_host" not in user_keys
-        and settings.node_rank is not None
-        and settings.first_host is not None
-        and _endpoint_host(endpoint) == _bare_host(settings.first_host)
+        and "is_host" not in user
+        and node_rank is not None
+        and first_host is not None
+        and _endpoint_host(endpoint) == _bare_host(first_host)
     ):
-        configs["is_host"] = settings.node_rank == 0
+        config["is_host"] = node_rank == 0
+    return config
 
 
 def _bare_host(host: str) -> str:

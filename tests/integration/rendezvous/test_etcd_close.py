@@ -148,5 +148,4 @@ def test_a_second_round_0_with_other_nodes_is_ordered_again(etcd: EtcdCluster) -
     second = join_all([h1, h3])
     assert [i.rank for i in second] == [0, 1]  # a stale cache would give h1 its old rank 1 as well
     assert h1.shutdown() and h3.shutdown()
-    if h2._ez_release is not None:
-        h2._ez_release()
+    h2.release_backend()

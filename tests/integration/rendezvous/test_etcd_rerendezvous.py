@@ -40,5 +40,4 @@ def test_survivors_follow_the_new_rank0_master(etcd: EtcdCluster) -> None:
     assert _master(second[0])[0] == "127.0.0.2"
     for h in survivors:
         assert h.shutdown()
-    if dead._ez_release is not None:
-        dead._ez_release()  # free the dead node's lease and connection
+    dead.release_backend()  # free the dead node's lease and connection

@@ -40,3 +40,38 @@ def test_single_node_rendezvous_and_timeout_alias() -> None:
 def test_bad_conf_is_a_usage_error_before_any_store_is_created() -> None:
     with pytest.raises(UsageError, match="unknown --rdzv-conf"):
         create_rdzv_handler(_params("127.0.0.1:1", bogus="1"))
+
+
+def test_the_hint_is_given_to_the_constructor_and_published_before_the_join() -> None:
+    """``create`` is torch's ``from_backend`` plus our part: same settings, the hint fixed at construction."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    from elasticzero.rendezvous.c10d import create_c10d_backend
+    from elasticzero.rendezvous.endpoint import parse_endpoint
+    from elasticzero.rendezvous.handler import ElasticZeroRendezvousHandler
+    from elasticzero.rendezvous.options import parse_options
+    from elasticzero.rendezvous.ordering import hint_key
+
+    params = _params(f"127.0.0.1:{free_port()}", node_rank_hint="3", join_timeout="20", keep_alive_max_attempt="5")
+    handler = create_rdzv_handler(params)  # what torch's registry calls: RendezvousParameters only
+    assert isinstance(handler, ElasticZeroRendezvousHandler) and handler.node_rank_hint == 3
+    options = parse_options(params.config)
+    backend, store = create_c10d_backend(params, parse_endpoint(params.endpoint), options)
+    plain = DynamicRendezvousHandler.from_backend(
+        params.run_id,
+        store,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        handler.settings.timeout,
+        keep_alive_interval=options.keep_alive_interval,
+        keep_alive_max_attempt=options.keep_alive_max_attempt,
+    )
+    assert vars(handler.settings) == vars(plain.settings)  # RendezvousSettings compares by identity
+    assert handler.settings.timeout.join.total_seconds() == 20
+    assert handler.get_backend() == plain.get_backend() == "elasticzero"
+    info = handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    assert store.get(hint_key("unit", handler._this_node)) == b"3"
+    assert handler.shutdown()

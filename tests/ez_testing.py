@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -70,3 +71,23 @@ def testbed() -> Testbed:
 def run(argv: Sequence[str], timeout: float = 120, **kw: object) -> subprocess.CompletedProcess[str]:
     """Run ``argv`` (a list, never a shell string) with a hard timeout, capturing text output."""
     return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False, **kw)  # type: ignore[call-overload]
+
+
+def run_ranks(worker: Path, world: int, out: Path, timeout: float = 240) -> list[dict[str, Any]]:
+    """Run ``python worker out`` as ``world`` gloo ranks on loopback (``RANK``/``WORLD_SIZE``/``MASTER_*`` set); every
+    rank must exit 0 without a C++ abort, and rank r's JSON result is read from ``{out}.rank{r}``."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [PYTHON, str(worker), str(out)],
+            env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE=str(world)),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    for r, p in enumerate(procs):
+        _, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{err[-3000:]}"
+        assert "terminate called" not in err, err[-3000:]
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(world)]

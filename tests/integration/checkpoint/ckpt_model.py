@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tiny_net import GLOBAL_BATCH, Net, batch, loss_of
+from tiny_net import GLOBAL_BATCH, LR, WD, Net, batch, loss_of
 
 from elasticzero.engine.zero.stage1 import ZeroStage1
 from elasticzero.engine.zero.stage2 import ZeroStage2
@@ -19,7 +19,7 @@ STAGES = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
 def build(stage: int, precision: str, group: Any, seed: int) -> Any:
     torch.manual_seed(seed)
     model = Net()
-    return STAGES[stage](model, torch.optim.AdamW, lr=0.05, weight_decay=0.1, precision=precision, process_group=group)
+    return STAGES[stage](model, torch.optim.AdamW, lr=LR, weight_decay=WD, precision=precision, process_group=group)
 
 
 def train(opt: Any, steps: range) -> None:

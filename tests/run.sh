@@ -45,9 +45,10 @@ set +e
 "$VENV/bin/python" -m pytest -q "$@"
 pytest_rc $?
 rc=$?
-main=$(capability "")
+main=$(capability "${ATEN_CPU_CAPABILITY:-}")  # the kernels the main run used
 for cap in default avx2 avx512; do
-  [ "$cap" != "$main" ] && [ "$(capability "$cap")" = "$cap" ] || continue
+  [ "$cap" = "$main" ] && { echo "tests/run.sh: ATEN_CPU_CAPABILITY=$cap: the main run's kernels"; continue; }
+  [ "$(capability "$cap")" = "$cap" ] || { echo "tests/run.sh: ATEN_CPU_CAPABILITY=$cap: not on this CPU"; continue; }
   t=$(date +%s)
   ATEN_CPU_CAPABILITY=$cap "$VENV/bin/python" -m pytest -q "${NUMERICAL[@]}"
   pytest_rc $?

@@ -9,7 +9,6 @@ differently. Each rank writes ``{case: [problems]}`` to ``OUT.rank<r>``."""
 
 from __future__ import annotations
 
-import copy
 import os
 import subprocess
 import sys
@@ -19,8 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from ckpt_fork import fork_world, join, run_cases
-from ckpt_model import build, full_state, train
-from tiny_net import GLOBAL_BATCH, LR, WD, Net, batch, loss_of
+from ckpt_model import PlainState, build, continue_plainly, full_state, train
 
 from elasticzero.checkpoint import Checkpointer
 from elasticzero.engine.zero.dcp_state import ZeroCheckpointState
@@ -85,54 +83,11 @@ def continuation_problems(
     """The two steps after the import against plain torch run here from DeepSpeed's state: the same arithmetic in
     ``prec`` (the reference) and in float64 (the truth); the ZeRO run may be off the truth by what rounding moved
     the reference (ez_numerics)."""
-    ref, truth = (continue_plainly(fixture, expected, m, p) for p in (prec, "fp64"))
+    start = PlainState(expected["fp32"], expected["exp_avg"], expected["exp_avg_sq"], expected["step"].item())
+    frozen = saved_frozen(fixture)
+    ref, truth = (continue_plainly(start, frozen, 3, range(3, 5), m, p) for p in (prec, "fp64"))
     ratio = error_ratio({k: after[k] for k in truth}, ref, truth)
     return [] if ratio <= 1 else [f"{prec} state after 2 more steps off by {ratio:.3g}x the {prec} rounding scale"]
-
-
-def continue_plainly(fixture: str, expected: dict[str, Any], m: int, prec: str) -> dict[str, torch.Tensor]:
-    """``torch.optim.AdamW`` on fp32 (fp64 for ``prec="fp64"``) masters of ``tiny_net.Net`` from DeepSpeed's
-    reported masters, moments and step, two steps on the global batches, the gradient the mean of ``m`` slices'
-    gradients as ``m`` data-parallel ranks compute it; with ``prec="bf16"`` each slice's forward and backward run on
-    a bf16 copy of the masters and the gradients are averaged in fp32 (what a bf16 ZeRO run does)."""
-    dtype = torch.float64 if prec == "fp64" else torch.float32
-    model = Net().to(dtype)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        model.frozen.weight.copy_(saved_frozen(fixture))
-        for name, master in expected["fp32"].items():
-            params[name].copy_(master.reshape(params[name].shape))
-    model.calls.fill_(3)
-    opt = torch.optim.AdamW([params[n] for n in expected["fp32"]], lr=LR, weight_decay=WD)
-    state = {i: _moments(expected, n, params[n].shape) for i, n in enumerate(expected["fp32"])}
-    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})  # casts to dtype
-    for step in range(3, 5):
-        grads = _mean_gradient(model, step, m, torch.bfloat16 if prec == "bf16" else dtype)
-        for name, g in grads.items():
-            params[name].grad = g.to(dtype)
-        opt.step()
-        opt.zero_grad()
-    return {n: params[n].detach().clone() for n in expected["fp32"]}
-
-
-def _mean_gradient(model: Net, step: int, m: int, compute: torch.dtype) -> dict[str, torch.Tensor]:
-    """The mean over ``m`` equal slices of the global batch of each slice's gradient, computed on a copy of
-    ``model`` in ``compute`` precision and summed in fp32 (fp64 for fp64)."""
-    x, y, per = *batch(step), GLOBAL_BATCH // m
-    total: dict[str, torch.Tensor] = {}
-    for r in range(m):
-        work = copy.deepcopy(model).to(compute)
-        loss_of(work, x[r * per : (r + 1) * per], y[r * per : (r + 1) * per]).backward()
-        for name, p in work.named_parameters():
-            if p.grad is not None:
-                g = p.grad.to(torch.promote_types(compute, torch.float32))
-                total[name] = total[name] + g if name in total else g
-    return {name: g / m for name, g in total.items()}
-
-
-def _moments(expected: dict[str, Any], name: str, shape: torch.Size) -> dict[str, torch.Tensor]:
-    moments = {k: expected[k][name].reshape(shape) for k in ("exp_avg", "exp_avg_sq")}
-    return {"step": expected["step"].float(), **moments}
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 One process launch per world size runs every scenario (see ``zero_worker``); the tests below assert on its report.
 Tolerances: fp32 results (parameters, gradient norms, gradients) are within the rounding the fp32 reference itself
-shows against the same reference run in float64 on this machine (``*_ratio`` ≤ 1, see ``ez_numerics``); bf16 ≤ 5e-2
-and fp16 ≤ 1e-2 relative to the fp32 reference after 10 AdamW steps (lr 1e-2; bf16 keeps 8 mantissa bits, fp16 11).
+shows against the same reference run in float64 on this machine (``*_ratio`` ≤ 1, see ``ez_numerics``); bf16 and
+fp16 runs likewise, measured by a reference whose forward and backward run in that dtype (fp32 masters).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import zero_worker
 from ez_testing import free_port
 
 STAGES = [1, 2, 3]
-# an fp32 *_ratio: rmse(ZeRO, fp64 truth) / (3 * rmse(fp32 reference, fp64 truth) + 2^-24 * rms(truth)), ez_numerics
-RATIO_MAX, BF16_TOL, FP16_TOL = 1.0, 5e-2, 1e-2
+# a *_ratio: rmse(ZeRO, fp64 truth) / (3 * rmse(reference, fp64 truth) + 2^-24 * rms(truth)), see ez_numerics
+RATIO_MAX = 1.0
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -94,8 +94,9 @@ def test_module_state_dict_and_no_sync(report: Report, stage: int) -> None:
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_low_precision_tracks_fp32(report: Report, stage: int) -> None:
-    for key, tol in (("bf16", BF16_TOL), ("fp16", FP16_TOL), ("bf16_lowreduce", BF16_TOL)):  # lowreduce: bf16 grads
-        assert 0 < report.min(f"s{stage}_{key}_rel") and report[f"s{stage}_{key}_rel"] <= tol
+    for key in ("bf16", "fp16", "bf16_lowreduce"):  # lowreduce: bf16 gradients reduced in bf16
+        assert 0 < report.min(f"s{stage}_{key}_rel")  # the run is not the fp32 one
+        assert report[f"s{stage}_{key}_ratio"] <= RATIO_MAX  # against a reference in the same precision
 
 
 @pytest.mark.parametrize("stage", STAGES)

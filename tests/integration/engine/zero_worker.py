@@ -148,20 +148,25 @@ def sched(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
     return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=16)
 def reference(
     accum: int = ACCUM,
     clip: float | None = MAX_NORM,
     kind: str = "tiny",
     grouped: bool = False,
     dtype: torch.dtype = torch.float32,
+    compute: torch.dtype | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """AdamW on the global batches in ``dtype``; with ``compute`` (bf16, fp16) forward and backward run on per-rank
+    copies in that dtype (:func:`_low_precision_grads`), where a low-precision ZeRO run rounds."""
     model = make_model(kind).to(dtype)
     opt = torch.optim.AdamW(groups(model) if grouped else trainable(model), lr=LR, weight_decay=WD)
     sch = sched(opt)
     norms = []
     for step in range(STEPS):
-        for m in range(accum):
+        if compute is not None:
+            _low_precision_grads(model, step, accum, compute)
+        for m in range(accum if compute is None else 0):
             x, y = batch(step, m)
             (loss_fn(model(x), y) / accum).backward()
         if clip is not None:
@@ -170,6 +175,22 @@ def reference(
         sch.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+def _low_precision_grads(model: nn.Module, step: int, accum: int, compute: torch.dtype) -> None:
+    """Each rank's slice on its own ``compute`` copy of ``model``, accumulated there over the micro-batches (as a
+    rank's module does), then averaged over the ranks in fp32 into the fp32 model's gradients."""
+    rank_count = dist.get_world_size()
+    per = GLOBAL_BATCH // rank_count
+    works = [copy.deepcopy(model).to(compute) for _ in range(rank_count)]
+    for m in range(accum):
+        x, y = batch(step, m)
+        for r, work in enumerate(works):
+            (loss_fn(work(x[r * per : (r + 1) * per]), y[r * per : (r + 1) * per]) / accum).backward()
+    for p, *qs in zip(model.parameters(), *(w.parameters() for w in works), strict=True):
+        grads = [q.grad.float() for q in qs if q.grad is not None]
+        if grads:
+            p.grad = sum(grads[1:], grads[0]) / rank_count
 
 
 def zero_run(
@@ -326,12 +347,16 @@ def scenario_equality(stage: int, out: dict[str, Any]) -> None:
     out[f"s{stage}_resume_ratio"] = ratio(resume_run(stage))
     _, full_g, _ = zero_run(stage, grouped=True)
     out[f"s{stage}_groups_ratio"] = ratio(full_g, grouped=True)
-    for prec in ("bf16", "fp16"):
-        _, full_lp, _ = zero_run(stage, precision=prec)
-        out[f"s{stage}_{prec}_rel"] = max_rel(full_lp, ref)
     low_reduce = PrecisionPolicy.from_name("bf16", reduce_in_low_precision=True)
-    _, full_lr, _ = zero_run(stage, precision=low_reduce)
-    out[f"s{stage}_bf16_lowreduce_rel"] = max_rel(full_lr, ref)
+    for key, prec, compute in (
+        ("bf16", "bf16", torch.bfloat16),
+        ("fp16", "fp16", torch.float16),
+        ("bf16_lowreduce", low_reduce, torch.bfloat16),
+    ):
+        _, full_lp, _ = zero_run(stage, precision=prec)
+        out[f"s{stage}_{key}_rel"] = max_rel(full_lp, ref)  # > 0: the precision was applied
+        low_ref, truth = reference(compute=compute)[0], reference(dtype=torch.float64)[0]
+        out[f"s{stage}_{key}_ratio"] = error_ratio(full_lp, low_ref, truth)
 
 
 def scenario_comm_memory(stage: int, out: dict[str, Any]) -> None:

@@ -71,6 +71,8 @@ def test_fp32_equals_reference(report: list[dict[str, Any]], model: str, stage: 
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("model", MODELS)
 def test_bf16_tracks_fp32(report: list[dict[str, Any]], model: str, stage: int) -> None:
+    # 1e-2 is a few bf16 roundings (2^-9 relative each) of activations and gradients over 3 steps, not derived per
+    # model; CPU kernels differ by fp32 rounding (2^-24), 2^15 times below it, so the bound holds on any CPU
     assert _worst(report, f"{model}_s{stage}_bf16_loss_rel") <= 1e-2
     assert _worst(report, f"{model}_s{stage}_bf16_param_rel") <= 1e-2
 

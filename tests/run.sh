@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The full test suite, from a fresh clone, as root: installs everything (apt + a venv with torch==2.13.0 CPU),
 # brings up the real-part test bed (namespace hosts with sshd, pdsh, OpenMPI, MPICH, Slurm; etcd servers are
-# started by the tests), runs ruff and pytest, and tears the test bed down again.
+# started by the tests), runs ruff and pytest, then the numerical tests again under every other CPU kernel set torch
+# supports here (ATEN_CPU_CAPABILITY), and tears the test bed down again.
 #   bash tests/run.sh [pytest args…]          (EZ_KEEP_TESTBED=1 leaves the test bed up)
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -26,10 +27,34 @@ echo "tests/run.sh: install $((t1 - t0))s, test bed $((t2 - t1))s"
 "$VENV/bin/ruff" format --check src plugins tests bench examples
 "$VENV/bin/mypy" src
 
+# The numerical tests (engine, checkpoint incl. the DeepSpeed import, HF models): they must hold on any x86-64 CPU,
+# so they run again under every other kernel set torch can pick on this one (ATEN_CPU_CAPABILITY; torch falls back
+# silently to its best one for a value this CPU lacks, so a capability counts only if torch reports it back, and
+# tests/conftest.py stops a run whose requested capability torch does not use).
+NUMERICAL=(
+  tests/unit/engine tests/unit/config/test_config_build.py
+  tests/integration/engine/test_zero_equality.py tests/integration/engine/test_loss_scaler.py
+  tests/integration/engine/test_ring.py tests/integration/checkpoint/test_ckpt_reshard.py
+  tests/integration/checkpoint/test_ckpt_deepspeed_import.py tests/integration/hf/test_hf_models.py
+)
+capability() { ATEN_CPU_CAPABILITY=$1 "$VENV/bin/python" -c 'import torch; print(torch.backends.cpu.get_cpu_capability().lower())' 2>/dev/null; }
+# pytest exit 5 = no tests collected: that is a broken suite, not a pass
+pytest_rc() { local rc=$1; [ "$rc" = 5 ] && { echo "tests/run.sh: pytest collected no tests" >&2; rc=1; }; return "$rc"; }
+
 set +e
 "$VENV/bin/python" -m pytest -q "$@"
+pytest_rc $?
 rc=$?
+main=$(capability "${ATEN_CPU_CAPABILITY:-}")  # the kernels the main run used
+for cap in default avx2 avx512; do
+  [ "$cap" = "$main" ] && { echo "tests/run.sh: ATEN_CPU_CAPABILITY=$cap: the main run's kernels"; continue; }
+  [ "$(capability "$cap")" = "$cap" ] || { echo "tests/run.sh: ATEN_CPU_CAPABILITY=$cap: not on this CPU"; continue; }
+  t=$(date +%s)
+  ATEN_CPU_CAPABILITY=$cap "$VENV/bin/python" -m pytest -q "${NUMERICAL[@]}"
+  pytest_rc $?
+  crc=$?
+  echo "tests/run.sh: numerical tests under ATEN_CPU_CAPABILITY=$cap: $([ "$crc" = 0 ] && echo passed || echo "FAILED (exit $crc)") in $(($(date +%s) - t))s"
+  [ "$rc" = 0 ] && rc=$crc
+done
 set -e
-# pytest exit 5 = no tests collected: that is a broken suite, not a pass
-[ "$rc" = 5 ] && { echo "tests/run.sh: pytest collected no tests" >&2; exit 1; }
 exit "$rc"

@@ -7,8 +7,9 @@ Runs in DeepSpeed's venv (``bash bench/_ds_venv.sh``: DeepSpeed 0.19.8, torch 2.
 For each ZeRO stage 1, 2, 3 in fp32 (and 2, 3 in bf16) it trains ``tiny_net.Net`` (``torch.optim.AdamW``, no
 clipping) 3 steps on the same global batches the elasticzero tests use, ``save_checkpoint``\\ s into
 ``data/deepspeed-<version>/stage<s>[-bf16]/``, records what DeepSpeed itself says the full state is
-(``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``) and trains 2 more steps, recording the fp32
-parameters after them: ``expected.pt`` (plain tensors, ``weights_only``).
+(``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``): ``expected.pt`` (plain tensors, ``weights_only``).
+Nothing DeepSpeed computes after the save is recorded: the test checks the training that follows the import against
+plain torch run from this state on the test's own machine (a trajectory recorded here would hold this CPU's rounding).
 Only the tag directory, ``latest`` and ``expected.pt`` are kept (not the converter script DeepSpeed copies in).
 """
 
@@ -30,13 +31,13 @@ def rank_main(stage: int, precision: str, out: Path) -> None:
     import deepspeed
     import torch
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    from tiny_net import GLOBAL_BATCH, Net, batch, loss_of
+    from tiny_net import GLOBAL_BATCH, LR, WD, Net, batch, loss_of
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)
     model = Net()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05, weight_decay=0.1)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
     per = GLOBAL_BATCH // world
     config = {
         "train_micro_batch_size_per_gpu": per,
@@ -63,8 +64,6 @@ def rank_main(stage: int, precision: str, out: Path) -> None:
     eng.save_checkpoint(str(out), tag=TAG)
     expected = {"fp32": full(None), "exp_avg": full("exp_avg"), "exp_avg_sq": full("exp_avg_sq")}
     expected["step"] = torch.tensor(3)
-    train(range(3, 5))
-    expected["fp32_after_2_more_steps"] = full(None)
     if rank == 0:
         torch.save(expected, out / "expected.pt")
 

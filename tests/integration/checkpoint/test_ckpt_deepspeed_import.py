@@ -1,8 +1,9 @@
 """Import of DeepSpeed ZeRO checkpoints (checkpoint/deepspeed_import.py, ``elasticzero-checkpoint import-deepspeed``)
 from files real DeepSpeed 0.19.8 wrote (``make_deepspeed_fixtures.py``): stages 1, 2 and 3 saved by 2 ranks load into
 every elasticzero stage at 1, 2 or 3 ranks with fp32 masters and Adam moments bit-exact to what DeepSpeed reported,
-and training continues where DeepSpeed's did (bitwise at DeepSpeed's world size). Bad input is one line naming the
-file, nothing unpickled freely, nothing written."""
+and training continues as DeepSpeed's optimizer (``torch.optim.AdamW``) does from that state, run in the same process
+(within the rounding that reference shows: ``ez_numerics``). Bad input is one line naming the file, nothing
+unpickled freely, nothing written."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from torch import nn
 
 GLOBAL_BATCH = 6  # divisible by every world size used (1, 2, 3)
 VOCAB = 11
+LR, WD = 0.05, 0.1  # torch.optim.AdamW, here and in DeepSpeed (make_deepspeed_fixtures.py)
 
 
 class Scale(nn.Module):
@@ -48,5 +49,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``model`` on one rank's slice (the mean of equal slices' means is the global mean)."""
-    return nn.functional.cross_entropy(model(x).reshape(-1, VOCAB).float(), y.reshape(-1))
+    """Mean cross-entropy of ``model`` on one rank's slice (the mean of equal slices' means is the global mean), in
+    fp32 for a bf16 model and in the model's dtype for an fp32 or fp64 one (the tests' float64 truth)."""
+    logits = model(x).reshape(-1, VOCAB)
+    return nn.functional.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), y.reshape(-1))

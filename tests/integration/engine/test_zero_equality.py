@@ -1,8 +1,9 @@
 """ZeroStage1/2/3 on real gloo ranks (2 and 3) against single-process AdamW on the same global batch.
 
 One process launch per world size runs every scenario (see ``zero_worker``); the tests below assert on its report.
-Tolerances: fp32 ≤ 1e-6 relative (max |Δ| / max |ref| per tensor); bf16 ≤ 5e-2 and fp16 ≤ 1e-2 relative to the
-fp32 reference after 10 AdamW steps (lr 1e-2; bf16 keeps 8 mantissa bits, fp16 11).
+Tolerances: fp32 results (parameters, gradient norms, gradients) are within the rounding the fp32 reference itself
+shows against the same reference run in float64 on this machine (``*_ratio`` ≤ 1, see ``ez_numerics``); bf16 and
+fp16 runs likewise, measured by a reference whose forward and backward run in that dtype (fp32 masters).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import zero_worker
 from ez_testing import free_port
 
 STAGES = [1, 2, 3]
-FP32_TOL, BF16_TOL, FP16_TOL = 1e-6, 5e-2, 1e-2
+# a *_ratio: rmse(ZeRO, fp64 truth) / (3 * rmse(reference, fp64 truth) + 2^-24 * rms(truth)), see ez_numerics
+RATIO_MAX = 1.0
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -35,7 +37,7 @@ class Report:
         if key == "world":
             return self.world
         values = [r[key] for r in self.ranks]
-        if key.endswith("_rel"):
+        if key.endswith(("_rel", "_ratio")):
             return max(values)
         assert all(v == values[0] for v in values), f"ranks disagree on {key}: {values}"
         return values[0]
@@ -68,32 +70,33 @@ def report(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def test_every_rank_reported(report: Report) -> None:
     assert len(report.ranks) == report.world
     assert all(r.keys() == report.ranks[0].keys() for r in report.ranks)
-    assert all(r["s1_fp32_rel"] <= FP32_TOL for r in report.ranks)
+    assert all(r["s1_fp32_ratio"] <= 1 for r in report.ranks)
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_fp32_equals_single_process_adamw(report: Report, stage: int) -> None:
     # accumulation (2 micro-batches), clipping (active on most steps), frozen + tied + 1-element params, StepLR
     assert report[f"s{stage}_clipped_steps"] >= 3
-    assert report[f"s{stage}_fp32_rel"] <= FP32_TOL
-    assert report[f"s{stage}_norm_rel"] <= 1e-5
+    assert report[f"s{stage}_fp32_ratio"] <= RATIO_MAX
+    assert report[f"s{stage}_norm_ratio"] <= RATIO_MAX
     assert report[f"s{stage}_lr_final"] == pytest.approx(1e-2 * 0.5**3)
-    assert report[f"s{stage}_groups_rel"] <= FP32_TOL  # param_groups with their own lr / weight decay
+    assert report[f"s{stage}_groups_ratio"] <= RATIO_MAX  # param_groups with their own lr / weight decay
     # checkpoint at step 5 (full_state_dict + state_dict + scheduler), rebuild from other weights, finish
-    assert report[f"s{stage}_resume_rel"] <= FP32_TOL
-    assert report[f"s{stage}_zero_grad_keep_rel"] <= FP32_TOL  # zero_grad(set_to_none=False) between steps
+    assert report[f"s{stage}_resume_ratio"] <= RATIO_MAX
+    assert report[f"s{stage}_zero_grad_keep_ratio"] <= RATIO_MAX  # zero_grad(set_to_none=False) between steps
 
 
 @pytest.mark.parametrize("stage", [s for s in STAGES if s < 3])
 def test_module_state_dict_and_no_sync(report: Report, stage: int) -> None:
-    assert report[f"s{stage}_module_sd_rel"] <= FP32_TOL  # stages 1/2: the module itself holds full params
-    assert report[f"s{stage}_nosync_rel"] <= FP32_TOL
+    assert report[f"s{stage}_module_sd_ratio"] <= RATIO_MAX  # stages 1/2: the module itself holds full params
+    assert report[f"s{stage}_nosync_ratio"] <= RATIO_MAX
 
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_low_precision_tracks_fp32(report: Report, stage: int) -> None:
-    for key, tol in (("bf16", BF16_TOL), ("fp16", FP16_TOL), ("bf16_lowreduce", BF16_TOL)):  # lowreduce: bf16 grads
-        assert 0 < report.min(f"s{stage}_{key}_rel") and report[f"s{stage}_{key}_rel"] <= tol
+    for key in ("bf16", "fp16", "bf16_lowreduce"):  # lowreduce: bf16 gradients reduced in bf16
+        assert 0 < report.min(f"s{stage}_{key}_rel")  # the run is not the fp32 one
+        assert report[f"s{stage}_{key}_ratio"] <= RATIO_MAX  # against a reference in the same precision
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -127,8 +130,9 @@ def test_loss_scaler_skips_on_every_rank(report: Report, stage: int) -> None:
 
 @pytest.mark.parametrize("stage", [s for s in STAGES if s < 3])
 def test_bf16_module_load_state_dict_survives_step(report: Report, stage: int) -> None:
-    assert report[f"s{stage}_bf16_load_rel"] <= FP32_TOL  # the module after step() still holds what was loaded
-    assert report[f"s{stage}_bf16_load_full_rel"] <= FP32_TOL  # and so do the fp32 masters
+    # a loaded state is the saved one, bitwise on any machine (no gradient: step() leaves the masters alone)
+    assert report[f"s{stage}_bf16_load_rel"] == 0.0  # the module after step() still holds what was loaded
+    assert report[f"s{stage}_bf16_load_full_rel"] == 0.0  # and so do the fp32 masters
 
 
 def test_stage3_module_state_dict_refused(report: Report) -> None:
@@ -145,18 +149,18 @@ def test_frozen_only_param_group_keeps_its_index(report: Report, stage: int) -> 
 
 
 def test_stage3_param_unused_on_some_ranks(report: Report) -> None:
-    assert report["s3_unused_rel"] <= FP32_TOL  # finished (no hang) and equals AdamW with a zero grad there
+    assert report["s3_unused_ratio"] <= RATIO_MAX  # finished (no hang) and equals AdamW with a zero grad there
 
 
 def test_stage3_no_grad_forward_before_step(report: Report) -> None:
     # reshard_after_forward=False, a torch.no_grad() forward between backward and step() every step
-    assert report["s3_validate_rel"] <= FP32_TOL
+    assert report["s3_validate_ratio"] <= RATIO_MAX
     assert report["s3_validate_left_gathered"] == 0  # the no-grad forward freed what it gathered
 
 
 def test_bucketer_all_reduce_matches_global_batch(report: Report) -> None:
     assert report["bucketer_nbuckets"] > 1
-    assert report["bucketer_rel"] <= FP32_TOL
+    assert report["bucketer_ratio"] <= RATIO_MAX
     assert report["bucketer_order"] == sorted(report["bucketer_order"], reverse=True)
 
 
@@ -168,15 +172,15 @@ def zero_worker_psi() -> int:
 def test_stage3_shards_params_and_options(report: Report) -> None:
     assert report["s3_params_freed"] is True  # the module holds nothing between uses
     assert report["s3_no_sync_raises"] is True
-    assert report["s3_units_rel"] <= FP32_TOL  # units=nn.Linear, no prefetch, no reshard after forward
+    assert report["s3_units_ratio"] <= RATIO_MAX  # units=nn.Linear, no prefetch, no reshard after forward
     assert report["s3_no_reshard_comm_elems"] == 2 * report["s3_padded"]
-    assert report["s3_units_pred_rel"] <= FP32_TOL  # predicate units, deeper prefetch
+    assert report["s3_units_pred_ratio"] <= RATIO_MAX  # predicate units, deeper prefetch
     # default units on a ModuleList model: one per block, tied embedding/head owned by the root
     assert report["s3_blocks_units"] == ["", "blocks.0", "blocks.1"]
-    assert report["s3_blocks_rel"] <= FP32_TOL
-    assert report["s3_instance_rel"] <= FP32_TOL  # units=<one module instance>; the other block joins the root
+    assert report["s3_blocks_ratio"] <= RATIO_MAX
+    assert report["s3_instance_ratio"] <= RATIO_MAX  # units=<one module instance>; the other block joins the root
     assert report["s3_instance_units"] == ["", "blocks.0"]
-    assert report["s3_ckpt_rel"] <= FP32_TOL  # blocks under activation checkpointing (recomputed in backward)
+    assert report["s3_ckpt_ratio"] <= RATIO_MAX  # blocks under activation checkpointing (recomputed in backward)
 
 
 @pytest.mark.parametrize("stage", STAGES)

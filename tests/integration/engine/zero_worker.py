@@ -1,8 +1,10 @@
 """Worker side of the ZeRO multi-process tests: run scenarios on real gloo ranks, report metrics to the parent.
 
-Each rank computes the single-process reference itself (plain ``torch.optim.AdamW`` on the whole global batch) and
-compares it with the ZeRO run on that rank (its own module and compute copies); every rank writes
-``{scenario: metrics}`` as JSON (``<path>.rank<r>``) and the test asserts on all of them.
+Each rank computes the single-process reference itself (plain ``torch.optim.AdamW`` on the whole global batch), in
+fp32 and in float64 (the truth), and compares the ZeRO run on that rank (its own module and compute copies) with them:
+an fp32 run may be off the truth by what rounding moved the fp32 reference on this machine
+(``ez_numerics.error_ratio``, reported as ``*_ratio``); every rank writes ``{scenario: metrics}`` as JSON
+(``<path>.rank<r>``) and the test asserts on all of them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 import elasticzero
 import elasticzero.errors
 from elasticzero.engine.precision import PrecisionPolicy
+from ez_numerics import error_ratio
 
 VOCAB, DIM, HID, SEQ, GLOBAL_BATCH = 11, 7, 13, 5, 6
 LR, WD, STEPS, ACCUM, MAX_NORM = 1e-2, 0.1, 10, 2, 0.5
@@ -135,23 +138,35 @@ def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+    """In fp32 from low-precision logits, in float64 for the float64 truth."""
+    return F.cross_entropy(
+        logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, VOCAB), y.reshape(-1)
+    )
 
 
 def sched(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
     return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=16)
 def reference(
-    accum: int = ACCUM, clip: float | None = MAX_NORM, kind: str = "tiny", grouped: bool = False
+    accum: int = ACCUM,
+    clip: float | None = MAX_NORM,
+    kind: str = "tiny",
+    grouped: bool = False,
+    dtype: torch.dtype = torch.float32,
+    compute: torch.dtype | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
-    model = make_model(kind)
+    """AdamW on the global batches in ``dtype``; with ``compute`` (bf16, fp16) forward and backward run on per-rank
+    copies in that dtype (:func:`_low_precision_grads`), where a low-precision ZeRO run rounds."""
+    model = make_model(kind).to(dtype)
     opt = torch.optim.AdamW(groups(model) if grouped else trainable(model), lr=LR, weight_decay=WD)
     sch = sched(opt)
     norms = []
     for step in range(STEPS):
-        for m in range(accum):
+        if compute is not None:
+            _low_precision_grads(model, step, accum, compute)
+        for m in range(accum if compute is None else 0):
             x, y = batch(step, m)
             (loss_fn(model(x), y) / accum).backward()
         if clip is not None:
@@ -160,6 +175,22 @@ def reference(
         sch.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+def _low_precision_grads(model: nn.Module, step: int, accum: int, compute: torch.dtype) -> None:
+    """Each rank's slice on its own ``compute`` copy of ``model``, accumulated there over the micro-batches (as a
+    rank's module does), then averaged over the ranks in fp32 into the fp32 model's gradients."""
+    rank_count = dist.get_world_size()
+    per = GLOBAL_BATCH // rank_count
+    works = [copy.deepcopy(model).to(compute) for _ in range(rank_count)]
+    for m in range(accum):
+        x, y = batch(step, m)
+        for r, work in enumerate(works):
+            (loss_fn(work(x[r * per : (r + 1) * per]), y[r * per : (r + 1) * per]) / accum).backward()
+    for p, *qs in zip(model.parameters(), *(w.parameters() for w in works), strict=True):
+        grads = [q.grad.float() for q in qs if q.grad is not None]
+        if grads:
+            p.grad = sum(grads[1:], grads[0]) / rank_count
 
 
 def zero_run(
@@ -273,49 +304,59 @@ def max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max() / b[k].float().abs().max()) for k in b)
 
 
+def ratio(full: dict[str, torch.Tensor], kind: str = "tiny", grouped: bool = False) -> float:
+    """``full`` against the fp32 reference and the float64 truth of the same training (``ez_numerics``)."""
+    ref, truth = (reference(kind=kind, grouped=grouped, dtype=d)[0] for d in (torch.float32, torch.float64))
+    return error_ratio(full, ref, truth)
+
+
 def scenario_equality(stage: int, out: dict[str, Any]) -> None:
     ref, ref_norms = reference()
     opt, full, norms = zero_run(stage)
-    out[f"s{stage}_fp32_rel"] = max_rel(full, ref)
-    out[f"s{stage}_norm_rel"] = max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True))
+    out[f"s{stage}_fp32_ratio"] = ratio(full)
+    out[f"s{stage}_norm_ratio"] = error_ratio(norms, ref_norms, reference(dtype=torch.float64)[1])
     out[f"s{stage}_clipped_steps"] = sum(n > MAX_NORM for n in ref_norms)
     out[f"s{stage}_lr_final"] = opt.param_groups[0]["lr"]
     if stage < 3:
         module_sd = {k: v.detach().clone() for k, v in opt.module.state_dict().items()}
-        out[f"s{stage}_module_sd_rel"] = max_rel(module_sd, ref)
+        out[f"s{stage}_module_sd_ratio"] = ratio(module_sd)
     if stage < 3:
         _, full_ns, _ = zero_run(stage, no_sync=True)
-        out[f"s{stage}_nosync_rel"] = max_rel(full_ns, ref)
+        out[f"s{stage}_nosync_ratio"] = ratio(full_ns)
     if stage == 3:
         _, full_u, _ = zero_run(stage, units=nn.Linear, prefetch=False, reshard_after_forward=False)
-        out["s3_units_rel"] = max_rel(full_u, ref)
+        out["s3_units_ratio"] = ratio(full_u)
         _, full_p, _ = zero_run(
             stage, units=lambda m: isinstance(m, nn.Linear) and m.bias is not None, prefetch_bytes=1
         )
-        out["s3_units_pred_rel"] = max_rel(full_p, ref)
+        out["s3_units_pred_ratio"] = ratio(full_p)
         opt_b, full_b, _ = zero_run(stage, kind="blocks")
-        out["s3_blocks_rel"] = max_rel(full_b, reference(kind="blocks")[0])
+        out["s3_blocks_ratio"] = ratio(full_b, kind="blocks")
         out["s3_blocks_units"] = sorted(set(opt_b.unit_of_bucket().values()))
         opt_i, full_i, _ = zero_run(stage, kind="blocks", units="first_block")
-        out["s3_instance_rel"] = max_rel(full_i, reference(kind="blocks")[0])
+        out["s3_instance_ratio"] = ratio(full_i, kind="blocks")
         out["s3_instance_units"] = sorted(set(opt_i.unit_of_bucket().values()))
         _, full_c, _ = zero_run(stage, kind="blocks_ckpt")
-        out["s3_ckpt_rel"] = max_rel(full_c, reference(kind="blocks")[0])
+        out["s3_ckpt_ratio"] = ratio(full_c, kind="blocks")
         VALIDATION_LEFT_GATHERED.clear()
         _, full_v, _ = zero_run(stage, reshard_after_forward=False, validate=True)
-        out["s3_validate_rel"] = max_rel(full_v, ref)
+        out["s3_validate_ratio"] = ratio(full_v)
         out["s3_validate_left_gathered"] = len(VALIDATION_LEFT_GATHERED)
     _, full_z, _ = zero_run(stage, set_to_none=False)
-    out[f"s{stage}_zero_grad_keep_rel"] = max_rel(full_z, ref)
-    out[f"s{stage}_resume_rel"] = max_rel(resume_run(stage), ref)
+    out[f"s{stage}_zero_grad_keep_ratio"] = ratio(full_z)
+    out[f"s{stage}_resume_ratio"] = ratio(resume_run(stage))
     _, full_g, _ = zero_run(stage, grouped=True)
-    out[f"s{stage}_groups_rel"] = max_rel(full_g, reference(grouped=True)[0])
-    for prec in ("bf16", "fp16"):
-        _, full_lp, _ = zero_run(stage, precision=prec)
-        out[f"s{stage}_{prec}_rel"] = max_rel(full_lp, ref)
+    out[f"s{stage}_groups_ratio"] = ratio(full_g, grouped=True)
     low_reduce = PrecisionPolicy.from_name("bf16", reduce_in_low_precision=True)
-    _, full_lr, _ = zero_run(stage, precision=low_reduce)
-    out[f"s{stage}_bf16_lowreduce_rel"] = max_rel(full_lr, ref)
+    for key, prec, compute in (
+        ("bf16", "bf16", torch.bfloat16),
+        ("fp16", "fp16", torch.float16),
+        ("bf16_lowreduce", low_reduce, torch.bfloat16),
+    ):
+        _, full_lp, _ = zero_run(stage, precision=prec)
+        out[f"s{stage}_{key}_rel"] = max_rel(full_lp, ref)  # > 0: the precision was applied
+        low_ref, truth = reference(compute=compute)[0], reference(dtype=torch.float64)[0]
+        out[f"s{stage}_{key}_ratio"] = error_ratio(full_lp, low_ref, truth)
 
 
 def scenario_comm_memory(stage: int, out: dict[str, Any]) -> None:
@@ -423,13 +464,26 @@ def scenario_unused_param(out: dict[str, Any]) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     per = GLOBAL_BATCH // world
     torch.manual_seed(0)
-    ref = Unused()
-    torch.manual_seed(0)
     model = Unused()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
     opt = elasticzero.ZeroStage3(
         model, torch.optim.AdamW, lr=LR, weight_decay=WD, bucket_bytes=BUCKET_BYTES, prefetch=False
     )
+    for step in range(3):
+        x, y = batch(step, 0)
+        _use_b(model, rank == 0)
+        loss_fn(model(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per]).backward()
+        opt.step()
+        opt.zero_grad()
+    ref, truth = (unused_reference(world, d) for d in (torch.float32, torch.float64))
+    out["s3_unused_ratio"] = error_ratio(opt.full_state_dict(), ref, truth)
+
+
+def unused_reference(world: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """AdamW (in ``dtype``) on the mean of the ranks' losses, ``blocks[1].b`` used by rank 0's slice only."""
+    per = GLOBAL_BATCH // world
+    torch.manual_seed(0)
+    ref = Unused().to(dtype)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
     for step in range(3):
         x, y = batch(step, 0)
         for r in range(world):
@@ -437,11 +491,7 @@ def scenario_unused_param(out: dict[str, Any]) -> None:
             (loss_fn(ref(x[r * per : (r + 1) * per]), y[r * per : (r + 1) * per]) / world).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        _use_b(model, rank == 0)
-        loss_fn(model(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per]).backward()
-        opt.step()
-        opt.zero_grad()
-    out["s3_unused_rel"] = max_rel(opt.full_state_dict(), {k: v.detach() for k, v in ref.state_dict().items()})
+    return {k: v.detach() for k, v in ref.state_dict().items()}
 
 
 def scenario_bucketer(out: dict[str, Any]) -> None:
@@ -450,22 +500,25 @@ def scenario_bucketer(out: dict[str, Any]) -> None:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     per = GLOBAL_BATCH // world
-    ref = make_model()
-    for m in range(2):
-        x, y = batch(0, m)
-        loss_fn(ref(x), y).backward()
+    ref, truth = (bucketer_reference(d) for d in (torch.float32, torch.float64))
     model = make_model()
     bucketer = GradBucketer(model.named_parameters(), op="all_reduce", bucket_bytes=BUCKET_BYTES)
     for m in range(2):  # accumulation across two synced backwards
         x, y = batch(0, m)
         loss_fn(model(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per]).backward()
     out["bucketer_nbuckets"] = len(bucketer.buckets)
-    out["bucketer_rel"] = max(
-        float((torch.as_tensor(p.grad) - q.grad).abs().max() / q.grad.abs().max())  # p.grad None: as_tensor raises
-        for p, q in zip(model.parameters(), ref.parameters(), strict=True)
-        if q.grad is not None
-    )
+    got = {n: torch.as_tensor(p.grad) for n, p in model.named_parameters() if n in truth}  # None: as_tensor raises
+    out["bucketer_ratio"] = error_ratio(got, ref, truth)
     out["bucketer_order"] = bucketer.flush_order
+
+
+def bucketer_reference(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The gradients (in ``dtype``) of two global micro-batches on one process."""
+    ref = make_model().to(dtype)
+    for m in range(2):
+        x, y = batch(0, m)
+        loss_fn(ref(x), y).backward()
+    return {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
 
 
 SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {}

@@ -3,9 +3,10 @@ T5 (encoder-decoder, shared embedding), Llama (grouped-query attention) and ResN
 configs, clipping active on every step.
 
 One spawned 2-rank launch runs every model and stage in sequence (``hf_worker``); the tests assert on its report.
-Tolerances: fp32 parameters ≤ 1e-6 relative to the reference (max |Δ| / max(max |ref|, 1e-2) per tensor); bf16
-(fp32 masters, BatchNorm kept fp32) tracks fp32: losses within 1e-2 relative and parameters within 1e-2
-(‖Δ‖ / ‖ref‖) after 3 AdamW steps; the export reloads bit-exactly in fp32.
+Tolerances: fp32 parameters, losses and gradient norms are within the rounding the fp32 reference itself shows
+against the same reference run in float64 on this machine (``ez_numerics.error_ratio`` ≤ 1); bf16 (fp32 masters,
+BatchNorm kept fp32) tracks fp32: losses within 1e-2 relative and parameters within 1e-2 (‖Δ‖ / ‖ref‖) after 3 AdamW
+steps; the export reloads bit-exactly in fp32.
 """
 
 from __future__ import annotations
@@ -61,14 +62,17 @@ def test_clipping_active(report: list[dict[str, Any]], model: str) -> None:
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("model", MODELS)
 def test_fp32_equals_reference(report: list[dict[str, Any]], model: str, stage: int) -> None:
-    assert _worst(report, f"{model}_s{stage}_fp32_rel") <= 1e-6
-    assert _worst(report, f"{model}_s{stage}_loss_rel") <= 1e-6
-    assert _worst(report, f"{model}_s{stage}_norm_rel") <= 1e-6
+    # each ratio: rmse(ZeRO, fp64 truth) / (3 * rmse(fp32 reference, fp64 truth) + 2^-24 * rms(truth)), see ez_numerics
+    assert _worst(report, f"{model}_s{stage}_fp32_ratio") <= 1
+    assert _worst(report, f"{model}_s{stage}_loss_ratio") <= 1
+    assert _worst(report, f"{model}_s{stage}_norm_ratio") <= 1
 
 
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("model", MODELS)
 def test_bf16_tracks_fp32(report: list[dict[str, Any]], model: str, stage: int) -> None:
+    # 1e-2 is a few bf16 roundings (2^-9 relative each) of activations and gradients over 3 steps, not derived per
+    # model; CPU kernels differ by fp32 rounding (2^-24), 2^15 times below it, so the bound holds on any CPU
     assert _worst(report, f"{model}_s{stage}_bf16_loss_rel") <= 1e-2
     assert _worst(report, f"{model}_s{stage}_bf16_param_rel") <= 1e-2
 

@@ -1,4 +1,4 @@
-"""Worker for test_comm: communicators on real gloo ranks; writes JSON results per rank.
+"""Worker for test_comm_ranks: communicators on real gloo ranks; writes JSON results per rank.
 
 Run as ``python comm_worker.py OUT`` with MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set.
 """

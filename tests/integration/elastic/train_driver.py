@@ -39,8 +39,8 @@ class DrivenTrainer(train_gpt.Trainer):
         p.add_argument("--hold-file", type=Path, help="before step N+1, wait while this file holds a number <= N")
         return p
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        super().__init__(args)
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        super().__init__(args, device)
         self.recording = args.record_samples is not None
         if self.recording:
             self.loader.sampler.record = []  # (epoch, index) of every sample this rank trains on

@@ -111,22 +111,22 @@ class Stager:
     :class:`~elasticzero.checkpoint.Checkpointer` waits for it first)."""
 
     def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
+        # path → (buffer, how it was made); remembered, not asked: is_pinned() may create a CUDA context
+        self._buffers: dict[str, tuple[torch.Tensor, Staging]] = {}
 
     @torch.no_grad()
     def stage(self, step: int, state: dict[str, Any], info: dict[str, Any] | None = None) -> Snapshot:
-        sources: set[torch.device] = set()
+        """Copy ``state`` into the staging buffers (CUDA tensors asynchronously: see the snapshot's ``fences``)."""
         staged = {k: map_tree(copy.deepcopy(v, _shallow_tensors(v)), self._copy, k) for k, v in state.items()}
-        for v in state.values():
-            sources.update(t.device for t in tensors_of(v))
+        sources = {t.device for v in state.values() for t in tensors_of(v)}
         return Snapshot(step, staged, dict(info or {}), fences_after(sources))
 
     def _copy(self, t: torch.Tensor, path: str) -> torch.Tensor:
         t, how = t.detach(), staging_for(t.device)
-        buf = self._buffers.get(path)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.is_pinned() != how.pinned:
+        buf, made = self._buffers.get(path, (None, None))
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or made != how:
             buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=how.pinned)
-            self._buffers[path] = buf
+            self._buffers[path] = (buf, how)
         buf.copy_(t, non_blocking=how.non_blocking)
         return buf
 

@@ -1,16 +1,16 @@
 """Train a small byte-level GPT on the Python standard library's source, elastically, with a ZeRO stage.
 
 Run it under ``elasticzero-launch`` / ``elasticzero-run`` / ``torchrun``, or directly (a world of one), e.g.
-``elasticzero-launch --nproc-per-node 2 examples/train_gpt.py --steps 20``. ``--config`` is a YAML file of
-``examples/configs/`` or a DeepSpeed ``ds_config.json``; the flags override it. The global batch is the same at every
-world size: after losing or gaining a node the job resumes from its newest checkpoint at exactly the next sample.
+``elasticzero-launch --nproc-per-node 2 examples/train_gpt.py --steps 20``: on ``cuda:$LOCAL_RANK`` over NCCL where
+CUDA is available, else on the CPU over gloo. ``--config`` is a YAML file of ``examples/configs/`` or a DeepSpeed
+``ds_config.json``; the flags override it. The global batch is the same at every world size: after losing or gaining a
+node the job resumes from its newest checkpoint at exactly the next sample.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,21 +18,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elasticzero import autotune
+from elasticzero import autotune, init_distributed
 from elasticzero.checkpoint import Checkpointer, RNGState
 from elasticzero.config import build_pieces, elastic_batch, load_config
 from elasticzero.data import ByteCorpus, build_loader, stdlib_corpus
 from gpt import GPT, config_for, lm_loss, num_params
 
 HERE = Path(__file__).resolve().parent
-
-
-def init_distributed() -> None:
-    """``init_process_group`` from the launcher's env (gloo on CPU, nccl with CUDA); run directly, a world of one."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    alone = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **alone)
 
 
 class Trainer:
@@ -59,36 +51,39 @@ class Trainer:
         p.add_argument("--cache-dir", type=Path, help="corpus cache (default $XDG_CACHE_HOME or ~/.cache/elasticzero)")
         return p
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args, self.step, self.rank, self.world = args, 0, dist.get_rank(), dist.get_world_size()
-        flags = {"zero.stage": args.zero, "precision.dtype": args.precision, "micro_batch_size": args.micro_batch_size}
-        flags["train_batch_size"] = args.global_batch_size
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        self.args, self.device, self.step = args, device, 0
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        flags = {"zero.stage": args.zero, "precision.dtype": args.precision, "micro_batch_size": args.micro_batch_size,
+                 "train_batch_size": args.global_batch_size}  # fmt: skip
         dotlist = [f"{key}={value}" for key, value in flags.items() if value is not None]
         self.cfg = load_config(args.config, overrides=dotlist, world_size=self.world)  # fails here if no batch plan
         torch.manual_seed(args.seed)  # the same initial weights on every rank
-        self.model = GPT(config_for(args.size, vocab_size=256, block_size=args.seq_len))
+        self.model = GPT(config_for(args.size, vocab_size=256, block_size=args.seq_len)).to(device)
         self.pieces = build_pieces(self.model, self.cfg)
         self.net = self.pieces.wrap(self.model)  # DDP at stage 0, the model itself under ZeRO
         data = (stdlib_corpus(args.cache_dir, split, max_bytes=args.corpus_bytes) for split in ("train", "eval"))
         train, self.eval_set = (ByteCorpus(d, args.seq_len) for d in data)
         self.loader, self.acc = build_loader(train, self.cfg, rank=self.rank, world_size=self.world, seed=args.seed,
-                                             num_workers=args.workers)  # fmt: skip
+                                             num_workers=args.workers, pin_memory=device.type == "cuda")  # fmt: skip
         self.state = {**self.pieces.stateful(self.model), "data": self.loader, "rng": RNGState()}
-        ckpt_dir = args.checkpoint_dir
-        self.ckpt = Checkpointer(ckpt_dir, keep_last=2, async_save=args.async_save) if ckpt_dir else None
+        self.ckpt = args.checkpoint_dir and Checkpointer(args.checkpoint_dir, keep_last=2, async_save=args.async_save)
 
     def load(self) -> int:
         """Resume from the newest checkpoint (model, optimizer, data position, RNG); the step it was taken after."""
         return (self.ckpt.load_latest(self.state) if self.ckpt else None) or 0
 
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The model's loss on one micro-batch, on this worker's device, in the config's precision."""
+        with self.pieces.autocast():
+            return lm_loss(self.net(x.to(self.device, non_blocking=True)), y.to(self.device, non_blocking=True))
+
     def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step over one global batch; this rank's loss."""
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.device)
         for _ in range(self.acc.steps):
-            x, y = next(batches)
             with self.acc.no_sync(self.net, self.pieces.optimizer):  # DDP's or ZeRO's, except on the last
-                with self.pieces.autocast():
-                    loss = self.acc.scale_loss(lm_loss(self.net(x), y))
+                loss = self.acc.scale_loss(self.loss(*next(batches)))
                 self.pieces.backward(loss)
             total += loss.detach().float()
             self.acc.advance()
@@ -99,7 +94,8 @@ class Trainer:
         """Resume, then train to ``--steps``: log, eval and checkpoint as the flags ask."""
         args, start, timers = self.args, self.load(), self.pieces.timers
         self.step, batches, t0 = start, self.loader.endless(), time.perf_counter()
-        self.describe(start)
+        if self.rank == 0:
+            print(self.describe(start), flush=True)
         autotune.measure(timers)  # under elasticzero-autotune: time its window of steps, report, stop (else no-op)
         while self.step < args.steps:
             self.step += 1
@@ -114,14 +110,13 @@ class Trainer:
         if self.ckpt:
             self.ckpt.close()
 
-    def describe(self, start: int) -> None:
-        """Rank 0 prints the model, the batch plan at this world size and where the job resumed."""
+    def describe(self, start: int) -> str:
+        """The model, the batch plan at this world size and where the job resumed."""
         s, batch = self.loader.sampler, elastic_batch(self.cfg, str(self.args.config))
-        if self.rank == 0:
-            print(f"train_gpt: params={num_params(self.model):,} world={self.world} zero={self.cfg.zero.stage} "
-                  f"precision={self.cfg.precision.dtype.value} global batch={s.global_batch_size} = micro "
-                  f"{s.micro_batch_size} x accumulation {self.acc.steps} x {self.world} (valid world sizes: "
-                  f"{batch.valid_world_sizes() if batch else 'any'}); resumed at step {start}", flush=True)  # fmt: skip
+        return (f"train_gpt: params={num_params(self.model):,} world={self.world} zero={self.cfg.zero.stage} on "
+                f"{self.device} precision={self.cfg.precision.dtype.value} global batch={s.global_batch_size} = micro "
+                f"{s.micro_batch_size} x accumulation {self.acc.steps} x {self.world} (valid world sizes: "
+                f"{batch.valid_world_sizes() if batch else 'any'}); resumed at step {start}")  # fmt: skip
 
     def log(self, loss: torch.Tensor, start: int, t0: float) -> None:
         """Rank 0 prints the loss averaged over the ranks (collective) and tokens/s, every 10 steps."""
@@ -135,10 +130,9 @@ class Trainer:
     def evaluate(self, global_batches: int = 2) -> None:
         """Mean loss over the eval set's first global batches: the same samples at any world size (collective)."""
         loader, acc = build_loader(self.eval_set, self.cfg, rank=self.rank, world_size=self.world, seed=self.args.seed)
-        total, micro_batches = torch.zeros(()), global_batches * acc.steps
+        total, micro_batches = torch.zeros((), device=self.device), global_batches * acc.steps
         for x, y in itertools.islice(loader.endless(), micro_batches):
-            with self.pieces.autocast():
-                total += lm_loss(self.net(x), y).float()
+            total += self.loss(x, y).float()
         dist.all_reduce(total)
         if self.rank == 0:
             print(f"step {self.step:5d}  eval loss {total.item() / (micro_batches * self.world):.4f}", flush=True)
@@ -146,9 +140,9 @@ class Trainer:
 
 def main(argv: list[str] | None = None, trainer: type[Trainer] = Trainer) -> int:
     args = trainer.parser().parse_args(argv)
-    init_distributed()
+    device = init_distributed()  # cuda:$LOCAL_RANK over NCCL with CUDA, else cpu over gloo; alone: a world of one
     try:
-        trainer(args).train()
+        trainer(args, device).train()
     finally:
         dist.destroy_process_group()
     return 0

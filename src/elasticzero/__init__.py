@@ -23,6 +23,7 @@ _LAZY = {
     "optimizer_step": "elasticzero.engine.step",
     "build_pieces": "elasticzero.config.build",
     "load_config": "elasticzero.config.load",
+    "init_distributed": "elasticzero.device",
 }
 
 __all__ = ["__version__", *_LAZY]

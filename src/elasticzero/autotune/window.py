@@ -30,7 +30,7 @@ from elasticzero.autotune.contract import METRICS_ENV, report
 if TYPE_CHECKING:
     from elasticzero.engine.timers import PhaseTimers
 
-__all__ = ["MEASURE_ENV", "WARMUP_ENV", "MeasureWindow", "measure", "window_steps"]
+__all__ = ["MEASURE_ENV", "WARMUP_ENV", "MeasureWindow", "measure", "memory_source", "window_steps"]
 
 WARMUP_ENV = "ELASTICZERO_AUTOTUNE_WARMUP_STEPS"
 MEASURE_ENV = "ELASTICZERO_AUTOTUNE_MEASURE_STEPS"
@@ -98,12 +98,19 @@ class MeasureWindow:
         return out
 
 
+def memory_source(cuda_available: bool, cuda_initialized: bool) -> str:
+    """Whose peak the ``memory`` metric is: ``"cuda"`` (the caching allocator's peak on the current device,
+    ``torch.cuda.max_memory_allocated``: what runs out on a GPU) once this process has used CUDA, else ``"rss"`` (the
+    process's peak resident set: what runs out on the CPU)."""
+    return "cuda" if cuda_available and cuda_initialized else "rss"
+
+
 def _peak_memory() -> int:
     import sys
 
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        return int(torch.cuda.max_memory_allocated())
+    torch = sys.modules.get("torch")  # not imported: this process cannot have used CUDA
+    if torch is not None and memory_source(torch.cuda.is_available(), torch.cuda.is_initialized()) == "cuda":
+        return int(torch.cuda.max_memory_allocated())  # the current device: the worker's (init_distributed set it)
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB

@@ -54,6 +54,7 @@ class DiskTier:
     # -- save ---------------------------------------------------------------------------------------------------------
     def write(self, snap: Snapshot) -> Path:
         """Write and commit ``snap`` (collective). Returns the committed directory."""
+        snap.wait_ready()  # its staging copies from CUDA are asynchronous
         token = self._agree(commit.new_token() if self.rank == 0 else None)
         tmp_name = commit.tmp_dir(snap.step, token)
         if self.rank == 0:

@@ -39,8 +39,8 @@ class DrivenTrainer(train_gpt.Trainer):
         p.add_argument("--hold-file", type=Path, help="before step N+1, wait while this file holds a number <= N")
         return p
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        super().__init__(args)
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        super().__init__(args, device)
         self.recording = args.record_samples is not None
         if self.recording:
             self.loader.sampler.record = []  # (epoch, index) of every sample this rank trains on
@@ -51,11 +51,11 @@ class DrivenTrainer(train_gpt.Trainer):
         t0 = time.perf_counter()
         self.resumed = super().load()
         self.load_s = time.perf_counter() - t0
-        self.attempt = attempt_id()
+        self.attempt = attempt_id(self.device)
         return self.resumed
 
     def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        hold(self.args.hold_file, self.step - 1)
+        hold(self.args.hold_file, self.step - 1, self.device)
         loss = super().train_step(batches)
         if self.recording:
             self.record()
@@ -72,17 +72,18 @@ class DrivenTrainer(train_gpt.Trainer):
             fh.write(json.dumps({**fields, "samples": samples}) + "\n")
 
 
-def attempt_id() -> int:
-    """One id per (re)start of the job, the same on every rank and larger at each restart (rank 0's clock)."""
-    stamp = torch.tensor(time.time_ns(), dtype=torch.int64)
+def attempt_id(device: torch.device) -> int:
+    """One id per (re)start of the job, the same on every rank and larger at each restart (rank 0's clock); the
+    broadcast runs on the worker's device (NCCL has no CPU tensors)."""
+    stamp = torch.tensor(time.time_ns(), dtype=torch.int64, device=device)
     dist.broadcast(stamp, 0)
     return int(stamp.item())
 
 
-def hold(path: Path | None, step: int) -> None:
+def hold(path: Path | None, step: int, device: torch.device) -> None:
     """Wait (collectively: a lost peer fails the job) while ``path`` exists and names a step <= ``step``."""
     while path is not None:
-        flag = torch.tensor(int(dist.get_rank() == 0 and held(path, step)))
+        flag = torch.tensor(int(dist.get_rank() == 0 and held(path, step)), device=device)
         dist.broadcast(flag, 0)
         if not flag.item():
             return

@@ -132,6 +132,20 @@ class PendingWork:
             self._aliases = ()
 
 
+def settles(backend: str, device_type: str) -> bool:
+    """Whether collectives of tensors on ``device_type`` need :meth:`Communicator.settle`: when gloo serves them
+    (``backend`` is one name, or torch's ``"cpu:gloo,cuda:nccl"`` per-device form). gloo's worker threads let go of a
+    tensor after completing its work; NCCL's work keeps its tensors in C++ only (stashed until the collective's end
+    event, for the caching allocator) and its watchdog is joined by ``destroy_process_group``, so nothing is waited
+    for on the host there (docs/engine.md, "On CUDA")."""
+    per_device = dict(part.split(":", 1) for part in backend.lower().split(",") if ":" in part)
+    return per_device.get(device_type, backend.lower()) == "gloo"
+
+
+def _forget(_aliases: tuple[torch.Tensor, ...]) -> None:
+    """The retire of a collective that needs no settling: its aliases are simply dropped."""
+
+
 AnyWork = PendingWork | ring.RingWork
 """What an asynchronous collective of a :class:`Communicator` returns (both have ``wait()`` and ``done``)."""
 
@@ -310,7 +324,8 @@ class Communicator:
 
     def _issue(self, fn: Callable[..., Any], tensors: tuple[torch.Tensor, ...], async_op: bool, **kwargs: Any) -> Any:
         aliases = tuple(t.detach() for t in tensors)
-        work = PendingWork(fn(*aliases, async_op=True, **kwargs), aliases, self._settling.extend)
+        retire = self._settling.extend if settles(self.backend, tensors[0].device.type) else _forget
+        work = PendingWork(fn(*aliases, async_op=True, **kwargs), aliases, retire)
         del aliases  # from here on only the work (then the settle list) refers to them
         return self._finish(work, async_op)
 

@@ -36,6 +36,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from _measure import StepClock  # noqa: E402
+from _peers import GPU_SIZES  # noqa: E402
 from gpt import GPT, GPTConfig, config_for, lm_loss, synthetic_batch  # noqa: E402
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -241,7 +242,7 @@ def bf16_stages(
 def checkpoint(device: torch.device, quick: bool) -> dict[str, Any]:
     """The async save's stall and a bit-exact resume, for stage 2 and stage 3 states on ``device``."""
     if device.type == "cuda" and not quick:
-        cfg, size, seq = config_for("bench", vocab_size=8192, n_layer=8, n_head=8, n_embd=768, block_size=512), 8, 512
+        cfg, size, seq = config_for("bench", **GPU_SIZES["gpt70m"], block_size=512), 8, 512
     else:
         cfg, size, seq = config_for("tiny" if quick else "small"), 4, 64
     checks, data = [], {}
@@ -260,7 +261,7 @@ def checkpoint_stage(
     taken while each writes, then load into a fresh model and optimizer and compare."""
     from elasticzero.checkpoint import Checkpointer, ZeroCheckpointState
 
-    precision = "bf16" if device.type == "cuda" else "fp32"
+    precision = "bf16"  # fp32 masters and state, bf16 compute copies: the module's copies are checked too
     model = gpt(cfg, device, 0)
     opt = zero_stage(stage)(model, torch.optim.AdamW, precision=precision, lr=1e-4, betas=BETAS)
     feed = itertools.cycle(batches(cfg, 8, size, seq, device))
@@ -340,7 +341,7 @@ def resume_checks(
     want_w, want_opt = expected
     got_w = weights(model, opt)
     same_w = all(torch.equal(got_w[k], want_w[k]) for k in want_w)
-    same_opt = same_tree(opt.state_dict(), want_opt)
+    opt_diff = first_difference(opt.state_dict(), want_opt, "state_dict")
     masters = getattr(opt, "masters", [])
     on_device = all(t.device == device for t in [*model.parameters(), *masters])
     compute_ok = (
@@ -360,21 +361,30 @@ def resume_checks(
     return [
         check(f"{name}: step", loaded == 102, f"loaded step {loaded} (saved 101, 102); {stall}"),
         check(f"{name}: weights bit-exact", same_w and compute_ok is not False, f"masters {same_w}, " + copies),
-        check(f"{name}: optimizer state bit-exact", same_opt, "exp_avg, exp_avg_sq, step, param groups"),
+        check(f"{name}: optimizer state bit-exact", opt_diff is None, opt_diff or "exp_avg, exp_avg_sq, step, groups"),
         check(f"{name}: on {device.type}", on_device, f"parameters and masters on {device}: {on_device}"),
         check(f"{name}: trains on", math.isfinite(float(loss)), f"loss after resume {float(loss):.4f}"),
     ]
 
 
-def same_tree(a: Any, b: Any) -> bool:
-    """Equal to the bit: tensors (dtype, shape, values), mappings, sequences and plain values."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+def first_difference(a: Any, b: Any, path: str = "") -> str | None:
+    """Where ``a`` and ``b`` first differ (tensors: device, dtype, shape, then bits; mappings, sequences, plain
+    values), or None when they are equal to the bit."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        for what in ("device", "dtype", "shape"):
+            if getattr(a, what) != getattr(b, what):
+                return f"{path}: {what} {getattr(a, what)} != {getattr(b, what)}"
+        return None if torch.equal(a, b) else f"{path}: values differ"
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same_tree(a[k], b[k]) for k in a)
+        if a.keys() != b.keys():
+            return f"{path}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"
+        return next((d for k in a if (d := first_difference(a[k], b[k], f"{path}.{k}")) is not None), None)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same_tree(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
+        if len(a) != len(b):
+            return f"{path}: length {len(a)} != {len(b)}"
+        pairs = enumerate(zip(a, b, strict=True))
+        return next((d for i, (x, y) in pairs if (d := first_difference(x, y, f"{path}[{i}]")) is not None), None)
+    return None if type(a) is type(b) and a == b else f"{path}: {a!r} != {b!r}"
 
 
 SECTIONS: dict[str, Callable[[torch.device, bool], dict[str, Any]]] = {

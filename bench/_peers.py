@@ -39,9 +39,9 @@ ALL_PEERS = ("adamw", *PEERS)
 
 GPU_SIZES: dict[str, dict[str, int]] = {
     "gpt350m": {"vocab_size": 32768, "n_layer": 24, "n_head": 16, "n_embd": 1024},
-    "gpt60m": {"vocab_size": 8192, "n_layer": 8, "n_head": 8, "n_embd": 768},
+    "gpt70m": {"vocab_size": 8192, "n_layer": 8, "n_head": 8, "n_embd": 768},
 }
-"""GPT shapes for one GPU, over ``examples/gpt.py``'s ``bench`` size: ~370M and ~65M parameters at block 1024."""
+"""GPT shapes for one GPU, over ``examples/gpt.py``'s ``bench`` size: ~370M and ~70M parameters at block 1024."""
 
 # bytes per parameter per rank held by fp32 AdamW training per the ZeRO paper (N ranks): params, grads, 2 states
 FORMULA: dict[str, Callable[[int], float]] = {

@@ -148,8 +148,12 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     if peer.engine_comm and engine_before is not None:
         after = peer.engine_comm()
         engine_comm = {op: (n - engine_before.get(op, 0)) / args.comm_steps for op, n in after.items()}
+    profile_error = None
     if args.profile_dir is not None:
-        profile(args.profile_dir / f"{args.peer}.rank{rank}", setting.device, lambda: losses.append(float(one_step())))
+        try:  # optional: a profiler problem costs the profile, not the measurements above
+            profile(args.profile_dir / f"{args.peer}.rank{rank}", setting.device, one_step)
+        except Exception as exc:
+            profile_error = f"{type(exc).__name__}: {exc}"
     return {
         "peer": args.peer,
         "rank": rank,
@@ -176,10 +180,11 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
         "rss_end_kib": proc_status_kib("VmRSS"),
         "torch": torch.__version__,
         "info": peer.info,
+        "profile_error": profile_error,
     }
 
 
-def profile(stem: Path, device: torch.device, step: Callable[[], None], steps: int = 2) -> None:
+def profile(stem: Path, device: torch.device, step: Callable[[], object], steps: int = 2) -> None:
     """``torch.profiler`` over ``steps`` more steps (after every measurement): ``<stem>.txt``, the operators by self
     time (device time on CUDA), and ``<stem>.trace.json``, a Chrome/Perfetto trace."""
     from torch.profiler import ProfilerActivity
@@ -192,7 +197,7 @@ def profile(stem: Path, device: torch.device, step: Callable[[], None], steps: i
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     stem.parent.mkdir(parents=True, exist_ok=True)
-    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     (stem.parent / f"{stem.name}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=25))
     prof.export_chrome_trace(str(stem.parent / f"{stem.name}.trace.json"))
 

@@ -9,7 +9,7 @@ Four sections, each in processes of its own (one failing prints FAIL with its re
    ``elasticzero-launch --nproc-per-node 1``;
 3. checkpoint — the ``Checkpointer``'s async save of a stage-2 and a stage-3 state on the GPU: the stall against a
    step, steps taken during the write, and a resume bit-exact with the parameters back on the GPU;
-4. performance — a ~370M-parameter GPT (``--quick``: ~65M), bf16, batch 8 x 1024: median step time and peak
+4. performance — a ~370M-parameter GPT (``--quick``: ~70M), bf16, batch 8 x 1024: median step time and peak
    ``torch.cuda.max_memory_allocated`` of fused AdamW, DDP, FSDP2 and ZeroStage1/2/3, as ratios to fused AdamW
    (``bench/engine_bench.py``'s rank worker at world size 1; ``--profile-dir`` adds a torch.profiler table and trace
    per peer).
@@ -71,7 +71,7 @@ def plan_for(device: str, quick: bool) -> Plan:
     """Full GPU run: ~370M GPT, batch 8 x 1024, 3 warm-up + 10 timed steps (~2 of the 5 minutes for 6 peers)."""
     if device == "cuda":
         if quick:
-            return Plan("gpt60m", 8, 512, 2, 5, 150, 120)
+            return Plan("gpt70m", 8, 512, 2, 5, 150, 120)
         return Plan("gpt350m", 8, 1024, 3, 10, 150, 150)
     if quick:
         return Plan("tiny", 2, 32, 1, 2, 180, 120)

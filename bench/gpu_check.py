@@ -251,7 +251,7 @@ def perf_lines(result: dict[str, Any], device: str) -> list[str]:
     params = next((r["params"] for r in rows.values() if r.get("status") == "ok"), 0)
     mem_label = "peak GiB" if device == "cuda" else "peak RSS MiB"
     lines = [
-        f"  GPT {plan['size']} ({params / 1e6:.0f}M params), bf16, batch {plan['batch']} x {plan['seq']}, "
+        f"  GPT {plan['size']} ({params:,} params), bf16, batch {plan['batch']} x {plan['seq']}, "
         f"{plan['warmup']} warm-up + {plan['steps']} timed steps, world size 1",
         f"  {'peer':10s} {'step ms':>9s} {'x adamw':>8s} {mem_label:>13s} {'x adamw':>8s}  fwd / bwd / step ms",
     ]

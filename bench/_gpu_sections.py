@@ -340,16 +340,15 @@ def resume_checks(
         loaded = ckpt.load_latest({"model": ZeroCheckpointState(opt)})
     data["load_s"] = time.perf_counter() - t0
     want_w, want_opt = expected
-    got_w = weights(model, opt)
-    same_w = all(torch.equal(got_w[k], want_w[k]) for k in want_w)
+    w_diff = first_difference(weights(model, opt), want_w, "masters")
     opt_diff = first_difference(opt.state_dict(), want_opt, "state_dict")
     masters = getattr(opt, "masters", [])
     on_device = all(t.device == device for t in [*model.parameters(), *masters])
-    compute_ok = (
-        all(torch.equal(v, want_w[k].to(v.dtype)) for k, v in model.state_dict().items() if k in want_w)
-        if stage < 3
-        else None
-    )  # stages 1/2: the module's compute copies were refreshed from the loaded masters
+    copies_diff, copies = None, "module holds freed views (stage 3)"
+    if stage < 3:  # the module's compute copies, refreshed from the loaded masters
+        module = {k: v for k, v in model.state_dict().items() if k in want_w}
+        copies_diff = first_difference(module, {k: want_w[k].to(v.dtype) for k, v in module.items()}, "module")
+        copies = copies_diff or "the module's compute copies ok"
     x, y = synthetic_batch(cfg, 2, 32, torch.Generator().manual_seed(7))
     loss = lm_loss(model(x.to(device)), y.to(device))
     loss.backward()
@@ -357,11 +356,11 @@ def resume_checks(
     opt.step()
     opt.zero_grad()
     name = f"stage {stage} async save → resume"
-    copies = "module holds freed views (stage 3)" if compute_ok is None else f"module's compute copies {compute_ok}"
+    w_ok, w_detail = w_diff is None and copies_diff is None, f"{w_diff or 'masters ok'}; {copies}"
     stall = f"stall {1000 * data['saves'][-1]['stall_s']:.1f} ms = {data['stall_over_step']:.2f} step"
     return [
         check(f"{name}: step", loaded == 102, f"loaded step {loaded} (saved 101, 102); {stall}"),
-        check(f"{name}: weights bit-exact", same_w and compute_ok is not False, f"masters {same_w}, " + copies),
+        check(f"{name}: weights bit-exact", w_ok, w_detail),
         check(f"{name}: optimizer state bit-exact", opt_diff is None, opt_diff or "exp_avg, exp_avg_sq, step, groups"),
         check(f"{name}: on {device.type}", on_device, f"parameters and masters on {device}: {on_device}"),
         check(f"{name}: trains on", math.isfinite(float(loss)), f"loss after resume {float(loss):.4f}"),

@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -121,6 +122,7 @@ def last_line(text: str) -> str:
 def child_section(name: str, device: str, quick: bool, workdir: Path, plan: Plan) -> dict[str, Any]:
     """Run one section of ``_gpu_sections.py`` in a fresh process; its JSON, or an ``error`` naming why not."""
     out, log = workdir / f"{name}.json", workdir / f"{name}.log"
+    out.unlink(missing_ok=True)  # a report left by an earlier run with the same --out must not pass for this one
     argv = [sys.executable, str(HERE / "_gpu_sections.py"), name, "--device", device, "--out", str(out)]
     code, text = run_logged([*argv, *(["--quick"] if quick else [])], log, plan.section_timeout_s)
     if code == -9:
@@ -137,6 +139,7 @@ def example_section(device: str, quick: bool, workdir: Path, plan: Plan) -> dict
     then resumes to 10 under ``elasticzero-launch --nproc-per-node 1``; each run must exit 0, say where it resumed
     and commit its last checkpoint."""
     ckpt = workdir / "example-ckpt"
+    shutil.rmtree(ckpt, ignore_errors=True)  # the first run must start from nothing (an earlier run's, same --out)
     common = ["--size", "tiny", "--seq-len", "64", "--save-every", "2", "--async-save", "--checkpoint-dir", str(ckpt)]
     common += ["--corpus-bytes", str(1 << 20), "--cache-dir", str(workdir / "corpus-cache")]
     example = str(REPO / "examples" / "train_gpt.py")

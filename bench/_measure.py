@@ -1,4 +1,5 @@
-"""Measurement helpers for the engine benchmark's worker processes: collective counting, held tensors, RSS.
+"""Measurement helpers for the engine benchmark's worker processes: collective counting, held tensors, RSS, step
+clocks and device peak memory.
 
 Plain torch + stdlib only: this module also runs inside the optional DeepSpeed venv, which has no elasticzero.
 """
@@ -8,7 +9,9 @@ from __future__ import annotations
 import functools
 import gc
 import inspect
+import itertools
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -222,3 +225,49 @@ def proc_status_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise KeyError(field)
+
+
+class StepClock:
+    """Seconds between marked points of the training loop on ``device``.
+
+    CPU: ``time.perf_counter`` at each mark. CUDA: a timing event recorded on the current stream at each mark, read
+    only in :meth:`intervals` (which synchronises once), so timing adds no synchronisation inside the steps: the GPU
+    runs ahead of Python as in training, and each interval is the GPU time between two marks in stream order.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        """Add a point (now, on the host; or where the stream has got to, on the GPU)."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        """Seconds between consecutive marks; the clock starts empty again."""
+        marks, self.marks = self.marks, []
+        if self.cuda:
+            if marks:
+                marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1000 for a, b in itertools.pairwise(marks)]
+        return [b - a for a, b in itertools.pairwise(marks)]
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak of the device's allocator (CUDA only; nothing on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """``torch.cuda.max_memory_allocated`` since :func:`reset_peak_memory` (None on CPU: see VmHWM instead)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device))

@@ -7,6 +7,7 @@ installed, so their calls are counted.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,9 +33,19 @@ PEERS = (
 """Run order. ``torch_zero1`` = DDP + ``ZeroRedundancyOptimizer``; ``fsdp2`` = ``fully_shard`` with
 ``reshard_after_forward=True``, ``fsdp2_keep`` with ``False``; ``ez_stageN`` = elasticzero ``ZeroStageN``;
 ``ds_stageN`` = DeepSpeed ZeRO stage N on CPU."""
+ALL_PEERS = ("adamw", *PEERS)
+"""``adamw`` (plain ``torch.optim.AdamW`` on the bare model, no wrapper, no collective: the single-device baseline
+``bench/gpu_check.py`` divides by) is not in the default run."""
+
+GPU_SIZES: dict[str, dict[str, int]] = {
+    "gpt350m": {"vocab_size": 32768, "n_layer": 24, "n_head": 16, "n_embd": 1024},
+    "gpt70m": {"vocab_size": 8192, "n_layer": 8, "n_head": 8, "n_embd": 768},
+}
+"""GPT shapes for one GPU, over ``examples/gpt.py``'s ``bench`` size: ~370M and ~70M parameters at block 1024."""
 
 # bytes per parameter per rank held by fp32 AdamW training per the ZeRO paper (N ranks): params, grads, 2 states
 FORMULA: dict[str, Callable[[int], float]] = {
+    "adamw": lambda n: 16.0,
     "ddp": lambda n: 16.0,
     "torch_zero1": lambda n: 4 + 4 + 8 / n,
     "fsdp2": lambda n: 16 / n,
@@ -48,6 +59,7 @@ FORMULA: dict[str, Callable[[int], float]] = {
 }
 # communication per rank per step in units of Ψ, as the ZeRO paper counts it (all-reduce = 2Ψ)
 COMM_GOAL = {
+    "adamw": 0,
     "ddp": 2,
     "torch_zero1": 3,
     "fsdp2": 3,
@@ -74,49 +86,94 @@ class Peer:
     memory_report: Callable[[], dict[str, float]] | None = None
     """The engine's own held-memory report (bytes by category), when it has one."""
     info: dict[str, Any] = field(default_factory=dict)
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
+    """The context the forward (and loss) runs in: ``torch.autocast`` for the peers that keep fp32 parameters under
+    a low-precision run (``adamw``, ``ddp``, ``torch_zero1``); the others cast their parameters themselves."""
 
 
-def _adamw_kwargs(lr: float) -> dict[str, Any]:
-    return {"lr": lr, "betas": (0.9, 0.95), "weight_decay": 0.0}
+@dataclass(frozen=True)
+class Setting:
+    """Where and how every peer of a run trains: device (``cpu``: gloo; ``cuda``: NCCL, fused AdamW) and precision
+    (``fp32``, or ``bf16``: autocast for fp32-parameter peers, FSDP2's ``MixedPrecisionPolicy``, ZeRO's policy)."""
+
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    precision: str = "fp32"
+
+    @property
+    def low(self) -> torch.dtype | None:
+        """The compute dtype of a low-precision run, else None."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+
+    def autocast(self) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+        """The forward context of a peer with fp32 parameters."""
+        low, kind = self.low, self.device.type
+        return contextlib.nullcontext if low is None else lambda: torch.autocast(kind, dtype=low)
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        return {"device_ids": [self.device]} if self.device.type == "cuda" else {}
 
 
-def build_ddp(model: nn.Module, lr: float, bucket_mb: float) -> Peer:
-    """DDP (gradient buckets as grad views) + AdamW; a counting comm hook equal to torch's default all-reduce."""
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
-    ddp.register_comm_hook(None, ddp_counting_hook)
-    opt = torch.optim.AdamW(ddp.parameters(), **_adamw_kwargs(lr))
-    return Peer(ddp, opt.step, lambda: opt.zero_grad(set_to_none=False))
+CPU = Setting()
 
 
-def build_torch_zero1(model: nn.Module, lr: float, bucket_mb: float) -> Peer:
+def _adamw_kwargs(lr: float, setting: Setting = CPU) -> dict[str, Any]:
+    fused = {"fused": True} if setting.device.type == "cuda" else {}  # torch's fastest AdamW on a GPU
+    return {"lr": lr, "betas": (0.9, 0.95), "weight_decay": 0.0, **fused}
+
+
+def build_adamw(model: nn.Module, lr: float, setting: Setting) -> Peer:
+    """``torch.optim.AdamW`` on the bare model (fused on CUDA): no wrapper, no collective."""
+    opt = torch.optim.AdamW(model.parameters(), **_adamw_kwargs(lr, setting))
+    return Peer(model, opt.step, lambda: opt.zero_grad(set_to_none=True), autocast=setting.autocast())
+
+
+def build_ddp(model: nn.Module, lr: float, bucket_mb: float, setting: Setting = CPU) -> Peer:
+    """DDP (gradient buckets as grad views) + AdamW; on CPU a counting comm hook equal to torch's default all-reduce
+    (on CUDA DDP's own reducer: nothing counts NCCL traffic here, and the hook would add Python work per bucket)."""
+    ddp = nn.parallel.DistributedDataParallel(
+        model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, **setting.ddp_kwargs()
+    )
+    if setting.device.type == "cpu":
+        ddp.register_comm_hook(None, ddp_counting_hook)
+    opt = torch.optim.AdamW(ddp.parameters(), **_adamw_kwargs(lr, setting))
+    return Peer(ddp, opt.step, lambda: opt.zero_grad(set_to_none=False), autocast=setting.autocast())
+
+
+def build_torch_zero1(model: nn.Module, lr: float, bucket_mb: float, setting: Setting = CPU) -> Peer:
     """DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer`` (torch's ZeRO-1: whole-tensor state sharding)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
-    ddp.register_comm_hook(None, ddp_counting_hook)
-    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **_adamw_kwargs(lr))
-    return Peer(ddp, opt.step, lambda: opt.zero_grad(set_to_none=False))
+    ddp = nn.parallel.DistributedDataParallel(
+        model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, **setting.ddp_kwargs()
+    )
+    if setting.device.type == "cpu":
+        ddp.register_comm_hook(None, ddp_counting_hook)
+    kwargs = _adamw_kwargs(lr, setting)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **kwargs)
+    return Peer(ddp, opt.step, lambda: opt.zero_grad(set_to_none=False), autocast=setting.autocast())
 
 
-def build_fsdp2(model: nn.Module, lr: float, reshard_after_forward: bool) -> Peer:
-    """FSDP2: ``fully_shard`` each transformer block, then the root; plain AdamW over the DTensor shards."""
+def build_fsdp2(model: nn.Module, lr: float, reshard_after_forward: bool, setting: Setting = CPU) -> Peer:
+    """FSDP2: ``fully_shard`` each transformer block, then the root; plain AdamW over the DTensor shards; under bf16
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (the ZeRO stages' policy)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    mesh = init_device_mesh(setting.device.type, (torch.distributed.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=setting.low, reduce_dtype=torch.float32 if setting.low else None)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    opt = torch.optim.AdamW(model.parameters(), **_adamw_kwargs(lr))
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), **_adamw_kwargs(lr, setting))
     return Peer(model, opt.step, lambda: opt.zero_grad(set_to_none=True))
 
 
-def build_ez(model: nn.Module, lr: float, stage: int, bucket_mb: float) -> Peer:
+def build_ez(model: nn.Module, lr: float, stage: int, bucket_mb: float, setting: Setting = CPU) -> Peer:
     """elasticzero ``ZeroStage{stage}`` wrapping AdamW; reads the engine's own collective counter."""
     import elasticzero
 
     cls = getattr(elasticzero, f"ZeroStage{stage}")
-    kwargs: dict[str, Any] = {"precision": "fp32", **_adamw_kwargs(lr)}
+    kwargs: dict[str, Any] = {"precision": setting.precision, **_adamw_kwargs(lr, setting)}
     accepted = inspect.signature(cls).parameters
     for name in ("bucket_bytes", "reduce_bucket_bytes", "bucket_size_bytes"):
         if name in accepted:
@@ -166,16 +223,18 @@ def build_ds(model: nn.Module, lr: float, stage: int, bucket_mb: float, batch_si
     return Peer(engine, engine.step, lambda: None, backward=engine.backward, info=info)
 
 
-def build(name: str, model: nn.Module, lr: float, bucket_mb: float, batch_size: int) -> Peer:
-    """Build peer ``name`` around ``model`` (already on CPU, same initial weights on every rank)."""
+def build(name: str, model: nn.Module, lr: float, bucket_mb: float, batch_size: int, setting: Setting = CPU) -> Peer:
+    """Build peer ``name`` around ``model`` (already on ``setting.device``, same initial weights on every rank)."""
+    if name == "adamw":
+        return build_adamw(model, lr, setting)
     if name == "ddp":
-        return build_ddp(model, lr, bucket_mb)
+        return build_ddp(model, lr, bucket_mb, setting)
     if name == "torch_zero1":
-        return build_torch_zero1(model, lr, bucket_mb)
+        return build_torch_zero1(model, lr, bucket_mb, setting)
     if name in ("fsdp2", "fsdp2_keep"):
-        return build_fsdp2(model, lr, reshard_after_forward=name == "fsdp2")
+        return build_fsdp2(model, lr, name == "fsdp2", setting)
     if name.startswith("ez_stage"):
-        return build_ez(model, lr, int(name[-1]), bucket_mb)
+        return build_ez(model, lr, int(name[-1]), bucket_mb, setting)
     if name.startswith("ds_stage"):
         return build_ds(model, lr, int(name[-1]), bucket_mb, batch_size)
     raise ValueError(f"unknown peer {name!r}")

@@ -64,9 +64,16 @@ def summarise(peer: str, rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
         "timed_steps": len(per_step),
         "rounds_ok": f"{len(good)}/{len(rounds)}",
         "peak_rss_MiB": max(r["vmhwm_kib"] for r in every) / 1024,
+        "peak_device_GiB": _peak_device_gib(every),
         "start_rss_MiB": max(r["rss_start_kib"] for r in every) / 1024,
         "final_loss": statistics.fmean(r["losses"][-1] for r in good[0]),
     }
+
+
+def _peak_device_gib(ranks: list[dict[str, Any]]) -> float | None:
+    """The largest rank's ``torch.cuda.max_memory_allocated`` over the timed steps, GiB (None on CPU)."""
+    peaks = [r.get("peak_device_bytes") for r in ranks]
+    return None if None in peaks else max(peaks) / 2**30  # type: ignore[type-var]
 
 
 def _split(d: dict[str, float], abbrev: dict[str, str] | None = None) -> str:

@@ -1,10 +1,11 @@
 """One rank of one benchmark peer (started by ``bench/engine_bench.py``; RANK/WORLD_SIZE/MASTER_* come from env).
 
-Phases: warm-up steps; timed steps (wall time per step); peak RSS (VmHWM) read; one step with held-tensor scans after
-backward and after the optimizer step; ``--comm-steps`` steps with the collective counter on. Writes one JSON file.
+Phases: warm-up steps; timed steps (wall time per step, or on CUDA the GPU time between timing events: no
+synchronisation inside the steps); peak RSS (VmHWM) and, on CUDA, peak allocated device memory over the timed steps;
+one step with held-tensor scans after backward and after the optimizer step; ``--comm-steps`` steps with the
+collective counter on. Writes one JSON file. ``--device cuda`` runs on this rank's GPU (``LOCAL_RANK``) over NCCL.
 Runs under the project's venv or the optional DeepSpeed venv, so it imports only torch, stdlib and examples/gpt.py
-(``--model llama`` also imports ``transformers``: a Hugging Face Llama built from a config, random init).
-"""
+(``--model llama`` also imports ``transformers``: a Hugging Face Llama built from a config, random init)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +27,18 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "examples"), str(HERE.parent / "src
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _measure import COUNTER, held_tensor_bytes, proc_status_kib  # noqa: E402
+from _measure import COUNTER, StepClock, held_tensor_bytes, peak_memory_bytes, proc_status_kib, reset_peak_memory  # noqa: E402
 
 COUNTER.install()  # before any engine import, so `from torch.distributed import X` in engines gets the wrapper
 
 import _peers  # noqa: E402
-from gpt import GPT, config_for, lm_loss, num_params, synthetic_batch  # noqa: E402
+from gpt import GPT, GPTConfig, config_for, lm_loss, num_params, synthetic_batch  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
     """Worker flags (set by the driver)."""
     p = argparse.ArgumentParser()
-    p.add_argument("--peer", required=True, choices=_peers.PEERS)
+    p.add_argument("--peer", required=True, choices=_peers.ALL_PEERS)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--size", default="bench")
     p.add_argument("--model", default="gpt", choices=["gpt", "llama"])
@@ -48,51 +50,83 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--profile-dir", type=Path, default=None, help="torch.profiler over 2 more steps: table + trace")
     return p.parse_args()
+
+
+def model_config(size: str, seq_len: int) -> GPTConfig:
+    """``examples/gpt.py``'s named size, or one of ``_peers.GPU_SIZES`` over its ``bench`` size; the block holds
+    ``seq_len`` tokens."""
+    base, shape = ("bench", _peers.GPU_SIZES[size]) if size in _peers.GPU_SIZES else (size, {})
+    return config_for(base, **shape, block_size=max(seq_len, config_for(base).block_size))
+
+
+def device_of(kind: str) -> torch.device:
+    """This rank's device: the CPU, or GPU ``LOCAL_RANK`` (made current)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
 
 
 def run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     """Build the peer, run every phase, return this rank's measurements."""
     rss_start = proc_status_kib("VmRSS")
-    cfg = config_for(args.size, block_size=max(args.seq_len, config_for(args.size).block_size))
+    cfg = model_config(args.size, args.seq_len)
+    setting = _peers.Setting(device_of(args.device), args.precision)
     torch.manual_seed(args.seed)
     model: torch.nn.Module
-    if args.model == "llama":
-        model, model_info = hf_llama(args.seq_len)
-        cfg = dataclasses.replace(cfg, vocab_size=model_info["vocab_size"])
-    else:
-        model, model_info = GPT(cfg), {"size": args.size, **cfg.__dict__}
+    with setting.device:  # parameters made (and initialised) on the device
+        if args.model == "llama":
+            model, model_info = hf_llama(args.seq_len)
+            cfg = dataclasses.replace(cfg, vocab_size=model_info["vocab_size"])
+        else:
+            model, model_info = GPT(cfg), {"size": args.size, **cfg.__dict__}
     psi = num_params(model)
     x, y = synthetic_batch(cfg, args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed + 1 + rank))
-    peer = _peers.build(args.peer, model, args.lr, args.bucket_mb, args.batch_size)
+    x, y = x.to(setting.device), y.to(setting.device)
+    peer = _peers.build(args.peer, model, args.lr, args.bucket_mb, args.batch_size, setting)
     torch.set_num_threads(1)  # engines may reset it at init
+    clock = StepClock(setting.device)
 
-    def one_step(phases: list[float] | None = None) -> float:
-        t0 = time.perf_counter()
-        loss = lm_loss(peer.net(x), y)
-        t1 = time.perf_counter()
+    def one_step(timed: bool = False) -> torch.Tensor:
+        if timed:
+            clock.mark()
+        with peer.autocast():
+            loss = lm_loss(peer.net(x), y)
+        if timed:
+            clock.mark()
         peer.backward(loss)
-        t2 = time.perf_counter()
+        if timed:
+            clock.mark()
         peer.step()
         peer.zero_grad()
-        if phases is not None:
-            phases[:] = [t1 - t0, t2 - t1, time.perf_counter() - t2]
-        return float(loss.detach())
+        return loss.detach()
 
-    losses, times, cpu_times, phase_times = [], [], [], []
+    losses: list[float] = []
+    cpu_times: list[float] = []
     for _ in range(args.warmup):
-        losses.append(one_step())
+        losses.append(float(one_step()))
+    reset_peak_memory(setting.device)
+    timed_losses = []
     for _ in range(args.steps):
-        phases: list[float] = []
-        t0, c0 = time.perf_counter(), time.process_time()
-        losses.append(one_step(phases))
-        times.append(time.perf_counter() - t0)
+        c0 = time.process_time()
+        timed_losses.append(one_step(timed=True))  # no .item() here: on CUDA it would synchronise every step
         cpu_times.append(time.process_time() - c0)  # all threads of this rank; less sensitive to other load
-        phase_times.append(phases)
+    clock.mark()  # marks: start, after forward, after backward of each step, then the end; read once
+    intervals = clock.intervals()
+    phase_times = [intervals[i : i + 3] for i in range(0, len(intervals), 3)]  # the step phase runs to the next start
+    times = [sum(phases) for phases in phase_times]
+    losses += [float(v) for v in timed_losses]
     vmhwm = proc_status_kib("VmHWM")
+    peak_mem = peak_memory_bytes(setting.device)
 
     # held tensors: after backward (full/sharded grads present) and after the step (before zero_grad)
-    loss = lm_loss(peer.net(x), y)
+    with peer.autocast():
+        loss = lm_loss(peer.net(x), y)
     peer.backward(loss)
     losses.append(float(loss.detach()))
     del loss
@@ -108,12 +142,18 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     COUNTER.reset()
     COUNTER.enabled = True
     for _ in range(args.comm_steps):
-        losses.append(one_step())
+        losses.append(float(one_step()))
     COUNTER.enabled = False
     engine_comm = None
     if peer.engine_comm and engine_before is not None:
         after = peer.engine_comm()
         engine_comm = {op: (n - engine_before.get(op, 0)) / args.comm_steps for op, n in after.items()}
+    profile_error = None
+    if args.profile_dir is not None:
+        try:  # optional: a profiler problem costs the profile, not the measurements above
+            profile(args.profile_dir / f"{args.peer}.rank{rank}", setting.device, one_step)
+        except Exception as exc:
+            profile_error = f"{type(exc).__name__}: {exc}"
     return {
         "peer": args.peer,
         "rank": rank,
@@ -133,11 +173,33 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
         "engine_comm_elements_per_step": engine_comm,
         "engine_memory_report": engine_mem,
         "vmhwm_kib": vmhwm,
+        "peak_device_bytes": peak_mem,
+        "device": str(setting.device),
+        "precision": setting.precision,
         "rss_start_kib": rss_start,
         "rss_end_kib": proc_status_kib("VmRSS"),
         "torch": torch.__version__,
         "info": peer.info,
+        "profile_error": profile_error,
     }
+
+
+def profile(stem: Path, device: torch.device, step: Callable[[], object], steps: int = 2) -> None:
+    """``torch.profiler`` over ``steps`` more steps (after every measurement): ``<stem>.txt``, the operators by self
+    time (device time on CUDA), and ``<stem>.trace.json``, a Chrome/Perfetto trace."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    (stem.parent / f"{stem.name}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=25))
+    prof.export_chrome_trace(str(stem.parent / f"{stem.name}.trace.json"))
 
 
 class LogitsOf(torch.nn.Module):
@@ -181,7 +243,8 @@ def main() -> int:
     if skip:
         result: dict[str, Any] = {"peer": args.peer, "rank": rank, "skipped": skip}
     else:
-        dist.init_process_group("gloo")
+        device_of(args.device)  # the current GPU before NCCL starts
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
         try:
             result = run(args, rank, world)
         finally:

@@ -1,12 +1,14 @@
-"""Side-by-side ZeRO engine benchmark: elasticzero stages vs DDP, torch ZeRO-1, FSDP2 and DeepSpeed, on CPU.
+"""Side-by-side ZeRO engine benchmark: elasticzero stages vs DDP, torch ZeRO-1, FSDP2 and DeepSpeed, on CPU or GPUs.
 
-One driver invocation runs every peer in turn, each in a fresh pair of gloo rank processes on 127.0.0.1, then prints
+One driver invocation runs every peer in turn, each in fresh rank processes on 127.0.0.1 (gloo; NCCL with ``--device
+cuda``, rank r on GPU r, where the DeepSpeed peers, CPU-only here, are left out), then prints
 a markdown table and the goal ratios of issue 4 and saves everything (per-rank raw data included) as JSON under
 ``bench/results/``. Every number comes from that run; see ``bench/README.md`` for what each column measures.
 
     .venv/bin/python bench/engine_bench.py            # full run (~30M-param GPT)
     .venv/bin/python bench/engine_bench.py --quick    # ~1 minute smoke run (~4M params, fewer steps)
     .venv/bin/python bench/engine_bench.py --model llama --peers ddp,fsdp2,ez_stage1,ez_stage2,ez_stage3
+    python bench/engine_bench.py --device cuda --precision bf16 --world-size 8 --size gpt350m --seq-len 1024
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 
-from _peers import PEERS  # noqa: E402
+from _peers import ALL_PEERS, PEERS  # noqa: E402
 from _report import ratios, summarise, table  # noqa: E402
 from ez_ports import free_port  # noqa: E402 (tests/ on sys.path: the one free-port rule of tests and benchmarks)
 
@@ -36,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line; ``--quick`` changes the defaults of size and step counts (explicit flags still win)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small model (~4M), 1 warm-up + 3 timed steps")
-    p.add_argument("--peers", default=",".join(PEERS), help=f"comma list from: {', '.join(PEERS)}")
+    p.add_argument("--peers", default=None, help=f"comma list from: {', '.join(ALL_PEERS)} (default: all but adamw)")
     p.add_argument("--size", default=None, help="GPT size from examples/gpt.py (default bench; quick: small)")
     p.add_argument(
         "--model",
@@ -51,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--comm-steps", type=int, default=None, help="counted steps (default 2; quick: 1)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient/gather bucket size for every peer")
     p.add_argument("--world-size", type=int, default=2, help="ranks per peer (default 2)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: rank r on GPU r, NCCL")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: every peer's mixed precision")
+    p.add_argument("--profile-dir", type=Path, default=None, help="each rank: torch.profiler over 2 extra steps here")
     p.add_argument("--rounds", type=int, default=None, help="run all peers this many times, order alternating (1)")
     p.add_argument("--ds-python", type=Path, default=DEFAULT_DS_VENV / "bin" / "python", help="DeepSpeed venv python")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per peer before its ranks are killed")
@@ -62,7 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    unknown = set(args.peers.split(",")) - set(PEERS)
+    on_cpu_only = [peer for peer in PEERS if peer.startswith("ds_")]  # the DeepSpeed venv runs DS_ACCELERATOR=cpu
+    if args.peers is None:
+        args.peers = ",".join(peer for peer in PEERS if args.device == "cpu" or peer not in on_cpu_only)
+    if args.device == "cuda" and set(args.peers.split(",")) & set(on_cpu_only):
+        p.error(f"--device cuda: the DeepSpeed peers ({', '.join(on_cpu_only)}) run on the CPU only")
+    unknown = set(args.peers.split(",")) - set(ALL_PEERS)
     if unknown:
         p.error(f"unknown peers: {', '.join(sorted(unknown))}")
     return args
@@ -86,6 +96,9 @@ def run_peer(peer: str, args: argparse.Namespace, workdir: Path) -> list[dict[st
         f"--steps={args.steps}",
         f"--comm-steps={args.comm_steps}",
         f"--bucket-mb={args.bucket_mb}",
+        f"--device={args.device}",
+        f"--precision={args.precision}",
+        *([f"--profile-dir={args.profile_dir}"] if args.profile_dir else []),
     ]
     procs, outs, logs = [], [], []
     for rank in range(args.world_size):

@@ -1,0 +1,418 @@
+"""The in-process sections of ``bench/gpu_check.py``: each runs in a child process of its own (``python
+bench/_gpu_sections.py SECTION --device cuda --out FILE``), at world size 1 (NCCL on a GPU, gloo on the CPU, the
+store in-process: no port), and writes one JSON result: ``checks`` (name, ok, detail) and ``data`` (figures).
+
+- ``correctness``: ZeroStage1/2/3 against ``torch.optim.AdamW`` on the same GPT and batches, fp32 and bf16, through
+  the engine's public ``optimizer_step`` with clipping active.
+- ``checkpoint``: the ``Checkpointer``'s async save of a stage-2 and a stage-3 state on the device: the stall it puts
+  on the training loop against a step, the steps taken while it writes, and a resume into fresh objects that is
+  bit-exact with the saved state and has the parameters back on the device.
+
+Only torch, the package and ``examples/gpt.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import math
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "examples"), str(HERE.parent / "src")]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from _measure import StepClock  # noqa: E402
+from _peers import GPU_SIZES  # noqa: E402
+from gpt import GPT, GPTConfig, config_for, lm_loss, synthetic_batch  # noqa: E402
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+LR, BETAS, WEIGHT_DECAY = 1e-2, (0.9, 0.95), 0.1
+MAX_NORM = 0.05  # below the gradient norm of these models, so the clip changes every update (counted in the result)
+FP32_EPS = 2.0**-24  # unit roundoff of fp32
+
+
+def check(name: str, ok: bool, detail: str) -> dict[str, Any]:
+    """One line of the report."""
+    return {"name": name, "ok": bool(ok), "detail": detail}
+
+
+# -- world of one ----------------------------------------------------------------------------------------------------
+def open_world(kind: str) -> torch.device:
+    """World size 1 on ``kind``: GPU 0 over NCCL, or the CPU over gloo; the store is in-process (no port)."""
+    device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return device
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """What ran: torch, CUDA, NCCL, the device."""
+    env: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
+    env["backend"] = dist.get_backend()
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env |= {"gpu": props.name, "gpu_memory_GiB": props.total_memory / 2**30, "cuda": torch.version.cuda}
+        env |= {"capability": ".".join(map(str, torch.cuda.get_device_capability(device)))}
+        nccl = torch.cuda.nccl.version()  # a tuple (an int in older torch)
+        env["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    return env
+
+
+def gpt(cfg: GPTConfig, device: torch.device, seed: int) -> GPT:
+    """The GPT of ``examples/gpt.py``, initialised on ``device`` from ``seed`` (the same weights for the same seed)."""
+    torch.manual_seed(seed)
+    with device:
+        return GPT(cfg)
+
+
+def batches(cfg: GPTConfig, n: int, size: int, seq: int, device: torch.device) -> list[Batch]:
+    """``n`` fixed synthetic batches (one per step), on ``device``."""
+    out = []
+    for i in range(n):
+        x, y = synthetic_batch(cfg, size, seq, torch.Generator().manual_seed(1000 + i))
+        out.append((x.to(device), y.to(device)))
+    return out
+
+
+def zero_stage(stage: int) -> type[torch.optim.Optimizer]:
+    import elasticzero
+
+    return getattr(elasticzero, f"ZeroStage{stage}")  # type: ignore[no-any-return]
+
+
+def train(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    data: list[Batch],
+    autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> list[float]:
+    """One clipped step per batch through ``elasticzero.engine.optimizer_step``; the norms before clipping."""
+    from elasticzero.engine import optimizer_step
+
+    norms = []
+    for x, y in data:
+        with autocast():
+            loss = lm_loss(model(x), y)
+        loss.backward()
+        result = optimizer_step(opt, max_norm=MAX_NORM)
+        assert result.grad_norm is not None
+        norms.append(float(result.grad_norm))
+    return norms
+
+
+def weights(model: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
+    """fp32 weights by module key: a ZeRO stage's masters (``full_state_dict``), else the module's own."""
+    full = getattr(opt, "full_state_dict", None)
+    sd = full() if callable(full) else model.state_dict()
+    return {k: v.detach().float().clone() for k, v in sd.items()}
+
+
+def max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """max over tensors of max|a - b| / max|b|."""
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)) for k in b)
+
+
+def update_rel(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> float:
+    """‖Δgot - Δref‖ / ‖Δref‖ over all parameters, Δ = weights after training - initial weights: how far the
+    training's total update is from the reference's (0: the same update, 1: e.g. no update at all)."""
+    num = sum(float(((got[k] - start[k]) - (ref[k] - start[k])).double().square().sum()) for k in ref)
+    den = sum(float((ref[k] - start[k]).double().square().sum()) for k in ref)
+    return math.sqrt(num / den)
+
+
+# -- correctness -----------------------------------------------------------------------------------------------------
+def correctness(device: torch.device, quick: bool) -> dict[str, Any]:
+    """ZeroStage1/2/3 at world size 1 against ``torch.optim.AdamW`` (same init, batches, clipping), fp32 and bf16.
+
+    Attention runs on SDPA's math backend here: the fused CUDA attention kernels may accumulate their backward with
+    atomics (run to run differences of an ulp) and a bitwise comparison of two runs needs deterministic kernels."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return _correctness(device, quick)
+
+
+def _correctness(device: torch.device, quick: bool) -> dict[str, Any]:
+    cfg = config_for("tiny" if quick else "small", block_size=64)
+    steps, data = 6, batches(cfg, 6, 4, 64, device)
+    start = weights(gpt(cfg, device, 0))
+    ref = gpt(cfg, device, 0)
+    ref_norms = train(ref, torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY), data)
+    ref_w = weights(ref)
+    clipped = sum(n > MAX_NORM for n in ref_norms)
+    checks = [check("fp32 AdamW reference: clipping active", clipped == steps, f"{clipped}/{steps} steps clipped")]
+    data_out: dict[str, Any] = {
+        "steps": steps,
+        "params": sum(v.numel() for v in start.values()),
+        "ref_norms": ref_norms,
+    }
+    for stage in (1, 2, 3):
+        checks.append(fp32_stage(stage, cfg, device, data, (start, ref_w, ref_norms), data_out))
+    checks += bf16_stages(cfg, device, data, start, ref_w, data_out)
+    return {"checks": checks, "data": data_out}
+
+
+def fp32_stage(
+    stage: int,
+    cfg: GPTConfig,
+    device: torch.device,
+    data: list[Batch],
+    ref: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[float]],
+    out: dict[str, Any],
+) -> dict[str, Any]:
+    """fp32 ZeroStage{stage} after the clipped steps against AdamW's (see the tolerances below)."""
+    start, ref_w, ref_norms = ref
+    model = gpt(cfg, device, 0)
+    opt = zero_stage(stage)(model, torch.optim.AdamW, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+    norms = train(model, opt, data)
+    got = weights(model, opt)
+    same = all(torch.equal(got[k], ref_w[k]) for k in ref_w)
+    rel, upd = max_rel(got, ref_w), update_rel(got, ref_w, start)
+    same_norms = sum(a == b for a, b in zip(norms, ref_norms, strict=True))
+    out[f"fp32_stage{stage}"] = {"bitwise": same, "max_rel": rel, "update_rel": upd, "norms": norms}
+    seen = f"max rel {rel:.1e}, grad norm bitwise on {same_norms}/{len(data)} steps"
+    if stage < 3:
+        # Stages 1/2 at world size 1: the module's gradients copied into flat buckets (÷ 1), the global norm is
+        # torch's (per-tensor norms, then the norm of those, in registration order), AdamW's element-wise update on
+        # the flat masters. Nothing is rounded differently: equal to the bit.
+        detail = f"bitwise after {len(data)} clipped steps: {same}; update off by {upd:.1e}, {seen}"
+        return check(f"fp32 ZeroStage{stage} = AdamW", same, detail)
+    # Stage 3 buckets by unit (blocks, then the root's own parameters), so its norm of per-tensor norms sums in
+    # another order: the total norm, hence the clip coefficient, may differ by rounding, at most n·u relative for n
+    # tensors (u = 2^-24). AdamW is invariant to a common gradient scale up to its eps, so each element's update moves
+    # by at most that plus its own ~4u of arithmetic; summed over the steps (to first order): the total update is off
+    # by at most steps·(n + 4)·u.
+    n = len(ref_w)
+    tol = len(data) * (n + 4) * FP32_EPS
+    detail = f"update off by {upd:.1e} <= {tol:.1e} = steps·(tensors + 4)·2^-24; bitwise: {same}; {seen}"
+    return check("fp32 ZeroStage3 ≈ AdamW", upd <= tol, detail)
+
+
+def bf16_stages(
+    cfg: GPTConfig,
+    device: torch.device,
+    data: list[Batch],
+    start: dict[str, torch.Tensor],
+    ref_w: dict[str, torch.Tensor],
+    out: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """bf16 ZeroStage1/2/3 against AdamW on fp32 masters with ``torch.autocast(bf16)``, measured on the total update.
+
+    The yardstick comes from this run: ``e_amp`` = how far autocast-bf16 AdamW's update is from the exact fp32
+    update. A ZeRO stage under bf16 rounds where autocast does (weights and matmul outputs to bf16) and also keeps
+    the residual stream and LayerNorm in bf16 (autocast keeps them fp32): at most about twice the rounding, so its
+    distance from fp32 is at most ~2·e_amp and, by the triangle inequality, its distance from the autocast reference
+    at most 3·e_amp. The check is meaningful while 3·e_amp < 1 (an engine that did not step scores 1)."""
+    amp_model = gpt(cfg, device, 0)
+    amp_opt = torch.optim.AdamW(amp_model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+    train(amp_model, amp_opt, data, lambda: torch.autocast(device.type, dtype=torch.bfloat16))
+    amp_w = weights(amp_model)
+    e_amp = update_rel(amp_w, ref_w, start)
+    tol = 3 * e_amp
+    out["bf16_autocast_vs_fp32_update_rel"] = e_amp
+    checks = [check("bf16 autocast AdamW yardstick", 0 < tol < 1, f"update off fp32 by {e_amp:.3f}; tolerance 3x")]
+    for stage in (1, 2, 3):
+        model = gpt(cfg, device, 0)
+        kwargs = {"lr": LR, "betas": BETAS, "weight_decay": WEIGHT_DECAY}
+        opt = zero_stage(stage)(model, torch.optim.AdamW, precision="bf16", **kwargs)
+        train(model, opt, data)
+        rel = update_rel(weights(model, opt), amp_w, start)
+        out[f"bf16_stage{stage}_vs_autocast_update_rel"] = rel
+        detail = f"update off autocast AdamW by {rel:.3f} <= {tol:.3f} (3 x autocast's own bf16 error)"
+        checks.append(check(f"bf16 ZeroStage{stage} ≈ autocast AdamW", rel <= tol, detail))
+    return checks
+
+
+# -- checkpoint --------------------------------------------------------------------------------------------------------
+def checkpoint(device: torch.device, quick: bool) -> dict[str, Any]:
+    """The async save's stall and a bit-exact resume, for stage 2 and stage 3 states on ``device``."""
+    if device.type == "cuda" and not quick:
+        cfg, size, seq = config_for("bench", **GPU_SIZES["gpt70m"], block_size=512), 8, 512
+    else:
+        cfg, size, seq = config_for("tiny" if quick else "small"), 4, 64
+    checks, data = [], {}
+    for stage in (2, 3):
+        with tempfile.TemporaryDirectory(prefix="gpu_check_ckpt") as tmp:
+            c, d = checkpoint_stage(stage, cfg, size, seq, device, Path(tmp))
+        checks += c
+        data[f"stage{stage}"] = d
+    return {"checks": checks, "data": data}
+
+
+def checkpoint_stage(
+    stage: int, cfg: GPTConfig, size: int, seq: int, device: torch.device, directory: Path
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Train, save twice asynchronously (fresh staging buffers, then reused ones) timing the stall and the steps
+    taken while each writes, then load into a fresh model and optimizer and compare."""
+    from elasticzero.checkpoint import Checkpointer, ZeroCheckpointState
+
+    precision = "bf16"  # fp32 masters and state, bf16 compute copies: the module's copies are checked too
+    model = gpt(cfg, device, 0)
+    opt = zero_stage(stage)(model, torch.optim.AdamW, precision=precision, lr=1e-4, betas=BETAS)
+    feed = itertools.cycle(batches(cfg, 8, size, seq, device))
+    step = stepper(model, opt, feed)
+    for _ in range(2):
+        step()  # warm-up: kernels, allocator, optimizer state
+    before = timed_steps(step, device, 5)
+    ckpt = Checkpointer(directory, keep_last=2, async_save=True)
+    saves, expected = [], None
+    for n in (1, 2):
+        save = timed_save(ckpt, 100 + n, {"model": ZeroCheckpointState(opt)}, device)
+        if n == 2:  # what the second save holds: the state right now (nothing has stepped since)
+            expected = (weights(model, opt), copy.deepcopy(opt.state_dict()))
+        save["steps_while_writing_s"] = timed_steps(step, device, 3)
+        t0 = time.perf_counter()
+        ckpt.wait()
+        save["commit_after_s"] = time.perf_counter() - t0
+        saves.append(save)
+    ckpt.close()
+    step_s = statistics.median(before)
+    data = {"precision": precision, "params": sum(p.numel() for p in model.parameters()), "step_s": step_s}
+    data |= {"saves": saves, "stall_over_step": saves[-1]["stall_s"] / step_s}
+    data["drag"] = statistics.median(saves[-1]["steps_while_writing_s"]) / step_s
+    assert expected is not None
+    return resume_checks(stage, cfg, device, directory, expected, precision, data), data
+
+
+def stepper(model: torch.nn.Module, opt: torch.optim.Optimizer, feed: Iterator[Batch]) -> Callable[[], None]:
+    from elasticzero.engine import optimizer_step
+
+    def step() -> None:
+        x, y = next(feed)
+        lm_loss(model(x), y).backward()
+        optimizer_step(opt, max_norm=1.0)
+
+    return step
+
+
+def timed_steps(step: Callable[[], None], device: torch.device, n: int) -> list[float]:
+    """Seconds of each of ``n`` steps (device time between events on CUDA)."""
+    clock = StepClock(device)
+    for _ in range(n):
+        clock.mark()
+        step()
+    clock.mark()
+    return clock.intervals()
+
+
+def timed_save(ckpt: Any, step: int, state: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """How long ``save`` blocks the training thread, the device idle before it (a stall is host time)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    ckpt.save(step, state)
+    return {"step": step, "stall_s": time.perf_counter() - t0}
+
+
+def resume_checks(
+    stage: int,
+    cfg: GPTConfig,
+    device: torch.device,
+    directory: Path,
+    expected: tuple[dict[str, torch.Tensor], dict[str, Any]],
+    precision: str,
+    data: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """Fresh model (other weights) and optimizer load the newest checkpoint: weights and optimizer state equal the
+    saved ones to the bit, every parameter and master is on ``device``, and training goes on."""
+    from elasticzero.checkpoint import Checkpointer, ZeroCheckpointState
+
+    model = gpt(cfg, device, 1)
+    opt = zero_stage(stage)(model, torch.optim.AdamW, precision=precision, lr=1e-4, betas=BETAS)
+    t0 = time.perf_counter()
+    with Checkpointer(directory) as ckpt:
+        loaded = ckpt.load_latest({"model": ZeroCheckpointState(opt)})
+    data["load_s"] = time.perf_counter() - t0
+    want_w, want_opt = expected
+    w_diff = first_difference(weights(model, opt), want_w, "masters")
+    opt_diff = first_difference(opt.state_dict(), want_opt, "state_dict")
+    masters = getattr(opt, "masters", [])
+    on_device = all(t.device == device for t in [*model.parameters(), *masters])
+    copies_diff, copies = None, "module holds freed views (stage 3)"
+    if stage < 3:  # the module's compute copies, refreshed from the loaded masters
+        module = {k: v for k, v in model.state_dict().items() if k in want_w}
+        copies_diff = first_difference(module, {k: want_w[k].to(v.dtype) for k, v in module.items()}, "module")
+        copies = copies_diff or "the module's compute copies ok"
+    x, y = synthetic_batch(cfg, 2, 32, torch.Generator().manual_seed(7))
+    loss = lm_loss(model(x.to(device)), y.to(device))
+    loss.backward()
+    loss = loss.detach()
+    opt.step()
+    opt.zero_grad()
+    name = f"stage {stage} async save → resume"
+    w_ok, w_detail = w_diff is None and copies_diff is None, f"{w_diff or 'masters ok'}; {copies}"
+    stall = f"stall {1000 * data['saves'][-1]['stall_s']:.1f} ms = {data['stall_over_step']:.2f} step"
+    return [
+        check(f"{name}: step", loaded == 102, f"loaded step {loaded} (saved 101, 102); {stall}"),
+        check(f"{name}: weights bit-exact", w_ok, w_detail),
+        check(f"{name}: optimizer state bit-exact", opt_diff is None, opt_diff or "exp_avg, exp_avg_sq, step, groups"),
+        check(f"{name}: on {device.type}", on_device, f"parameters and masters on {device}: {on_device}"),
+        check(f"{name}: trains on", math.isfinite(float(loss)), f"loss after resume {float(loss):.4f}"),
+    ]
+
+
+def first_difference(a: Any, b: Any, path: str = "") -> str | None:
+    """Where ``a`` and ``b`` first differ (tensors: device, dtype, shape, then bits; mappings, sequences, plain
+    values), or None when they are equal to the bit."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        for what in ("device", "dtype", "shape"):
+            if getattr(a, what) != getattr(b, what):
+                return f"{path}: {what} {getattr(a, what)} != {getattr(b, what)}"
+        return None if torch.equal(a, b) else f"{path}: values differ"
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return f"{path}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"
+        return next((d for k in a if (d := first_difference(a[k], b[k], f"{path}.{k}")) is not None), None)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return f"{path}: length {len(a)} != {len(b)}"
+        pairs = enumerate(zip(a, b, strict=True))
+        return next((d for i, (x, y) in pairs if (d := first_difference(x, y, f"{path}[{i}]")) is not None), None)
+    return None if type(a) is type(b) and a == b else f"{path}: {a!r} != {b!r}"
+
+
+SECTIONS: dict[str, Callable[[torch.device, bool], dict[str, Any]]] = {
+    "correctness": correctness,
+    "checkpoint": checkpoint,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("section", choices=sorted(SECTIONS))
+    p.add_argument("--device", choices=["cpu", "cuda"], required=True)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    result: dict[str, Any]
+    try:
+        device = open_world(args.device)
+        try:
+            result = {"environment": environment(device), **SECTIONS[args.section](device, args.quick)}
+        finally:
+            dist.destroy_process_group()
+    except Exception as exc:  # the driver prints it as this section's FAIL line; the traceback goes to the log
+        traceback.print_exc()
+        result = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+    args.out.write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

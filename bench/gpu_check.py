@@ -161,7 +161,7 @@ def example_section(device: str, quick: bool, workdir: Path, plan: Plan) -> dict
         t0 = time.monotonic()
         code, text = run_logged([*argv, *common], workdir / f"example{i}.log", plan.section_timeout_s, env)
         data[name] = {"exit": code, "seconds": time.monotonic() - t0, "device_printed": device_printed(text)}
-        checks.append(example_check(name, code, text, resumed, newest_checkpoint(ckpt), final))
+        checks.append(example_check(name, code, text, (resumed, newest_checkpoint(ckpt), final), device))
     return {"checks": checks, "data": data}
 
 
@@ -173,21 +173,23 @@ def newest_checkpoint(directory: Path) -> int | None:
 
 
 def device_printed(text: str) -> str | None:
-    """The device the example says it trains on, if its output names one (``device=cuda:0``, ``device: cuda``)."""
-    found = re.search(r"device[=: ]+([a-z]+(?::\d+)?)", text)
+    """The device the example says it trains on (its start-up line: ``train_gpt: ... on cuda:0 ...``), if named."""
+    found = re.search(r"train_gpt: .* on ([a-z]+(?::\d+)?) ", text)
     return found.group(1) if found else None
 
 
-def example_check(name: str, code: int, text: str, resumed: int, newest: int | None, final: int) -> dict[str, Any]:
-    """One run of the example: exit 0, resumed at the expected step, its last step the newest checkpoint."""
+def example_check(name: str, code: int, text: str, steps: tuple[int, int | None, int], device: str) -> dict[str, Any]:
+    """One run of the example: exit 0, on ``device`` (its type), resumed at the expected step, its last step the
+    newest checkpoint. ``steps``: (resumed at, wanted), newest committed, (wanted newest)."""
+    resumed, newest, final = steps
     found = re.search(r"resumed at step (\d+)", text)
-    at = int(found.group(1)) if found else None
-    ok = code == 0 and at == resumed and newest == final
+    at, on = (int(found.group(1)) if found else None), device_printed(text)
+    ok = code == 0 and at == resumed and newest == final and (on or "").split(":")[0] == device.split(":")[0]
     if code != 0:
         detail = f"exited {code}: {last_line(text)}"
     else:
         detail = f"resumed at step {at} (want {resumed}); newest checkpoint step {newest} (want {final})"
-        detail += f"; device printed: {device_printed(text) or 'none'}"
+        detail += f"; trains on {on or 'an unnamed device'} (want {device})"
     return {"name": f"example {name}", "ok": ok, "detail": detail}
 
 

@@ -10,13 +10,19 @@ devices this process sees, the launcher's environment); :func:`init_distributed`
 (``torch.cuda.set_device``, ``init_process_group``). The launchers (``elasticzero-run``, ``torchrun``) set
 ``CUDA_VISIBLE_DEVICES`` to the node's slots and ``LOCAL_RANK`` to the worker's index among them, so ``LOCAL_RANK``
 is the CUDA device index. Without ``RANK`` (the script run directly) the world is one process over a ``HashStore``.
+
+The process group's timeout (how long a collective may wait for its peers before it fails) is, in this order: the
+``timeout`` argument of :func:`init_distributed`; ``ELASTICZERO_COLLECTIVE_TIMEOUT`` (seconds; ``elasticzero-run``
+exports it from ``--collective-timeout``, docs/agent.md); else torch's default (30 min for gloo, 10 min for NCCL).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from elasticzero.errors import UsageError
@@ -24,7 +30,10 @@ from elasticzero.errors import UsageError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Facts", "Placement", "init_distributed", "placement"]
+__all__ = ["COLLECTIVE_TIMEOUT_ENV", "Facts", "Placement", "collective_timeout", "init_distributed", "placement"]
+
+#: seconds a collective may wait for its peers (the process group's ``timeout``); set by elasticzero-run
+COLLECTIVE_TIMEOUT_ENV = "ELASTICZERO_COLLECTIVE_TIMEOUT"
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,7 @@ class Placement:
     device: str
     backend: str
     alone: bool
+    timeout: timedelta | None = None  #: the process group's timeout; None: torch's default for the backend
 
     @property
     def bound_device(self) -> str | None:
@@ -64,9 +74,29 @@ def placement(facts: Facts) -> Placement:
     """``cuda:$LOCAL_RANK`` over NCCL when CUDA is available, else ``cpu`` over gloo; a ``LOCAL_RANK`` that names no
     visible device is a :class:`UsageError` (before any process group exists)."""
     alone = "RANK" not in facts.env
+    timeout = collective_timeout(facts.env)
     if not facts.cuda_available or facts.device_count < 1:
-        return Placement("cpu", "gloo", alone)
-    return Placement(f"cuda:{_local_rank(facts)}", "nccl", alone)
+        return Placement("cpu", "gloo", alone, timeout)
+    return Placement(f"cuda:{_local_rank(facts)}", "nccl", alone, timeout)
+
+
+def collective_timeout(env: Mapping[str, str]) -> timedelta | None:
+    """``ELASTICZERO_COLLECTIVE_TIMEOUT`` as a timeout (None when unset); not a positive number: :class:`UsageError`."""
+    raw = env.get(COLLECTIVE_TIMEOUT_ENV)
+    if raw is None:
+        return None
+    return timedelta(seconds=parse_seconds(raw, f"{COLLECTIVE_TIMEOUT_ENV}={raw!r}"))
+
+
+def parse_seconds(text: str, what: str) -> float:
+    """A positive, finite number of seconds from ``text``; otherwise a :class:`UsageError` naming ``what``."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise UsageError(f"{what}: give a positive number of seconds, e.g. 300")
+    return seconds
 
 
 def _local_rank(facts: Facts) -> int:
@@ -82,9 +112,10 @@ def _local_rank(facts: Facts) -> int:
     return int(raw)
 
 
-def init_distributed(facts: Facts | None = None) -> torch.device:
+def init_distributed(facts: Facts | None = None, *, timeout: timedelta | None = None) -> torch.device:
     """Select this worker's device (:func:`placement`) and initialise the default process group on it; returns the
-    device. NCCL binds the group to it (``device_id``), so its first collective needs no device guess."""
+    device. NCCL binds the group to it (``device_id``), so its first collective needs no device guess. ``timeout``
+    (given) wins over the launcher's ``ELASTICZERO_COLLECTIVE_TIMEOUT``; neither: torch's default."""
     import torch
     import torch.distributed as dist
 
@@ -93,8 +124,11 @@ def init_distributed(facts: Facts | None = None) -> torch.device:
     if where.bound_device is not None:
         torch.cuda.set_device(device)
     bound = torch.device(where.bound_device) if where.bound_device is not None else None
+    limit = timeout if timeout is not None else where.timeout  # None: torch's default for the backend
     if where.alone:
-        dist.init_process_group(where.backend, store=dist.HashStore(), rank=0, world_size=1, device_id=bound)
+        dist.init_process_group(
+            where.backend, store=dist.HashStore(), rank=0, world_size=1, device_id=bound, timeout=limit
+        )
     else:
-        dist.init_process_group(where.backend, device_id=bound)  # the launcher's env:// variables
+        dist.init_process_group(where.backend, device_id=bound, timeout=limit)  # the launcher's env:// variables
     return device

@@ -428,3 +428,20 @@ def test_the_docs_table_lists_exactly_the_canaries() -> None:
         f"docs/architecture.md '{DOC_SECTION}' and tests/unit/test_torch_canaries.py disagree: "
         f"only in docs {sorted(set(rows) - set(names))}, only in canaries {sorted(set(names) - set(rows))}"
     )
+
+
+def test_torch_still_reads_the_nccl_knobs_the_agent_sets() -> None:
+    """elasticzero-run exports torch's NCCL error-handling variables (agent/collective.py, docs/agent.md): torch's
+    shipped ProcessGroupNCCL header must still name each, and mode 3 must still be SkipCleanUp."""
+    from pathlib import Path
+
+    import torch
+
+    from elasticzero.agent.collective import ASYNC_ERROR_HANDLING, BLOCKING_WAIT, HEARTBEAT_TIMEOUT
+
+    headers = sorted(Path(torch.__file__).parent.glob("include/torch/csrc/distributed/c10d/**/ProcessGroupNCCL.hpp"))
+    assert headers, "torch ships no ProcessGroupNCCL.hpp: find where it now declares its NCCL environment variables"
+    text = headers[0].read_text()
+    for name in (ASYNC_ERROR_HANDLING, BLOCKING_WAIT, HEARTBEAT_TIMEOUT):
+        assert f'"{name}"' in text, f"torch no longer reads {name}"
+    assert "SkipCleanUp = 3" in text

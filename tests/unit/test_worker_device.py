@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elasticzero.device import Facts, Placement, init_distributed, placement
+from elasticzero.device import COLLECTIVE_TIMEOUT_ENV, Facts, Placement, init_distributed, placement
 from elasticzero.errors import UsageError
 
 LAUNCHED = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
@@ -76,3 +76,49 @@ def test_the_example_uses_the_library_rule() -> None:
     for script in sorted((root / "examples").glob("*.py")):
         text = script.read_text()
         assert "init_process_group" not in text and "is_available()" not in text, script
+
+
+def test_the_launchers_timeout_is_the_groups_timeout() -> None:
+    from datetime import timedelta
+
+    seconds = 7.5
+    assert placement(Facts(False, 0, {COLLECTIVE_TIMEOUT_ENV: str(seconds)})).timeout == timedelta(seconds=seconds)
+    init_distributed(Facts(False, 0, {COLLECTIVE_TIMEOUT_ENV: str(seconds)}))
+    try:
+        assert _group_timeout() == timedelta(seconds=seconds)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_explicit_timeout_wins_over_the_launchers() -> None:
+    from datetime import timedelta
+
+    mine = timedelta(seconds=11)
+    init_distributed(Facts(False, 0, {COLLECTIVE_TIMEOUT_ENV: "7"}), timeout=mine)
+    try:
+        assert _group_timeout() == mine
+    finally:
+        dist.destroy_process_group()
+
+
+def test_no_launcher_timeout_keeps_torchs_default() -> None:
+    from torch.distributed.constants import default_pg_timeout
+
+    assert placement(Facts(False, 0, {})).timeout is None
+    init_distributed(Facts(False, 0, {}))
+    try:
+        assert _group_timeout() == default_pg_timeout
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "nan", "later"])
+def test_a_bad_launcher_timeout_is_refused_before_any_group(bad: str) -> None:
+    with pytest.raises(UsageError, match=f"{COLLECTIVE_TIMEOUT_ENV}="):
+        placement(Facts(False, 0, {COLLECTIVE_TIMEOUT_ENV: bad}))
+    assert not dist.is_initialized()
+
+
+def _group_timeout() -> object:
+    """The default group's gloo backend timeout (torch keeps it in the backend's options)."""
+    return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout

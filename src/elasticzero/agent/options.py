@@ -66,6 +66,13 @@ def add_agent_flags(parser: argparse.ArgumentParser) -> None:
         help="elasticzero YAML / DeepSpeed JSON: fail at start if a world size --nnodes allows has no batch plan",
     )
     g.add_argument(
+        "--collective-timeout",
+        "--collective_timeout",
+        metavar="SECONDS",
+        help="how long a worker's collective may wait for its peers before it fails "
+        "(the process group's timeout; default: $ELASTICZERO_COLLECTIVE_TIMEOUT, else 300)",
+    )
+    g.add_argument(
         "--torch-rdzv-defaults",
         action="store_true",
         help="use torch's rendezvous timeouts instead of elasticzero's faster defaults",

@@ -23,6 +23,7 @@ from types import MappingProxyType
 from typing import Any
 
 from elasticzero.agent.binding import SHIM_STUB, node_env, split_cores, worker_env
+from elasticzero.agent.collective import CollectivePlan, collective_plan
 from elasticzero.agent.nodetable import (
     HostFacts,
     NodeRow,
@@ -100,7 +101,9 @@ class WorkersPlan:
     nproc_per_node: int
     entrypoint: str | None  #: ``None``: ``--run-path`` (torch's ``run_script_path`` in the agent's interpreter)
     args: tuple[str, ...]
-    env: Mapping[str, str]  #: added to every worker's environment (job id, agent pid, torchrun's OMP_NUM_THREADS)
+    #: added to every worker's environment (job id, agent pid, torchrun's OMP_NUM_THREADS, the collective timeout and
+    #: torch's NCCL error handling: :attr:`AgentPlan.collective`)
+    env: Mapping[str, str]
     devices: tuple[int, ...] | None  #: the node's slots (``CUDA_VISIBLE_DEVICES``), from ``--node-table``
     cpus: tuple[tuple[int, ...], ...] | None  #: each local rank's cores (``--bind-cores-to-rank``)
     virtual_local_rank: bool
@@ -133,6 +136,7 @@ class AgentPlan:
     #: torch's knobs for the agent process, which torch reads with ``os.getenv`` (the fresh workers' store per
     #: round, the signals torch's process context handles); the workers' environment is :attr:`workers`
     torch_knobs: Mapping[str, str]
+    collective: CollectivePlan  #: the workers' collective timeout and NCCL error handling (also in ``workers.env``)
     health_file: str | None = None
     monitor_hold_file: str | None = None  #: the test hook :data:`MONITOR_HOLD_ENV`
     elastic_config: str | None = None
@@ -157,6 +161,7 @@ class AgentPlan:
             "shutdown_timeout": self.shutdown_timeout,
             "event_log_handler": self.event_log_handler,
             "torch_knobs": dict(self.torch_knobs),
+            "collective": {**_plain(self.collective), "env": dict(self.collective.env)},
             "health_file": self.health_file,
             "elastic_config": self.elastic_config,
         }
@@ -371,11 +376,16 @@ def _shutdown_timeout(flag: int | None, environ: Mapping[str, str]) -> int:
 
 
 def _workers(
-    args: argparse.Namespace, environ: Mapping[str, str], facts: AgentFacts, job_id: str, node: NodeRow | None
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    facts: AgentFacts,
+    job_id: str,
+    node: NodeRow | None,
+    collective: CollectivePlan,
 ) -> WorkersPlan:
     nproc = _nproc(args, environ, facts, node)
     entrypoint, entry_args = _command(args, environ, facts)
-    env = node_env(job_id, facts.pid)
+    env = {**node_env(job_id, facts.pid), **collective.env}
     if "OMP_NUM_THREADS" not in environ and nproc > 1:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default, set for the workers only
     return WorkersPlan(
@@ -414,12 +424,13 @@ def plan_agent(args: argparse.Namespace, environ: Mapping[str, str], facts: Agen
         first_host=table[0].host if table else None,
         torch_defaults=args.torch_rdzv_defaults,
     )
+    collective = collective_plan(args.collective_timeout, environ)
     return AgentPlan(
         job_id=job_id,
         node_rank=node_rank,
         node=node,
         rdzv=RendezvousPlan(backend, endpoint, run_id, min_nodes, max_nodes, args.local_addr, _frozen(config)),
-        workers=_workers(args, environ, facts, job_id, node),
+        workers=_workers(args, environ, facts, job_id, node, collective),
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,
         shutdown_timeout=_shutdown_timeout(args.shutdown_timeout, environ),
@@ -427,6 +438,7 @@ def plan_agent(args: argparse.Namespace, environ: Mapping[str, str], facts: Agen
         torch_knobs=_frozen(
             {SHARE_STORE_KNOB: environ.get(SHARE_STORE_KNOB, "1"), SIGNALS_KNOB: args.signals_to_handle}
         ),
+        collective=collective,
         health_file=args.health_file,
         monitor_hold_file=environ.get(MONITOR_HOLD_ENV),
         elastic_config=args.elastic_config,

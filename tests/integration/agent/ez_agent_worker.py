@@ -5,7 +5,10 @@ Writes ``OUT_DIR/report.<pid>.json`` (rank, world size, env, allowed cpus) after
 ``idle=1`` wait for ``OUT_DIR/stop`` without any collective;
 ``fail_rank=R fail_code=C`` rank R exits with C after the first all_reduce (via torch's ``@record`` when
 ``record=1``, raising so an error file is written), ``fail_delay=S`` seconds later, writing ``OUT_DIR/failed_at.R``
-(wall-clock time) just before; ``grandchild=1`` start a ``sleep`` in its own session first.
+(wall-clock time) just before; ``grandchild=1`` start a ``sleep`` in its own session first; ``hang_rank=R`` after the
+first all_reduce rank R never joins another collective (it waits for ``OUT_DIR/stop``) while the others all_reduce,
+writing ``OUT_DIR/collective.<rank>.json`` (``entered``, and ``failed`` + ``error`` when the collective raised).
+The group is set up by ``elasticzero.init_distributed`` (the launcher's collective timeout applies).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
+
+from elasticzero.device import init_distributed
 
 ENV_KEYS = (
     "RANK LOCAL_RANK WORLD_SIZE GROUP_RANK LOCAL_SIZE CROSS_RANK CROSS_SIZE CUDA_VISIBLE_DEVICES "
@@ -41,7 +46,7 @@ def main() -> None:
     grandchild = None
     if opts.get("grandchild") == "1":
         grandchild = subprocess.Popen(["sleep", "600"], start_new_session=True).pid
-    dist.init_process_group("gloo")
+    init_distributed()
     rank = dist.get_rank()
     t = torch.ones(1) * (rank + 1)
     dist.all_reduce(t)
@@ -65,6 +70,8 @@ def main() -> None:
         if opts.get("record") == "1":
             raise RuntimeError(f"deliberate failure of rank {rank}")
         sys.exit(int(opts.get("fail_code", "3")))
+    if "hang_rank" in opts:
+        collective_with_a_missing_peer(out, rank, int(opts["hang_rank"]))
     if opts.get("idle") == "1":  # no collectives: only the agents can tell this worker about a failure
         while not (out / "stop").exists():
             time.sleep(0.1)
@@ -77,6 +84,22 @@ def main() -> None:
                 break
             time.sleep(0.1)
     dist.destroy_process_group()
+
+
+def collective_with_a_missing_peer(out: Path, rank: int, hang_rank: int) -> None:
+    """Rank ``hang_rank`` stays out of the collective the others enter; they record when it failed and re-raise."""
+    if rank == hang_rank:
+        while not (out / "stop").exists():
+            time.sleep(0.1)
+        return
+    record_ = {"entered": time.time()}
+    try:
+        dist.all_reduce(torch.ones(1))
+    except Exception as exc:
+        record_ |= {"failed": time.time(), "error": str(exc)}
+        raise
+    finally:
+        (out / f"collective.{rank}.json").write_text(json.dumps(record_))
 
 
 if __name__ == "__main__":

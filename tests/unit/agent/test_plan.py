@@ -177,6 +177,7 @@ def test_workers_run_through_the_shim_with_the_plans_env() -> None:
         AGENT_PID_ENV: "4242",
         "OMP_NUM_THREADS": "1",  # torchrun's default with several local ranks, for the workers only
         "CUDA_VISIBLE_DEVICES": "2,3,5",
+        **p.collective.env,  # the collective timeout and NCCL knobs (tests/unit/agent/test_collective.py)
     }
     assert "OMP_NUM_THREADS" not in plan(parse("--nproc-per-node", "2"), {"OMP_NUM_THREADS": "3"}).workers.env
     virtual = plan(parse("--node-table", TABLE, "--node-rank", "1", "--virtual-local-rank")).workers

@@ -2,8 +2,10 @@
 # The full test suite, from a fresh clone, as root: installs everything (apt + a venv with torch==2.13.0 CPU),
 # brings up the real-part test bed (namespace hosts with sshd, pdsh, OpenMPI, MPICH, Slurm; etcd servers are
 # started by the tests), runs ruff and pytest, then the numerical tests again under every other CPU kernel set torch
-# supports here (ATEN_CPU_CAPABILITY), and tears the test bed down again.
-#   bash tests/run.sh [pytest args…]          (EZ_KEEP_TESTBED=1 leaves the test bed up)
+# supports here (ATEN_CPU_CAPABILITY), then the unit suite and a smoke on every other supported torch version
+# (tests/torch_range.sh), and tears the test bed down again.
+#   bash tests/run.sh [pytest args…]          (EZ_KEEP_TESTBED=1 leaves the test bed up; EZ_SKIP_TORCH_RANGE=1 skips
+#                                              the torch versions other than the pinned one)
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -56,5 +58,13 @@ for cap in default avx2 avx512; do
   echo "tests/run.sh: numerical tests under ATEN_CPU_CAPABILITY=$cap: $([ "$crc" = 0 ] && echo passed || echo "FAILED (exit $crc)") in $(($(date +%s) - t))s"
   [ "$rc" = 0 ] && rc=$crc
 done
+# torch range: the unit suite and the smoke on every other supported torch, each from a venv cached outside the clone
+if [ -z "${EZ_SKIP_TORCH_RANGE:-}" ]; then
+  t=$(date +%s)
+  bash tests/torch_range.sh
+  trc=$?
+  echo "tests/run.sh: torch range: $([ "$trc" = 0 ] && echo passed || echo "FAILED (exit $trc)") in $(($(date +%s) - t))s"
+  [ "$rc" = 0 ] && rc=$trc
+fi
 set -e
 exit "$rc"

@@ -25,6 +25,8 @@ from typing import Any
 import pytest
 import torch
 
+from elasticzero import torchcompat
+
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "architecture.md"
 DOC_SECTION = "## Private torch names"
@@ -40,6 +42,8 @@ class Canary:
     name: str
     where: str
     check: Check | None = None
+    #: the torch version that added the name; an older supported torch must not have it (we use it where it exists)
+    since: str | None = None
 
 
 def _params(*names: str) -> Check:
@@ -164,14 +168,13 @@ CANARIES = [
     Canary(f"{LOCAL_AGENT}._monitor_workers", AGENT_PY, _params(WG)),
     Canary(f"{AGENT}._restart_workers", AGENT_PY, _params(WG)),
     Canary(f"{LOCAL_AGENT}._stop_workers", AGENT_PY, _params(WG)),
-    Canary(f"{LOCAL_AGENT}._shutdown", AGENT_PY, _params("death_sig", "timeout")),
+    Canary(f"{LOCAL_AGENT}._shutdown", AGENT_PY, _params("death_sig")),  # `timeout` since 2.12: torchcompat
     Canary(f"{AGENT}._exit_barrier", AGENT_PY, _params()),
     Canary(f"{AGENT}._worker_group", AGENT_PY, None),
     Canary(f"{AGENT}._store", AGENT_PY, None),
     Canary(f"{AGENT}._remaining_restarts", AGENT_PY, None),
     Canary(f"{AGENT}._exit_barrier_timeout", AGENT_PY, None),
-    Canary(f"{AGENT}._in_exit_barrier", AGENT_PY, None),
-    Canary(f"{LOCAL_AGENT}._shutdown_timeout", AGENT_PY, None),
+    Canary(f"{AGENT}._in_exit_barrier", AGENT_PY, None, since="2.12"),
     Canary("torch.distributed.elastic.agent.server.api._TERMINAL_STATE_SYNC_ID", AGENT_PY),
     Canary("torch.distributed.elastic.utils.store._barrier_nonblocking", AGENT_PY, _params("store", "world_size")),
     Canary(
@@ -254,7 +257,6 @@ _INSTANCE_ATTRS = {
     f"{AGENT}._remaining_restarts",
     f"{AGENT}._exit_barrier_timeout",
     f"{AGENT}._in_exit_barrier",
-    f"{LOCAL_AGENT}._shutdown_timeout",
     "torch.distributed.elastic.multiprocessing.api.DefaultLogsSpecs._root_log_dir",
     "torch.distributed.elastic.multiprocessing.api.DefaultLogsSpecs._redirects",
     "torch.distributed.elastic.multiprocessing.api.DefaultLogsSpecs._tee",
@@ -282,6 +284,14 @@ def _resolve(dotted: str) -> Any:
 
 def _problem(canary: Canary) -> str | None:
     """What is wrong with ``canary`` under this torch, or None."""
+    if canary.since is not None and torch.__version__ < canary.since:
+        present = _present(canary) is None
+        return f"it is there before torch {canary.since}: correct `since`" if present else None
+    return _present(canary)
+
+
+def _present(canary: Canary) -> str | None:
+    """What is wrong with ``canary``'s name or shape under this torch, or None."""
     target = canary.name.split(":", 1)[0]
     if canary.name in _INSTANCE_ATTRS:
         owner, attr = target.rsplit(".", 1)
@@ -310,6 +320,61 @@ def test_a_changed_name_is_reported_clearly() -> None:
     assert "it is gone" in (_problem(gone) or "")
     moved = Canary(f"{AGENT}._restart_workers", "x", _params("group"))
     assert "expected ['group'] first" in (_problem(moved) or "")
+    early = Canary(f"{AGENT}._restart_workers", "x", since="9.0")  # "added" in torch 9.0, yet here already
+    assert "it is there before torch 9.0" in (_problem(early) or "")
+    assert _problem(Canary(f"{AGENT}._no_such_hook", "x", since="9.0")) is None  # not there yet: as documented
+
+
+# --- elasticzero.torchcompat: each difference between the supported torch versions is decided as documented -----
+
+TORCH = torch.__version__  # a TorchVersion: compares with "2.12"
+COMPAT = "src/elasticzero/torchcompat.py"
+
+
+def _stop_grace_facets() -> dict[str, bool]:
+    """Which of torch 2.12's ways to set the workers' stop grace this torch has."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.launcher.api import LaunchConfig
+    from torch.distributed.run import get_args_parser
+
+    return {
+        "torchrun --shutdown-timeout": "shutdown_timeout" in vars(get_args_parser().parse_args(["x.py"])),
+        "LaunchConfig.shutdown_timeout": "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)},
+        "LocalElasticAgent(shutdown_timeout=)": torchcompat.shutdown_timeout_settable(),
+        "LocalElasticAgent._shutdown(timeout=)": "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters,
+    }
+
+
+def test_the_stop_grace_is_settable_from_torch_2_12() -> None:
+    settable = TORCH >= "2.12"
+    wrong = sorted(name for name, there in _stop_grace_facets().items() if there != settable)
+    assert not wrong, (
+        f"torch {TORCH} changed the workers' stop grace: {'missing' if settable else 'present'}: {wrong}; "
+        f"{COMPAT} expects all of them from torch 2.12 on and none before"
+    )
+    assert torchcompat.agent_shutdown_kwargs(7) == ({"shutdown_timeout": 7} if settable else {})
+    assert torchcompat.stop_kwargs(7) == ({"timeout": 7} if settable else {})
+    assert "shutdown_timeout" in vars(torchcompat.torchrun_parser().parse_args(["x.py"]))
+
+
+def test_torchs_stop_grace_default_is_ours() -> None:
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    grace = inspect.signature(PContext.close).parameters["timeout"].default
+    assert grace == torchcompat.DEFAULT_SHUTDOWN_TIMEOUT, (
+        f"torch {TORCH} changed PContext.close's stop grace to {grace!r} s; {COMPAT} DEFAULT_SHUTDOWN_TIMEOUT is "
+        f"{torchcompat.DEFAULT_SHUTDOWN_TIMEOUT} (the grace on torch 2.11, and elasticzero-run's default)"
+    )
+
+
+def test_torchruns_master_port_default_is_29500_before_2_12_then_unset() -> None:
+    from torch.distributed.run import get_args_parser
+
+    default, want = get_args_parser().get_default("master_port"), None if TORCH >= "2.12" else 29500
+    assert default == want, (
+        f"torch {TORCH} changed torchrun's --master-port default to {default!r} (expected {want!r}); elasticzero-run "
+        "unsets it (agent/options.py) and applies 29500 itself (agent/plan.py _STATIC_MASTER_PORT): check both"
+    )
 
 
 # --- every private torch name used in src/ and plugins/ has a canary, and the docs table lists them -----------

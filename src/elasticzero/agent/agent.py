@@ -56,6 +56,7 @@ from torch.distributed.elastic.utils.store import _barrier_nonblocking
 from elasticzero.agent.binding import AGENT_PID_ENV
 from elasticzero.agent.health import HealthFile
 from elasticzero.agent.proctree import descendants, kill_now, processes_with_env
+from elasticzero.torchcompat import DEFAULT_SHUTDOWN_TIMEOUT, agent_shutdown_kwargs, stop_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +130,11 @@ class ElasticZeroAgent(LocalElasticAgent):
         min_nodes: int = 1,
         monitor_hold_file: str | None = None,
         worker_env: Callable[[int], Mapping[str, str]] | None = None,
+        shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT,
         **kwargs: Any,
     ) -> None:
-        super().__init__(spec, logs_specs, **kwargs)
+        super().__init__(spec, logs_specs, **kwargs, **agent_shutdown_kwargs(shutdown_timeout))
+        self._stop_grace = shutdown_timeout
         self._worker_env = worker_env
         self._health = HealthFile(health_file)
         self._min_nodes = min_nodes
@@ -350,11 +353,11 @@ class ElasticZeroAgent(LocalElasticAgent):
         return time.monotonic() - start
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        self._shutdown(timeout=self._shutdown_timeout)
+        self._shutdown(timeout=self._stop_grace)
 
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
         tree = descendants(self._worker_pids)
-        super()._shutdown(death_sig, timeout)
+        super()._shutdown(death_sig, **stop_kwargs(timeout))
         leftovers = [p for p in tree if p.is_running()]
         leftovers += processes_with_env(AGENT_PID_ENV, str(os.getpid()), exclude=(os.getpid(),))
         if leftovers:

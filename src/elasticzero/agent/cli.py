@@ -36,11 +36,10 @@ logger = logging.getLogger(__name__)
 
 def build_parser() -> argparse.ArgumentParser:
     """torchrun's parser plus elasticzero-run's flags; argparse errors become :class:`UsageError`."""
-    from torch.distributed.run import get_args_parser
-
     from elasticzero.agent.options import add_agent_flags
+    from elasticzero.torchcompat import torchrun_parser
 
-    parser = get_args_parser()
+    parser = torchrun_parser()
     parser.prog = PROG
     parser.description = "torchrun-compatible per-node agent of elasticzero (ElasticZeroAgent)."
     add_agent_flags(parser)

@@ -17,6 +17,7 @@ from elasticzero.agent.binding import package_root
 from elasticzero.agent.nodetable import NodeRow, local_host_facts, parse_node_table, resolve_hosts
 from elasticzero.agent.plan import NO_HOST, AgentFacts, needs_host_match, requested_nproc
 from elasticzero.errors import UsageError
+from elasticzero.torchcompat import shutdown_timeout_settable
 
 
 def probe_facts(args: argparse.Namespace, environ: Mapping[str, str]) -> AgentFacts:
@@ -34,6 +35,7 @@ def probe_facts(args: argparse.Namespace, environ: Mapping[str, str]) -> AgentFa
         table_addresses=_addresses(table) if table is not None and match else {},
         cores=tuple(sorted(os.sched_getaffinity(0))) if args.bind_cores_to_rank else (),
         device_count=_device_count(str(word)) if count else None,
+        shutdown_timeout_settable=shutdown_timeout_settable(),
     )
 
 

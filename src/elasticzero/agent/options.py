@@ -90,8 +90,9 @@ def add_agent_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print this node's plan (rendezvous, workers' command and environment) as JSON and exit; start nothing",
     )
-    # unset detection: torch defaults these (node_rank=0, nproc_per_node="1", nnodes="1:1")
-    parser.set_defaults(node_rank=None, nproc_per_node=None, nnodes=None)
+    # unset detection: torch defaults these (node_rank=0, nproc_per_node="1", nnodes="1:1"; master_port 29500 before
+    # torch 2.12, unset since, so the single-node shortcut works alike on every torch)
+    parser.set_defaults(node_rank=None, nproc_per_node=None, nnodes=None, master_port=None)
     # per-rank log files named by global rank and attempt (elasticzero.agent.logs) unless --logs-specs says otherwise
     parser.set_defaults(logs_specs="elasticzero")
 

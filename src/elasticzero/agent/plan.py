@@ -35,6 +35,7 @@ from elasticzero.agent.nodetable import (
 from elasticzero.agent.options import IDENTITY_FLAGS, rdzv_config
 from elasticzero.errors import UsageError
 from elasticzero.proc import check_job_id
+from elasticzero.torchcompat import DEFAULT_SHUTDOWN_TIMEOUT
 
 #: test hook (docs/agent.md): while the file this names exists, each monitor tick waits (after creating ``<file>.held``)
 MONITOR_HOLD_ENV = "ELASTICZERO_TEST_MONITOR_HOLD"
@@ -68,6 +69,8 @@ class AgentFacts:
     table_addresses: Mapping[str, frozenset[str]] = field(default_factory=dict)  #: node-table host → its addresses
     cores: tuple[int, ...] = ()  #: this process's CPU affinity (probed with ``--bind-cores-to-rank``)
     device_count: int | None = None  #: torch's count for ``--nproc-per-node cpu|gpu|xpu|auto`` (probed for a word)
+    #: whether this torch takes a workers' stop grace (:func:`elasticzero.torchcompat.shutdown_timeout_settable`)
+    shutdown_timeout_settable: bool = True
 
 
 @dataclass(frozen=True)
@@ -190,7 +193,7 @@ def _plain(obj: Any) -> dict[str, Any]:
 
 
 def _pet(args: argparse.Namespace, environ: Mapping[str, str], dest: str) -> str | None:
-    """torchrun reads ``PET_<FLAG>`` for unset flags; kept for the three flags whose default we unset."""
+    """torchrun reads ``PET_<FLAG>`` for unset flags; kept for the four flags whose default we unset."""
     value = getattr(args, dest)
     return str(value) if value is not None else environ.get(f"PET_{dest.upper()}")
 
@@ -290,15 +293,17 @@ def _nnodes(
     return text, low, high
 
 
-def _rdzv_target(args: argparse.Namespace, facts: AgentFacts, nnodes: str) -> tuple[str, str, str]:
+def _rdzv_target(
+    args: argparse.Namespace, environ: Mapping[str, str], facts: AgentFacts, nnodes: str
+) -> tuple[str, str, str]:
     """Backend, endpoint and run id: torchrun's ``--standalone`` and single-node shortcuts applied."""
-    single_static = args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None
+    master_port = _pet(args, environ, "master_port")
+    single_static = args.rdzv_backend == "static" and not args.rdzv_endpoint and master_port is None
     if args.standalone or (single_static and nnodes.split(":")[-1] == "1"):
         return "c10d", _STANDALONE_ENDPOINT, facts.run_id
     endpoint = args.rdzv_endpoint
     if args.rdzv_backend == "static" and not endpoint:
-        port = _STATIC_MASTER_PORT if args.master_port is None else args.master_port
-        endpoint = f"{args.master_addr}:{port}"
+        endpoint = f"{args.master_addr}:{master_port or _STATIC_MASTER_PORT}"
     return args.rdzv_backend, endpoint, args.rdzv_id
 
 
@@ -361,11 +366,15 @@ def _numa(value: str | None) -> str | None:
         raise UsageError(f"--numa-binding {value!r}: use one of {', '.join(m.value for m in AffinityMode)}") from None
 
 
-def _shutdown_timeout(flag: int | None, environ: Mapping[str, str]) -> int:
-    """``--shutdown-timeout``, else ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else 30 s (torchrun's ``LaunchConfig``)."""
-    name, text = (
-        ("--shutdown-timeout", str(flag)) if flag is not None else (SHUTDOWN_ENV, environ.get(SHUTDOWN_ENV, "30"))
-    )
+def _shutdown_timeout(flag: int | None, environ: Mapping[str, str], settable: bool) -> int:
+    """``--shutdown-timeout``, else ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else 30 s (torchrun's ``LaunchConfig``);
+    torch's fixed grace where it takes none (torch 2.11, which has neither the flag nor the variable)."""
+    if not settable:
+        return DEFAULT_SHUTDOWN_TIMEOUT
+    if flag is not None:
+        name, text = "--shutdown-timeout", str(flag)
+    else:
+        name, text = SHUTDOWN_ENV, environ.get(SHUTDOWN_ENV, str(DEFAULT_SHUTDOWN_TIMEOUT))
     try:
         seconds = int(text)
     except ValueError:
@@ -414,7 +423,7 @@ def plan_agent(args: argparse.Namespace, environ: Mapping[str, str], facts: Agen
     nnodes, min_nodes, max_nodes = _nnodes(args, environ, table)
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts {args.max_restarts}: must be >= 0")
-    backend, endpoint, run_id = _rdzv_target(args, facts, nnodes)
+    backend, endpoint, run_id = _rdzv_target(args, environ, facts, nnodes)
     job_id = check_job_id(run_id, "--rdzv-id")
     config = rdzv_config(
         _user_rdzv_conf(args.rdzv_conf),
@@ -433,7 +442,7 @@ def plan_agent(args: argparse.Namespace, environ: Mapping[str, str], facts: Agen
         workers=_workers(args, environ, facts, job_id, node, collective),
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,
-        shutdown_timeout=_shutdown_timeout(args.shutdown_timeout, environ),
+        shutdown_timeout=_shutdown_timeout(args.shutdown_timeout, environ, facts.shutdown_timeout_settable),
         event_log_handler=args.event_log_handler,
         torch_knobs=_frozen(
             {SHARE_STORE_KNOB: environ.get(SHARE_STORE_KNOB, "1"), SIGNALS_KNOB: args.signals_to_handle}

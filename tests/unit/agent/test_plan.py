@@ -13,13 +13,16 @@ from types import MappingProxyType
 from typing import Any
 
 import pytest
+import torch
 
+from elasticzero import torchcompat
 from elasticzero.agent.binding import AGENT_PID_ENV, CPUS_ENV, JOB_ID_ENV, SHIM_STUB
 from elasticzero.agent.cli import build_parser, main
 from elasticzero.agent.nodetable import HostFacts
 from elasticzero.agent.options import RDZV_DEFAULTS, TORCHRUN_RDZV_TIMEOUT, rdzv_config
 from elasticzero.agent.plan import SHARE_STORE_KNOB, AgentFacts, AgentPlan, plan_agent
 from elasticzero.errors import UsageError
+from elasticzero.torchcompat import DEFAULT_SHUTDOWN_TIMEOUT
 
 TABLE = '[["hostA",[0,1]],["hostB",[2,3,5]]]'
 
@@ -40,6 +43,7 @@ def facts(
         table_addresses={"hostB": frozenset({"192.0.2.1"})} if name == "by-addr" else {},
         cores=cores,
         device_count=devices,
+        shutdown_timeout_settable=torchcompat.shutdown_timeout_settable(),
     )
 
 
@@ -207,6 +211,17 @@ def test_standalone_and_single_node_static_get_a_fresh_c10d_rendezvous() -> None
     static = plan(parse("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.5")).rdzv
     assert (static.backend, static.endpoint, static.run_id) == ("static", "10.0.0.5:29500", "none")
     assert dict(static.config) == {"rank": 1, "timeout": TORCHRUN_RDZV_TIMEOUT}
+    # torchrun's PET_MASTER_PORT (read by the plan: elasticzero-run unsets the flag's default, 29500 before torch 2.12)
+    pet = plan(parse("--nnodes", "1", "--master-addr", "10.0.0.5"), {"PET_MASTER_PORT": "1234"}).rdzv
+    assert (pet.backend, pet.endpoint) == ("static", "10.0.0.5:1234")
+
+
+def test_shutdown_timeout_is_torchs_fixed_grace_where_torch_takes_none() -> None:
+    """torch 2.11 neither takes a stop grace nor reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT: the plan says what happens."""
+    ns, environ = parse(), {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}
+    assert plan_agent(ns, environ, dataclasses.replace(facts(), shutdown_timeout_settable=True)).shutdown_timeout == 5
+    fixed = plan_agent(ns, environ, dataclasses.replace(facts(), shutdown_timeout_settable=False))
+    assert fixed.shutdown_timeout == DEFAULT_SHUTDOWN_TIMEOUT
 
 
 def _config(user: Mapping[str, str], backend: str, endpoint: str = "", **kw: Any) -> dict[str, object]:
@@ -279,6 +294,10 @@ def test_plan_agrees_with_torchruns_config_from_args(argv: list[str], monkeypatc
     """Every torchrun field of the plan is what torchrun's own ``config_from_args`` derives from the same flags."""
     from torch.distributed.run import config_from_args
 
+    settable = torchcompat.shutdown_timeout_settable()
+    if "--shutdown-timeout" in argv and not settable:
+        pytest.skip(f"torch {torch.__version__} has no --shutdown-timeout (torch >= 2.12)")
+
     environ = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     monkeypatch.setattr(os, "environ", dict(environ))  # config_from_args writes OMP_NUM_THREADS into it
     ns = parse(*argv, script=("train.py", "--lr", "1"))
@@ -302,7 +321,7 @@ def test_plan_agrees_with_torchruns_config_from_args(argv: list[str], monkeypatc
     assert (p.max_restarts, p.monitor_interval, p.shutdown_timeout) == (
         config.max_restarts,
         config.monitor_interval,
-        config.shutdown_timeout,
+        config.shutdown_timeout if settable else DEFAULT_SHUTDOWN_TIMEOUT,  # torch 2.11: its fixed grace
     )
     assert (w.role, w.start_method, w.virtual_local_rank, p.event_log_handler) == (
         config.role,

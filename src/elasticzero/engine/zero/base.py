@@ -412,6 +412,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             module_sd = self.module.state_dict(keep_vars=True)
         return {k: first[id(v)] for k, v in module_sd.items() if id(v) in first and first[id(v)] != k}
 
+    def master_views_params(self, index: int) -> bool:
+        """Whether bucket ``index``'s master shard lives in the buffer the module's parameters view (fp32 stages 1/2):
+        its storage must then stay that buffer (a load copies into it; swapping it would cut the parameters off)."""
+        return self.masters[index].untyped_storage().data_ptr() == self._flat[index].untyped_storage().data_ptr()
+
     def refresh_params(self) -> None:
         """Bring the module's parameters up to date with the masters after they were written to (a load): stages
         1/2 all-gather them (collective), stage 3 drops what is gathered (the next forward gathers afresh)."""

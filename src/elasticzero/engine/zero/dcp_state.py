@@ -90,9 +90,10 @@ class ZeroCheckpointState:
 
     def _copy_in(self, loaded: ShardedState) -> None:
         opt, state = self.opt, loaded.optim_state
-        for b, m in zip(opt.buckets, opt.masters, strict=True):
+        for i, (b, m) in enumerate(zip(opt.buckets, opt.masters, strict=True)):
             inner, pieces = opt.optim.state[m], b.local_pieces()
-            self._adopt_or_copy(m, [loaded.params[p.name] for p in pieces], pieces, _constant(m))
+            masters = [loaded.params[p.name] for p in pieces]
+            self._adopt_or_copy(m, masters, pieces, _constant(m), keep_storage=opt.master_views_params(i))
             spec = inner or self._probed.get(id(m)) or _fresh_states(opt, [m], fill=False)[m]  # keys, no memory touched
             for k, v in list(spec.items()):
                 if is_shard_state(v, m):  # where this rank owns only padding, a fresh state (no chunks)
@@ -121,10 +122,12 @@ class ZeroCheckpointState:
         chunks: list[FlatChunk],
         pieces: Sequence[Piece],
         fresh: Callable[[], torch.Tensor],
+        keep_storage: bool = False,
     ) -> torch.Tensor:
         """A tensor holding the loaded ``chunks`` (at the shard offsets of ``pieces``): the buffer they view when
         :meth:`load_template` made it (a master keeps its identity, its storage swapped, when it owns its storage);
-        else ``live`` (or ``fresh()`` when there is none yet) with the chunks copied in."""
+        else ``live`` (or ``fresh()`` when there is none yet) with the chunks copied in. ``keep_storage``: ``live``
+        shares its storage with the module's parameters (a view that may cover the whole buffer): always copy."""
         found = self._fresh.get(chunks[0].tensor.untyped_storage().data_ptr()) if chunks else None
         base = (  # the template buffer, when the chunks are exactly its elements
             found
@@ -135,7 +138,7 @@ class ZeroCheckpointState:
             else None
         )
         if base is not None and isinstance(live, nn.Parameter):
-            if live.untyped_storage().nbytes() == live.numel() * live.element_size():
+            if not keep_storage and live.untyped_storage().nbytes() == live.numel() * live.element_size():
                 live.data = base
                 return live
         elif base is not None:

@@ -197,7 +197,7 @@ def reshard_from(opt: ZeroOptimizer, holdings: Holdings) -> ReshardPlan | Fallba
     state = ZeroCheckpointState(opt)
     template = state.load_template()
     _fill(opt, plan, holdings.states, template, keys)
-    _fill_replicated(opt, plan.sources[0], template, src_report, keys)
+    _fill_replicated(opt, plan.sources[0], template, src_report, holdings.states.get(0))
     state.load_state_dict(template)
     return plan
 
@@ -248,18 +248,18 @@ def _slice(t: torch.Tensor, offset: int, tr: Transfer) -> torch.Tensor:
 
 
 def _fill_replicated(
-    opt: ZeroOptimizer, src: int, template: dict[str, Any], report: Report, keys: Sequence[str]
+    opt: ZeroOptimizer, src: int, template: dict[str, Any], report: Report, old_rank0: ShardedState | None
 ) -> None:
     """The values every rank holds alike: scalars and hyper-parameters (from the agreement), the frozen parameters
-    and buffers (broadcast from ``src``); optimizer state keys the old state did not have (it never stepped) are
-    left out, so the load makes them fresh."""
+    and buffers (the old module's, broadcast from ``src``, which holds old rank 0's state ``old_rank0``); optimizer
+    state keys the old state did not have (it never stepped) are left out, so the load makes them fresh."""
     assert report.scalars is not None and report.param_groups is not None
     template["optim"]["scalars"] = {k: [[n, v] for n, v in by.items()] for k, by in report.scalars.items()}
     template["optim"]["param_groups"] = {str(i): dict(g) for i, g in enumerate(report.param_groups)}
     for name, st in template["optim"]["state"].items():
-        template["optim"]["state"][name] = {k: v for k, v in st.items() if k in keys}
-    live = opt.module_state()
+        template["optim"]["state"][name] = {k: v for k, v in st.items() if k in report.keys}
     for k, t in template["module"].items():
         if opt.rank == src:
-            t.copy_(live[k])
+            assert old_rank0 is not None  # the plan's source of old rank 0 holds its state
+            t.copy_(old_rank0.module[k])
         opt.communicator.broadcast(t, src, tag="reshard")

@@ -185,9 +185,9 @@ def reshard_from(opt: ZeroOptimizer, holdings: Holdings) -> ReshardPlan | Fallba
     the state is not complete in memory — then ``opt`` is untouched: load the disk checkpoint.
 
     ``holdings``: what this process holds (:meth:`~elasticzero.engine.zero.replica.Replicator.holdings`; a joining
-    process passes ``Holdings()``). The held tensors must stay unchanged until this returns (build ``opt`` with
-    ``sync_module_states=False``: the held states of stages 1/2 view the old optimizer's buffers, which the module's
-    parameters view until the new optimizer re-lays them out)."""
+    process passes ``Holdings()``). The held tensors must stay unchanged until this returns: build ``opt`` on a model
+    built afresh (the held states of fp32 stages 1/2 view the old optimizer's buffers, which the old module's
+    parameters view; the old optimizer's hooks stay on its module)."""
     reports = opt.communicator.all_gather_object(report_of(holdings))
     plan = plan_reshard(reports, opt.layout)
     if isinstance(plan, Fallback):

@@ -70,50 +70,63 @@ def per_step_bytes(stats: Any, ops: tuple[str, ...], tags: tuple[str, ...], step
 
 
 class HookClock:
-    """Time the replicator's own hooks: step hooks registered before it (``first``) and after it (``then``) bracket
-    its pre-step (exchange + gate) and post-step (shadow steps) work, the time the copies add to the step's critical
-    path — measured directly, so it is not lost in the noise of two step-time medians on a loaded machine."""
+    """Time the replicator's own hooks: step hooks registered before it (``*_first``) and after it (``*_then``)
+    bracket its pre-step (exchange + gate) and post-step (shadow steps) work, the time the copies add to the step's
+    critical path — measured directly, so it is not lost in the noise of two step-time medians on a loaded machine."""
 
     def __init__(self) -> None:
-        self.marks: list[float] = []
-        self.spent: list[float] = []
+        self.t: dict[str, list[float]] = {k: [] for k in ("pre_first", "pre_then", "post_first", "post_then")}
 
-    def first(self, *_: Any) -> None:
-        self.marks.append(time.perf_counter())
+    def mark(self, kind: str) -> Any:
+        return lambda *_: self.t[kind].append(time.perf_counter())
 
-    def then(self, *_: Any) -> None:
-        self.spent.append(time.perf_counter() - self.marks.pop())
+    def clear(self) -> None:
+        for v in self.t.values():
+            v.clear()
+
+    def spans(self) -> dict[str, list[float]]:
+        """Per step: the exchange + gate, the owner's step, the shadow steps (seconds)."""
+        t = self.t
+        return {
+            "replica_pre": [b - a for a, b in zip(t["pre_first"], t["pre_then"], strict=True)],
+            "own_step": [b - a for a, b in zip(t["pre_then"], t["post_first"], strict=True)],
+            "replica_post": [b - a for a, b in zip(t["post_first"], t["post_then"], strict=True)],
+        }
 
 
 def rank_main(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     model = GPT(config_for(args.size))
     opt = STAGES[args.stage](model, torch.optim.AdamW, lr=1e-3, precision=args.precision)
-    out: dict[str, Any] = {"off": [], "on": [], "replica": []}
+    out: dict[str, Any] = {"off": [], "on": []}
     clock = HookClock()
-    opt.optim.register_step_pre_hook(clock.first)
-    opt.optim.register_step_post_hook(clock.first)
+    opt.optim.register_step_pre_hook(clock.mark("pre_first"))
+    opt.optim.register_step_post_hook(clock.mark("post_first"))
     rep = None
     for rnd in range(args.rounds):
         for arm in ("off", "on") if rnd % 2 == 0 else ("on", "off"):
             if arm == "on" and rep is None:
                 rep = Replicator(opt, nodes=[0, 1])
-                handles = [opt.optim.register_step_pre_hook(clock.then), opt.optim.register_step_post_hook(clock.then)]
+                handles = [
+                    opt.optim.register_step_pre_hook(clock.mark("pre_then")),
+                    opt.optim.register_step_post_hook(clock.mark("post_then")),
+                ]
             elif arm == "off" and rep is not None:
                 rep.close()
                 rep = None
                 for h in handles:
                     h.remove()
-                clock.marks.clear()
             timed_steps(opt, model, args, args.warmup, seed=rnd)
             opt.comm_stats.reset()
             if rep is not None:
                 rep.comm_stats.reset()
-            clock.spent.clear()
+            clock.clear()
             out[arm] += timed_steps(opt, model, args, args.steps, seed=100 + rnd)
-            if rep is not None:  # pre + post hook time of each timed step
-                out["replica"] += [a + b for a, b in zip(clock.spent[0::2], clock.spent[1::2], strict=True)]
             if rep is not None:
+                spans = clock.spans()
+                spans["replica"] = [a + b for a, b in zip(spans["replica_pre"], spans["replica_post"], strict=True)]
+                for k, v in spans.items():
+                    out[k] = out.get(k, []) + v
                 out["replica_sent"] = per_step_bytes(rep.comm_stats, ("send",), ("replica",), args.steps)
                 out["replica_gate"] = per_step_bytes(rep.comm_stats, ("all_reduce",), ("replica",), args.steps)
                 out["replica_host_bytes"] = rep.nbytes()
@@ -139,17 +152,25 @@ def child(rank: int, port: str, args: argparse.Namespace, out: Path) -> int:
     return 0
 
 
+def median_ms(ranks: list[dict[str, Any]], key: str) -> float:
+    """Median over every rank's samples of ``key`` (seconds), in milliseconds."""
+    return 1e3 * statistics.median(t for r in ranks for t in r[key])
+
+
 def summary(ranks: list[dict[str, Any]], world: int) -> dict[str, Any]:
-    off = statistics.median(t for r in ranks for t in r["off"])
-    on = statistics.median(t for r in ranks for t in r["on"])
+    off, on = median_ms(ranks, "off"), median_ms(ranks, "on")
+    replica = median_ms(ranks, "replica")
     train_sent = max(r["train_buffers"] for r in ranks) * (world - 1) / world  # a ring sends (N-1)/N of each buffer
     return {
         "params": ranks[0]["numel"],
-        "step_ms_off": 1e3 * off,
-        "step_ms_on": 1e3 * on,
+        "step_ms_off": off,
+        "step_ms_on": on,
         "overhead_pct": 100 * (on / off - 1),
-        "replica_ms": 1e3 * statistics.median(t for r in ranks for t in r["replica"]),
-        "replica_pct_of_off": 100 * statistics.median(t for r in ranks for t in r["replica"]) / off,
+        "replica_ms": replica,
+        "replica_pct_of_off": 100 * replica / off,
+        "replica_exchange_gate_ms": median_ms(ranks, "replica_pre"),
+        "replica_shadow_step_ms": median_ms(ranks, "replica_post"),
+        "own_optimizer_step_ms": median_ms(ranks, "own_step"),
         "replica_sent_bytes_per_step": max(r["replica_sent"] for r in ranks),
         "train_sent_bytes_per_step": train_sent,
         "replica_host_bytes": max(r["replica_host_bytes"] for r in ranks),

@@ -1,6 +1,6 @@
 """Buddy placement (engine/zero/buddy.py) and the in-memory reshard plan (engine/zero/reshard.py): pure decisions,
 checked against brute force — every rank's copy on another node, every element of every parameter delivered exactly
-once from a rank that holds it, losses both copies of a shard cannot survive reported as a fallback."""
+once from a rank that holds it, a loss of both copies of a shard (or no common step) reported as a fallback."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from elasticzero.engine.zero.buddy import BuddyPlan, place_buddies
 from elasticzero.engine.zero.layout import ZeroLayout
-from elasticzero.engine.zero.reshard import Fallback, ReshardPlan, Report, choose_sources, plan_reshard
+from elasticzero.engine.zero.reshard import Fallback, Report, ReshardPlan, choose_sources, plan_reshard
 from elasticzero.errors import UsageError
 
 SHAPES = [("a", (1,)), ("b", (2, 3)), ("c", ()), ("d", (11,)), ("e", (3, 1, 2)), ("f", (5,)), ("g", (2,))]

@@ -4,10 +4,10 @@ once, in the driver) and writes ``{case: [problems]}`` per surviving rank to ``O
 Cases (stage, precision, scenario):
 
 - ``drop``: 3 ranks, each its own node, train with a :class:`Replicator`; every holder's copy equals its ward's live
-  state bitwise; rank 2 SIGKILLs itself; ranks 0 and 1 form a new group in the same processes, build a fresh
-  optimizer (another seed) and :func:`reshard_from` their holdings; the state equals the step-K state bitwise (what a
-  DCP reshard restores), then two more steps at world 2 end where plain torch from that state ends, within the
-  ``ez_numerics`` rule.
+  state bitwise (copies stepped on the replicator's thread; at stage 1 inside ``opt.step()``); rank 2 SIGKILLs itself;
+  ranks 0 and 1 form a new group in the same processes, build a fresh optimizer (another seed) and
+  :func:`reshard_from` their holdings; the state equals the step-K state bitwise (what a DCP reshard restores), then
+  two more steps at world 2 end where plain torch from that state ends, within the ``ez_numerics`` rule.
 - ``join``: ranks 0 and 1 train at world 2 (stage 2) with copies; rank 2 joins: the new optimizer, at world 3 and
   ``stage'``, on all three, gets its shards from its peers (rank 2 holds nothing); bitwise, then two steps at world 3.
 - ``lose2``: ranks 1 and 2 both die: rank 1's copy was on rank 2, so rank 0's :func:`reshard_from` returns a
@@ -87,7 +87,7 @@ def wait_for(paths: list[Path], timeout: float = 60) -> None:
 def drop(case: tuple[Any, ...], rank: int, work: Path) -> list[str]:
     s, prec, scenario, s_new = case
     opt = build(s, prec, None, seed=1)
-    rep = Replicator(opt, nodes=[0, 1, 2])
+    rep = Replicator(opt, nodes=[0, 1, 2], overlap=s != 1)  # stage 1: the copies step inside opt.step()
     train(opt, range(K))
     saved = full_state(opt)
     frozen = opt.full_state_dict()["frozen.weight"]

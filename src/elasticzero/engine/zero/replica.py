@@ -11,8 +11,9 @@ hooks on the wrapped optimizer, after clipping and unscaling, so the gradient is
 2. the *commit gate*: a one-element all-reduce; once it returns, every holder has the gradients of step N of all its
    wards, so every shard of step N can be made twice — step N is committed;
 3. the wrapped optimizer steps (the owner's shard), then each holder steps its wards' copies with their gradients and
-   the live hyper-parameters (the same class, options and inputs: on the CPU the copy equals the owner's state
-   bitwise).
+   the step's hyper-parameters (the same class, options and inputs: on the CPU the copy equals the owner's state
+   bitwise) — by default on a background thread, overlapping the next forward and backward, joined before the next
+   exchange and before anything reads the copies.
 
 Why gradients, not state: a copy of the state after the step costs ``(1 + k) x`` the gradient's bytes (``k``
 element-wise state tensors: Adam's two moments) and leaves a hole: once a rank has stepped, its state before the step
@@ -33,6 +34,7 @@ import os
 import socket
 import zlib
 from collections.abc import Hashable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,13 +66,13 @@ class WardCopy:
         return [self.present, *self.grads]
 
     @torch.no_grad()
-    def apply(self, live_groups: Sequence[Mapping[str, Any]]) -> None:
-        """Step the copy with the received gradients and the owner's hyper-parameters (``live_groups``: every rank's
-        are the same, a scheduler moves them alike)."""
+    def apply(self, options: Sequence[Mapping[str, Any]]) -> None:
+        """Step the copy with the received gradients and the owner's hyper-parameters of this step (``options``, one
+        per parameter group, without ``params``: every rank's are the same, a scheduler moves them alike)."""
         for m, g, has in zip(self.masters, self.grads, self.present.tolist(), strict=True):
             m.grad = g if has else None
-        for mine, live in zip(self.optim.param_groups, live_groups, strict=True):
-            mine.update({k: v for k, v in live.items() if k != "params"})
+        for mine, live in zip(self.optim.param_groups, options, strict=True):
+            mine.update(live)
         self.optim.step()
         for m in self.masters:
             m.grad = None
@@ -110,6 +112,8 @@ class Replicator:
         enabled: replication on (default) or off; with one node it is off whatever this says.
         node_shift: copies go ``node_shift`` nodes further in the node ring (not a multiple of the node count).
         step: the training step ``opt``'s state is at (the census reports steps from there).
+        overlap: step the copies on a background thread, overlapping this rank's next forward and backward (joined
+            before the next exchange and by every method that reads the copies); False: inside ``opt.step()``.
 
     Collective: every rank of ``opt``'s group builds one at the same point (it mirrors the current state to the
     holders). The replicator has its own :class:`Communicator` on ``opt.process_group`` (``replicator.comm_stats``:
@@ -123,8 +127,11 @@ class Replicator:
         enabled: bool = True,
         node_shift: int = 1,
         step: int = 0,
+        overlap: bool = True,
     ) -> None:
         self.opt = opt
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="ez-replica") if overlap else None
+        self._applying: Future[None] | None = None
         self.communicator = Communicator(opt.process_group, owner="Replicator")
         self.rank = opt.rank
         self.step = step
@@ -148,10 +155,12 @@ class Replicator:
 
     def census(self) -> dict[int, int]:
         """``{rank: step}`` of every state this rank holds (its own, its wards' copies), ranks of ``opt``'s group."""
+        self._join()
         return {self.rank: self.step, **{w: c.step for w, c in self.copies.items()}}
 
     def held(self) -> dict[int, ShardedState]:
         """The states of :meth:`census` (views, nothing copied): this rank's live state and its wards' copies."""
+        self._join()
         return {self.rank: self.opt.sharded_state(), **{w: self._state_of(c) for w, c in self.copies.items()}}
 
     def holdings(self) -> Holdings:
@@ -161,6 +170,7 @@ class Replicator:
 
     def nbytes(self) -> int:
         """Host bytes of the copies this rank holds."""
+        self._join()
         return sum(c.nbytes() for c in self.copies.values())
 
     def close(self) -> None:
@@ -168,19 +178,36 @@ class Replicator:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._join()
+        if self._worker is not None:
+            self._worker.shutdown()
         self.communicator.close()
 
     # -- the step -----------------------------------------------------------------------------------------------------
     def _before_step(self, optim: Any, args: Any, kwargs: Any) -> None:
+        self._join()  # the copies' previous step: its gradient buffers receive this step's
         sends = [(t, self.holder) for t in grad_message(self.opt.masters)] if self.holder is not None else []
         recvs = [(t, w) for w, c in self.copies.items() for t in c.inbox()]
         self.communicator.exchange(sends, recvs)
         self.communicator.all_reduce(torch.ones(1), op=dist.ReduceOp.MIN, tag="replica")  # the commit gate
 
     def _after_step(self, optim: Any, args: Any, kwargs: Any) -> None:
-        for c in self.copies.values():
-            c.apply(self.opt.optim.param_groups)
+        options = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.optim.param_groups]  # this step's
+        if self._worker is None:
+            self._apply(options)
+        else:
+            self._applying = self._worker.submit(self._apply, options)
         self.step += 1
+
+    def _apply(self, options: list[dict[str, Any]]) -> None:
+        for c in self.copies.values():
+            c.apply(options)
+
+    def _join(self) -> None:
+        """Wait for the copies' step in flight (its error, if any, is raised here)."""
+        applying, self._applying = self._applying, None
+        if applying is not None:
+            applying.result()
 
     # -- building -----------------------------------------------------------------------------------------------------
     def _gather_nodes(self) -> list[int]:

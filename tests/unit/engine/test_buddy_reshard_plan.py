@@ -129,6 +129,13 @@ def test_no_common_step_is_a_fallback_and_the_newest_common_step_wins() -> None:
     assert choose_sources(both, 3) == (4, {0: 0, 1: 1, 2: 0})
 
 
+def test_another_optimizer_class_is_refused() -> None:
+    reports = [Report(0, {0: 1}, _layout("one", 1), ("momentum_buffer",), {}, (), "SGD")]
+    with pytest.raises(UsageError, match="SGD state into AdamW"):
+        plan_reshard(reports, _layout("one", 2), "AdamW")
+    assert isinstance(plan_reshard(reports, _layout("one", 2), "SGD"), ReshardPlan)
+
+
 def test_a_new_job_and_another_model_are_refused() -> None:
     assert isinstance(plan_reshard([Report(None, {}, None, (), None, None)], _layout("one", 1)), Fallback)
     other = ZeroLayout.of([[("z", (4,))]], 2)

@@ -94,6 +94,7 @@ class Report:
     keys: tuple[str, ...]
     scalars: dict[str, dict[str, Any]] | None
     param_groups: tuple[dict[str, Any], ...] | None
+    optimizer: str = ""  # the wrapped optimizer's class name ("" when it holds nothing)
 
 
 # -- decide (pure) ----------------------------------------------------------------------------------------------------
@@ -125,7 +126,8 @@ def _prefer(owner: int | None, holding: list[int]) -> int:
 def plan_transfers(old: ZeroLayout, new: ZeroLayout, sources: Mapping[int, int]) -> tuple[Transfer, ...]:
     """Which elements of which old rank's pieces fill each new rank's pieces (DCP's resharding algorithm over the
     old pieces as saved chunks), every element of every parameter exactly once."""
-    if list(old.params) != list(new.params) and set(old.params) != set(new.params):
+    shapes = {n: x.shape for n, x in old.params.items()}
+    if shapes != {n: x.shape for n, x in new.params.items()}:
         raise UsageError("in-memory reshard between different models: the old and new layouts' parameters differ")
     old_pieces = [old.pieces(r) for r in range(old.world_size)]
     new_pieces = [new.pieces(r) for r in range(new.world_size)]
@@ -147,8 +149,12 @@ def _box(p: Piece) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size([p.start]), sizes=torch.Size([p.end - p.start]))
 
 
-def plan_reshard(reports: Sequence[Report], new: ZeroLayout) -> ReshardPlan | Fallback:
-    """The whole decision over every rank's :class:`Report` (equal on every rank, computed on every rank)."""
+def plan_reshard(reports: Sequence[Report], new: ZeroLayout, optimizer: str = "") -> ReshardPlan | Fallback:
+    """The whole decision over every rank's :class:`Report` (equal on every rank, computed on every rank), for an
+    optimizer laid out as ``new`` wrapping an ``optimizer`` (class name; its state keys must be the held ones')."""
+    other = sorted({r.optimizer for r in reports if r.optimizer not in ("", optimizer)})
+    if optimizer and other:
+        raise UsageError(f"in-memory reshard of {other[0]} state into {optimizer}: wrap the same optimizer class")
     layouts = [r.layout for r in reports if r.layout is not None]
     if not layouts:
         return Fallback("no rank of the new group holds any state (a new job: load the checkpoint)")
@@ -176,6 +182,7 @@ def report_of(holdings: Holdings) -> Report:
         tuple(keys),
         any_state.scalars,
         any_state.param_groups,
+        any_state.origin.optimizer,
     )
 
 
@@ -189,7 +196,7 @@ def reshard_from(opt: ZeroOptimizer, holdings: Holdings) -> ReshardPlan | Fallba
     built afresh (the held states of fp32 stages 1/2 view the old optimizer's buffers, which the old module's
     parameters view; the old optimizer's hooks stay on its module)."""
     reports = opt.communicator.all_gather_object(report_of(holdings))
-    plan = plan_reshard(reports, opt.layout)
+    plan = plan_reshard(reports, opt.layout, opt.origin.optimizer)
     if isinstance(plan, Fallback):
         return plan
     src_report = reports[plan.sources[0]]

@@ -8,10 +8,13 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from torch import nn
 
 from elasticzero.engine.zero.buddy import BuddyPlan, place_buddies
+from elasticzero.engine.zero.flat import layout_buckets, size_groups
 from elasticzero.engine.zero.layout import ZeroLayout
 from elasticzero.engine.zero.reshard import Fallback, Report, ReshardPlan, choose_sources, plan_reshard
+from elasticzero.engine.zero.stage3 import UnitPlan
 from elasticzero.errors import UsageError
 
 SHAPES = [("a", (1,)), ("b", (2, 3)), ("c", ()), ("d", (11,)), ("e", (3, 1, 2)), ("f", (5,)), ("g", (2,))]
@@ -141,3 +144,37 @@ def test_a_new_job_and_another_model_are_refused() -> None:
     other = ZeroLayout.of([[("z", (4,))]], 2)
     with pytest.raises(UsageError, match="different models"):
         plan_reshard(_reports(other, place_buddies([0, 1]), [0, 1]), _layout("one", 2))
+
+
+class _Blocks(nn.Module):
+    """GPT-shaped: an embedding, a ModuleList of blocks (stage 3's units) of uneven sizes, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 6 + i)) for i in range(0, 3))
+        self.head = nn.Linear(8, 11, bias=False)
+
+
+def _stage_layout(stage: int, world: int) -> ZeroLayout:
+    """The layout a ZeRO stage gives :class:`_Blocks` at ``world`` ranks: stages 1/2 buckets of at most 256 bytes
+    (several, uneven, parameters straddling ranks), stage 3 one bucket per unit (the root, each block)."""
+    model = _Blocks()
+    named = list(model.named_parameters())
+    key = lambda p: p.dtype  # noqa: E731
+    groups = UnitPlan.of(model, None).groups(named, key) if stage == 3 else size_groups(named, key, bucket_bytes=256)
+    return ZeroLayout(world, tuple(b.layout for b in layout_buckets(groups, world_size=world, rank=0)))
+
+
+@pytest.mark.parametrize(("old_stage", "new_stage"), [(1, 1), (2, 2), (3, 3), (2, 3), (3, 1)])
+@pytest.mark.parametrize(
+    ("old_nodes", "survivors"), [([0, 1, 2], [0, 1]), ([0, 0, 1, 1], [2, 3]), ([0, 1], [0, 1, None])]
+)
+def test_the_stages_real_layouts(
+    old_stage: int, new_stage: int, old_nodes: list[int], survivors: list[int | None]
+) -> None:
+    old, new = _stage_layout(old_stage, len(old_nodes)), _stage_layout(new_stage, len(survivors))
+    reports = _reports(old, place_buddies(old_nodes), survivors)
+    plan = plan_reshard(reports, new)
+    assert isinstance(plan, ReshardPlan), plan
+    _check_exactly_once(plan, old, new, reports)

@@ -280,7 +280,7 @@ class Communicator:
         self.stats.record("broadcast", tag, tensor)
         self._issue(dist.broadcast, (tensor,), False, group=pg, group_src=src_group_rank)
 
-    def all_gather_object(self, obj: Any, *, tag: str = "replica") -> list[Any]:
+    def all_gather_object(self, obj: Any, *, tag: str = "reshard") -> list[Any]:
         """Every rank's picklable ``obj``, in group-rank order (small metadata: a reshard's census). Counted as a
         call of ``all_gather_object`` (its bytes are the pickles', not counted)."""
         out: list[Any] = [None] * self.size

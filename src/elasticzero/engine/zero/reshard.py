@@ -195,7 +195,7 @@ def reshard_from(opt: ZeroOptimizer, holdings: Holdings) -> ReshardPlan | Fallba
     process passes ``Holdings()``). The held tensors must stay unchanged until this returns: build ``opt`` on a model
     built afresh (the held states of fp32 stages 1/2 view the old optimizer's buffers, which the old module's
     parameters view; the old optimizer's hooks stay on its module)."""
-    reports = opt.communicator.all_gather_object(report_of(holdings))
+    reports = opt.communicator.all_gather_object(report_of(holdings), tag="reshard")
     plan = plan_reshard(reports, opt.layout, opt.origin.optimizer)
     if isinstance(plan, Fallback):
         return plan

@@ -7,7 +7,8 @@ Cases (stage, precision, scenario):
   state bitwise (copies stepped on the replicator's thread; at stage 1 inside ``opt.step()``); rank 2 SIGKILLs itself;
   ranks 0 and 1 form a new group in the same processes, build a fresh optimizer (another seed) and
   :func:`reshard_from` their holdings; the state equals the step-K state bitwise (what a DCP reshard restores), then
-  two more steps at world 2 end where plain torch from that state ends, within the ``ez_numerics`` rule.
+  two more steps at world 2 end where plain torch from that state ends, within the ``ez_numerics`` rule, with copies
+  for the new world (a new replicator, mirrored with the moments) equal to their wards' state bitwise again.
 - ``join``: ranks 0 and 1 train at world 2 (stage 2) with copies; rank 2 joins: the new optimizer, at world 3 and
   ``stage'``, on all three, gets its shards from its peers (rank 2 holds nothing); bitwise, then two steps at world 3.
 - ``lose2``: ranks 1 and 2 both die: rank 1's copy was on rank 2, so rank 0's :func:`reshard_from` returns a
@@ -110,7 +111,12 @@ def drop(case: tuple[Any, ...], rank: int, work: Path) -> list[str]:
     if not isinstance(plan, ReshardPlan) or plan.step != K:
         return problems + [f"reshard: {plan}"]
     problems += [f"not bit-exact after the reshard: {k}" for k in mismatches(fresh, saved)]
-    return problems + continuation(fresh, saved, frozen, prec)
+    again = Replicator(fresh, nodes=survivors, step=plan.step)  # copies for the new world, mirrored with moments
+    problems += continuation(fresh, saved, frozen, prec)
+    problems += [f"new world: {p}" for p in copies_problems(again, full_state(fresh))]
+    census = again.census()
+    again.close()
+    return problems + ([] if set(census.values()) == {K + 2} else [f"census after two more steps: {census}"])
 
 
 def join(case: tuple[Any, ...], rank: int, work: Path) -> list[str]:

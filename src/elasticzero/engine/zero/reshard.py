@@ -224,30 +224,46 @@ def _fill(
     keys: Sequence[str],
 ) -> None:
     """Run this rank's transfers into ``template``: local ones as copies, the others one packed message per peer and
-    key."""
+    state key (every rank posts them in the same order: keys, then peer pairs)."""
     me, sends, recvs = opt.rank, [], []
     trees = {r: st.state_dict() for r, st in held.items()}
     peers = sorted({(t.src, t.dst) for t in plan.transfers if me in (t.src, t.dst)})
     for key in ("params", *keys):
         for src, dst in peers:
             ts = plan.between(src, dst)
-            if src == dst == me:
-                for t in ts:
-                    _slice(_chunk(template, t.name, key), t.dst_offset, t).copy_(
-                        _slice(_chunk(trees[t.old_rank], t.name, key), t.src_offset, t)
-                    )
+            if src == dst:
+                _copy_local(template, trees, ts, key)
             elif src == me:
-                parts = [_slice(_chunk(trees[t.old_rank], t.name, key), t.src_offset, t) for t in ts]
-                sends.append((torch.cat(parts), dst))
+                sends.append((_pack(trees, ts, key), dst))
             else:
                 dtype = _chunk(template, ts[0].name, key).dtype
                 recvs.append((torch.empty(sum(t.end - t.start for t in ts), dtype=dtype), src, ts, key))
     opt.communicator.exchange(sends, [(buf, src) for buf, src, _, _ in recvs], tag="reshard")
     for buf, _, ts, key in recvs:
-        at = 0
-        for t in ts:
-            _slice(_chunk(template, t.name, key), t.dst_offset, t).copy_(buf[at : at + t.end - t.start])
-            at += t.end - t.start
+        _unpack(template, buf, ts, key)
+
+
+def _pack(trees: Mapping[int, Mapping[str, Any]], ts: Sequence[Transfer], key: str) -> torch.Tensor:
+    """The elements of transfers ``ts`` of state ``key``, from the held states' trees, back to back."""
+    return torch.cat([_slice(_chunk(trees[t.old_rank], t.name, key), t.src_offset, t) for t in ts])
+
+
+def _copy_local(
+    template: Mapping[str, Any], trees: Mapping[int, Mapping[str, Any]], ts: Sequence[Transfer], key: str
+) -> None:
+    """Transfers ``ts`` of state ``key`` within this rank: straight from the held states into ``template``."""
+    for t in ts:
+        _slice(_chunk(template, t.name, key), t.dst_offset, t).copy_(
+            _slice(_chunk(trees[t.old_rank], t.name, key), t.src_offset, t)
+        )
+
+
+def _unpack(template: Mapping[str, Any], buf: torch.Tensor, ts: Sequence[Transfer], key: str) -> None:
+    """Copy a packed ``buf`` (transfers ``ts`` of state ``key``, back to back) into the new pieces of ``template``."""
+    at = 0
+    for t in ts:
+        _slice(_chunk(template, t.name, key), t.dst_offset, t).copy_(buf[at : at + t.end - t.start])
+        at += t.end - t.start
 
 
 def _slice(t: torch.Tensor, offset: int, tr: Transfer) -> torch.Tensor:

@@ -19,9 +19,11 @@ output of an all-gather, the tensor of an all-reduce or broadcast. So a ZeRO-2 s
 most ``world_size - 1`` padding elements per bucket) of ``reduce_scatter`` and as many of ``all_gather``. Every call
 carries a ``tag`` saying why it was issued: ``"grad"`` (gradient reduction), ``"param"`` (parameter all-gather),
 ``"norm"`` (global gradient norm, one scalar), ``"init"`` (one-time broadcast of the initial state), ``"state_dict"``
-(:meth:`full_state_dict`), ``"found_inf"`` (the loss scaler's overflow flag). A benchmark counting traffic per step
-sums the ``grad`` and ``param`` tags between two :meth:`CommStats.snapshot` calls; stats of several objects add up
-with ``+``.
+(:meth:`full_state_dict`), ``"found_inf"`` (the loss scaler's overflow flag), ``"replica"`` (a
+:class:`~elasticzero.engine.zero.replica.Replicator`'s buddy copies: ops ``send``/``recv`` of
+:meth:`Communicator.exchange`, and the commit gate), ``"reshard"`` (an in-memory reshard). A benchmark counting
+traffic per step sums the ``grad`` and ``param`` tags between two :meth:`CommStats.snapshot` calls; stats of several
+objects add up with ``+``.
 
 The one effect on the process outside the communicators is :func:`unpin_default_group` (torch's own default
 arguments), called where a communicator is opened on the default group; see there.
@@ -36,7 +38,7 @@ import time
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +96,7 @@ class CommStats:
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _SETTLE_TIMEOUT_S = 10.0
+_P2P_TAG = 7  # point-to-point exchanges (rings use tags from ring.message_tag, >= 2^20)
 
 
 def ring_applies(backend: str, world_size: int, setting: str | None) -> bool:
@@ -276,6 +279,37 @@ class Communicator:
         pg = self.group
         self.stats.record("broadcast", tag, tensor)
         self._issue(dist.broadcast, (tensor,), False, group=pg, group_src=src_group_rank)
+
+    def all_gather_object(self, obj: Any, *, tag: str = "reshard") -> list[Any]:
+        """Every rank's picklable ``obj``, in group-rank order (small metadata: a reshard's census). Counted as a
+        call of ``all_gather_object`` (its bytes are the pickles', not counted)."""
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        self.stats.calls[("all_gather_object", tag)] += 1
+        return out
+
+    def exchange(
+        self,
+        sends: Sequence[tuple[torch.Tensor, int]],
+        recvs: Sequence[tuple[torch.Tensor, int]],
+        *,
+        tag: str = "replica",
+        async_op: bool = False,
+    ) -> AnyWork | None:
+        """Point-to-point: send each ``(tensor, group_rank)`` of ``sends`` and receive into each of ``recvs`` (every
+        peer posts the matching calls in the same order; messages between two ranks match in posting order). Counted
+        as ``send:<tag>`` / ``recv:<tag>``."""
+        pg = self.group
+        ops = [(dist.isend, t, r) for t, r in sends] + [(dist.irecv, t, r) for t, r in recvs]
+        for fn, t, _ in ops:
+            self.stats.record("send" if fn is dist.isend else "recv", tag, t)
+        retire = self._settling.extend if ops and settles(self.backend, ops[0][1].device.type) else _forget
+
+        def post() -> list[Any]:  # fresh aliases, known only to the work (see settle)
+            aliased = [(fn, t.detach(), dist.get_global_rank(pg, r)) for fn, t, r in ops]
+            return [(fn(a, peer, group=pg, tag=_P2P_TAG), a) for fn, a, peer in aliased]
+
+        return self._finish(ring.RingWork([post], retire), async_op)
 
     def settle(self, timeout: float = _SETTLE_TIMEOUT_S) -> None:
         """Return once the backend's threads have let go of every tensor of every collective of this communicator

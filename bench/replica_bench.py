@@ -1,0 +1,204 @@
+"""The cost of buddy copies (engine/zero/replica.py): step time with and without a ``Replicator``, bytes the copies
+send per step per rank beside the training collectives', host memory of the copies per rank.
+
+Two gloo ranks on 127.0.0.1, each told it is its own node (``nodes=[0, 1]``: each holds the other's copy), forked
+from this driver (torch imported once). Each round runs both arms in the same rank processes, in alternating order
+(round 1: off then on; round 2: on then off...), so a drift of the machine's load does not favour one arm; the step
+time is the median over every timed step of every round. Not a test: nothing asserts, every number is this run's.
+
+    .venv/bin/python bench/replica_bench.py                       # small GPT (~3.4M), ZeRO-2, fp32
+    .venv/bin/python bench/replica_bench.py --size bench --stage 1 --rounds 3   # the 29.5M GPT of the issue's goal
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent / "examples"), str(HERE.parent / "tests")]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from elasticzero import ZeroStage1, ZeroStage2, ZeroStage3  # noqa: E402
+from elasticzero.engine.zero.replica import Replicator  # noqa: E402
+from ez_ports import free_port  # noqa: E402
+from gpt import GPT, config_for  # noqa: E402
+
+STAGES = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="small", help="GPT size of examples/gpt.py (tiny, small, bench)")
+    p.add_argument("--stage", type=int, default=2, choices=[1, 2, 3])
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--batch-size", type=int, default=4, help="micro-batch per rank")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6, help="timed steps per arm per round")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/replica_bench-<utc>.json)")
+    return p.parse_args(argv)
+
+
+def timed_steps(opt: Any, model: Any, args: argparse.Namespace, n: int, seed: int) -> list[float]:
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.cfg.vocab_size
+    times = []
+    for _ in range(n):
+        x = torch.randint(0, vocab, (args.batch_size, args.seq_len), generator=g)
+        t0 = time.perf_counter()
+        logits = model(x)
+        torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), torch.roll(x, 1, 1).reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def per_step_bytes(stats: Any, ops: tuple[str, ...], tags: tuple[str, ...], steps: int) -> float:
+    return sum(b for (op, tag), b in stats.bytes.items() if op in ops and tag in tags) / steps
+
+
+class HookClock:
+    """Time the replicator's own hooks: step hooks registered before it (``*_first``) and after it (``*_then``)
+    bracket its pre-step (exchange + gate) and post-step (shadow steps) work, the time the copies add to the step's
+    critical path — measured directly, so it is not lost in the noise of two step-time medians on a loaded machine."""
+
+    def __init__(self) -> None:
+        self.t: dict[str, list[float]] = {k: [] for k in ("pre_first", "pre_then", "post_first", "post_then")}
+
+    def mark(self, kind: str) -> Any:
+        return lambda *_: self.t[kind].append(time.perf_counter())
+
+    def clear(self) -> None:
+        for v in self.t.values():
+            v.clear()
+
+    def spans(self) -> dict[str, list[float]]:
+        """Per step: the exchange + gate, the owner's step, the shadow steps (seconds)."""
+        t = self.t
+        return {
+            "replica_pre": [b - a for a, b in zip(t["pre_first"], t["pre_then"], strict=True)],
+            "own_step": [b - a for a, b in zip(t["pre_then"], t["post_first"], strict=True)],
+            "replica_post": [b - a for a, b in zip(t["post_first"], t["post_then"], strict=True)],
+        }
+
+
+def rank_main(args: argparse.Namespace) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = GPT(config_for(args.size))
+    opt = STAGES[args.stage](model, torch.optim.AdamW, lr=1e-3, precision=args.precision)
+    out: dict[str, Any] = {"off": [], "on": []}
+    clock = HookClock()
+    opt.optim.register_step_pre_hook(clock.mark("pre_first"))
+    opt.optim.register_step_post_hook(clock.mark("post_first"))
+    rep = None
+    for rnd in range(args.rounds):
+        for arm in ("off", "on") if rnd % 2 == 0 else ("on", "off"):
+            if arm == "on" and rep is None:
+                rep = Replicator(opt, nodes=[0, 1])
+                handles = [
+                    opt.optim.register_step_pre_hook(clock.mark("pre_then")),
+                    opt.optim.register_step_post_hook(clock.mark("post_then")),
+                ]
+            elif arm == "off" and rep is not None:
+                rep.close()
+                rep = None
+                for h in handles:
+                    h.remove()
+            timed_steps(opt, model, args, args.warmup, seed=rnd)
+            opt.comm_stats.reset()
+            if rep is not None:
+                rep.comm_stats.reset()
+            clock.clear()
+            out[arm] += timed_steps(opt, model, args, args.steps, seed=100 + rnd)
+            if rep is not None:
+                spans = clock.spans()
+                spans["replica"] = [a + b for a, b in zip(spans["replica_pre"], spans["replica_post"], strict=True)]
+                for k, v in spans.items():
+                    out[k] = out.get(k, []) + v
+                out["replica_sent"] = per_step_bytes(rep.comm_stats, ("send",), ("replica",), args.steps)
+                out["replica_gate"] = per_step_bytes(rep.comm_stats, ("all_reduce",), ("replica",), args.steps)
+                out["replica_host_bytes"] = rep.nbytes()
+            else:
+                out["train_buffers"] = per_step_bytes(
+                    opt.comm_stats, ("reduce_scatter", "all_gather"), ("grad", "param"), args.steps
+                )
+    if rep is not None:
+        rep.close()
+    out["state_bytes"] = opt.memory_report()["total"]
+    out["numel"] = opt.numel
+    return out
+
+
+def child(rank: int, port: str, args: argparse.Namespace, out: Path) -> int:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    res = rank_main(args)
+    Path(f"{out}.rank{rank}").write_text(json.dumps(res))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def median_ms(ranks: list[dict[str, Any]], key: str) -> float:
+    """Median over every rank's samples of ``key`` (seconds), in milliseconds."""
+    return 1e3 * statistics.median(t for r in ranks for t in r[key])
+
+
+def summary(ranks: list[dict[str, Any]], world: int) -> dict[str, Any]:
+    off, on = median_ms(ranks, "off"), median_ms(ranks, "on")
+    replica = median_ms(ranks, "replica")
+    train_sent = max(r["train_buffers"] for r in ranks) * (world - 1) / world  # a ring sends (N-1)/N of each buffer
+    return {
+        "params": ranks[0]["numel"],
+        "step_ms_off": off,
+        "step_ms_on": on,
+        "overhead_pct": 100 * (on / off - 1),
+        "replica_ms": replica,
+        "replica_pct_of_off": 100 * replica / off,
+        "replica_exchange_gate_ms": median_ms(ranks, "replica_pre"),
+        "replica_shadow_step_ms": median_ms(ranks, "replica_post"),
+        "own_optimizer_step_ms": median_ms(ranks, "own_step"),
+        "replica_sent_bytes_per_step": max(r["replica_sent"] for r in ranks),
+        "train_sent_bytes_per_step": train_sent,
+        "replica_host_bytes": max(r["replica_host_bytes"] for r in ranks),
+        "model_state_bytes": max(r["state_bytes"] for r in ranks),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out = args.out or HERE / "results" / f"replica_bench-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    port, pids = str(free_port()), []
+    for r in range(2):
+        pid = os.fork()
+        if pid == 0:
+            os._exit(child(r, port, args, out))
+        pids.append(pid)
+    for pid in pids:
+        if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
+            raise SystemExit("a rank failed")
+    ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
+    res = {"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary(ranks, 2), "ranks": ranks}
+    out.write_text(json.dumps(res, indent=1))
+    for k, v in res["summary"].items():
+        print(f"{k:32s} {v:,.1f}")
+    print(f"saved {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""Redundant ZeRO shards: every rank's state has a current copy on its buddy (the holder), in host memory.
+
+A :class:`Replicator` on a ZeRO optimizer keeps, on every rank, a copy of the state of each of its *wards* (the ranks
+:func:`~elasticzero.engine.zero.buddy.place_buddies` gives it): fp32 master shards, the wrapped optimizer's state
+(moments, step counters), advanced by a shadow optimizer of the same class. Checkmate-style, the copies follow by
+gradients, not by state: built, it mirrors each rank's state to its holder once; then in every optimizer step (step
+hooks on the wrapped optimizer, after clipping and unscaling, so the gradient is the one the step uses):
+
+1. each rank sends its gradient shards (one per bucket, plus which buckets have one) to its holder and receives its
+   wards' (point-to-point, :meth:`Communicator.exchange`, tag ``"replica"``);
+2. the *commit gate*: a one-element all-reduce; once it returns, every holder has the gradients of step N of all its
+   wards, so every shard of step N can be made twice — step N is committed;
+3. the wrapped optimizer steps (the owner's shard), then each holder steps its wards' copies with their gradients and
+   the step's hyper-parameters (the same class, options and inputs: on the CPU the copy equals the owner's state
+   bitwise) — by default on a background thread, overlapping the next forward and backward, joined before the next
+   exchange and before anything reads the copies.
+
+Why gradients, not state: a copy of the state after the step costs ``(1 + k) x`` the gradient's bytes (``k``
+element-wise state tensors: Adam's two moments) and leaves a hole: once a rank has stepped, its state before the step
+exists only on its holder, so losing the holder before the new copy lands loses that rank's committed step. With the
+gate no rank updates its shard before every gradient of the step has its second copy: after a failure, every survivor
+is either before the gate of step N (nothing of step N applied anywhere it survives) or past it (step N can be made
+from the copies). A failure between the gate completing on one survivor and failing on another leaves survivors one
+step apart; the reshard plan then reports it (:mod:`.reshard`), and the disk checkpoint is the fallback.
+
+:meth:`Replicator.held` is what this rank holds, as :class:`~elasticzero.engine.zero.sharded.ShardedState` s by old
+rank (its own live state and its wards' copies), and :meth:`Replicator.census` the steps they are at: what
+:func:`~elasticzero.engine.zero.reshard.reshard_from` moves into a new optimizer at another world size.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import zlib
+from collections.abc import Hashable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elasticzero.engine.zero.base import ZeroOptimizer
+from elasticzero.engine.zero.buddy import BuddyPlan, place_buddies
+from elasticzero.engine.zero.comm import Communicator
+from elasticzero.engine.zero.reshard import Holdings
+from elasticzero.engine.zero.sharded import ShardedState
+
+
+@dataclass
+class WardCopy:
+    """A holder's copy of ward ``rank``'s state: one master shard per bucket (host memory), the shadow optimizer over
+    them, the receive buffers of the ward's gradients, and the ``step`` the copy is at."""
+
+    rank: int
+    masters: list[nn.Parameter]
+    optim: torch.optim.Optimizer
+    grads: list[torch.Tensor]
+    present: torch.Tensor
+    step: int
+
+    def inbox(self) -> list[torch.Tensor]:
+        """The buffers a step's message from the ward lands in (see :func:`grad_message`)."""
+        return [self.present, *self.grads]
+
+    @torch.no_grad()
+    def apply(self, options: Sequence[Mapping[str, Any]]) -> None:
+        """Step the copy with the received gradients and the owner's hyper-parameters of this step (``options``, one
+        per parameter group, without ``params``: every rank's are the same, a scheduler moves them alike)."""
+        for m, g, has in zip(self.masters, self.grads, self.present.tolist(), strict=True):
+            m.grad = g if has else None
+        for mine, live in zip(self.optim.param_groups, options, strict=True):
+            mine.update(live)
+        self.optim.step()
+        for m in self.masters:
+            m.grad = None
+        self.step += 1
+
+    def nbytes(self) -> int:
+        """Host bytes of this copy (masters, optimizer state, gradient buffers)."""
+        state = [t for s in self.optim.state.values() for t in s.values() if torch.is_tensor(t)]
+        return sum(t.numel() * t.element_size() for t in (*self.masters, *self.grads, *state))
+
+
+def node_key(environ: Mapping[str, str], hostname: str) -> int:
+    """This process's node as an integer: torchelastic's node rank (``GROUP_RANK``) when set, else a hash of the host
+    name (ranks on one host share it)."""
+    group_rank = environ.get("GROUP_RANK", "")
+    return int(group_rank) if group_rank.isdigit() else zlib.crc32(hostname.encode())
+
+
+def grad_message(masters: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+    """What a rank sends its holder in a step: which buckets have a gradient, then each bucket's gradient shard (on
+    the host; zeros where there is none)."""
+    present = torch.tensor([m.grad is not None for m in masters], dtype=torch.uint8)
+    grads = [_host(m.grad) if m.grad is not None else torch.zeros(m.shape, dtype=m.dtype) for m in masters]
+    return [present, *grads]
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach() if t.device.type == "cpu" else t.detach().to("cpu")
+
+
+class Replicator:
+    """Keeps a copy of every rank's ZeRO state on its buddy, current at the last committed step (see the module).
+
+    Args:
+        opt: the ZeRO optimizer (any stage); its wrapped optimizer gets two step hooks.
+        nodes: the node of every rank of ``opt``'s group (default: gathered, :func:`node_key` of each rank).
+        enabled: replication on (default) or off; with one node it is off whatever this says.
+        node_shift: copies go ``node_shift`` nodes further in the node ring (not a multiple of the node count).
+        step: the training step ``opt``'s state is at (the census reports steps from there).
+        overlap: step the copies on a background thread, overlapping this rank's next forward and backward (joined
+            before the next exchange and by every method that reads the copies); False: inside ``opt.step()``.
+
+    Collective: every rank of ``opt``'s group builds one at the same point (it mirrors the current state to the
+    holders). The replicator has its own :class:`Communicator` on ``opt.process_group`` (``replicator.comm_stats``:
+    the copies' bytes, apart from the training collectives')."""
+
+    def __init__(
+        self,
+        opt: ZeroOptimizer,
+        *,
+        nodes: Sequence[Hashable] | None = None,
+        enabled: bool = True,
+        node_shift: int = 1,
+        step: int = 0,
+        overlap: bool = True,
+    ) -> None:
+        self.opt = opt
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="ez-replica") if overlap else None
+        self._applying: Future[None] | None = None
+        self.communicator = Communicator(opt.process_group, owner="Replicator")
+        self.rank = opt.rank
+        self.step = step
+        found = list(nodes) if nodes is not None else self._gather_nodes()
+        self.plan: BuddyPlan = place_buddies(found, enabled=enabled, node_shift=node_shift)
+        self.holder = self.plan.holder[self.rank]
+        self.copies = {w: self._empty_copy(w) for w in self.plan.wards(self.rank)}
+        self._hooks: list[Any] = []
+        if self.plan.enabled:
+            self._mirror()
+            self._hooks = [
+                opt.optim.register_step_pre_hook(self._before_step),
+                opt.optim.register_step_post_hook(self._after_step),
+            ]
+
+    # -- what this rank holds -----------------------------------------------------------------------------------------
+    @property
+    def comm_stats(self) -> Any:
+        """Counters of the copies' traffic (ops ``send``/``recv``, ``all_reduce`` of the gate; tag ``"replica"``)."""
+        return self.communicator.stats
+
+    def census(self) -> dict[int, int]:
+        """``{rank: step}`` of every state this rank holds (its own, its wards' copies), ranks of ``opt``'s group."""
+        self._join()
+        return {self.rank: self.step, **{w: c.step for w, c in self.copies.items()}}
+
+    def held(self) -> dict[int, ShardedState]:
+        """The states of :meth:`census` (views, nothing copied): this rank's live state and its wards' copies."""
+        self._join()
+        return {self.rank: self.opt.sharded_state(), **{w: self._state_of(c) for w, c in self.copies.items()}}
+
+    def holdings(self) -> Holdings:
+        """:meth:`held` and :meth:`census` with this rank as their owner: what it brings to
+        :func:`~elasticzero.engine.zero.reshard.reshard_from` in a new group."""
+        return Holdings(self.rank, self.held(), self.census())
+
+    def nbytes(self) -> int:
+        """Host bytes of the copies this rank holds."""
+        self._join()
+        return sum(c.nbytes() for c in self.copies.values())
+
+    def close(self) -> None:
+        """Remove the step hooks and close the communicator (the copies stay readable through :meth:`held`)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._join()
+        if self._worker is not None:
+            self._worker.shutdown()
+        self.communicator.close()
+
+    # -- the step -----------------------------------------------------------------------------------------------------
+    def _before_step(self, optim: Any, args: Any, kwargs: Any) -> None:
+        self._join()  # the copies' previous step: its gradient buffers receive this step's
+        sends = [(t, self.holder) for t in grad_message(self.opt.masters)] if self.holder is not None else []
+        recvs = [(t, w) for w, c in self.copies.items() for t in c.inbox()]
+        self.communicator.exchange(sends, recvs)
+        self.communicator.all_reduce(torch.ones(1), op=dist.ReduceOp.MIN, tag="replica")  # the commit gate
+
+    def _after_step(self, optim: Any, args: Any, kwargs: Any) -> None:
+        options = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.optim.param_groups]  # this step's
+        if self._worker is None:
+            self._apply(options)
+        else:
+            self._applying = self._worker.submit(self._apply, options)
+        self.step += 1
+
+    def _apply(self, options: list[dict[str, Any]]) -> None:
+        for c in self.copies.values():
+            c.apply(options)
+
+    def _join(self) -> None:
+        """Wait for the copies' step in flight (its error, if any, is raised here)."""
+        applying, self._applying = self._applying, None
+        if applying is not None:
+            applying.result()
+
+    # -- building -----------------------------------------------------------------------------------------------------
+    def _gather_nodes(self) -> list[int]:
+        mine = torch.tensor([node_key(os.environ, socket.gethostname())], dtype=torch.int64)
+        out = torch.empty(self.communicator.size, dtype=torch.int64)
+        self.communicator.all_gather(out, mine, tag="replica")
+        return out.tolist()
+
+    def _empty_copy(self, ward: int) -> WardCopy:
+        """Buffers for ``ward``'s copy, laid out as its shards (every rank's shard of a bucket has the same size)."""
+        masters = [nn.Parameter(torch.empty(m.shape, dtype=m.dtype), requires_grad=False) for m in self.opt.masters]
+        groups = []
+        for gi, g in enumerate(self.opt.optim.param_groups):
+            params = [masters[i] for i in self.opt.layout.group_buckets(gi)]
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
+        make: Any = type(self.opt.optim)  # the wrapped optimizer's class, built on the copies' parameter groups
+        shadow = make(groups)
+        grads = [torch.empty(m.shape, dtype=m.dtype) for m in masters]
+        present = torch.empty(len(masters), dtype=torch.uint8)
+        return WardCopy(ward, masters, shadow, grads, present, self.step)
+
+    @torch.no_grad()
+    def _mirror(self) -> None:
+        """Send this rank's state to its holder, receive the wards' (the starting point the gradients advance)."""
+        own = self._state_tensors(self.opt.masters, self.opt.optim.state)
+        sends = [(_host(t).reshape(-1), self.holder) for t in own] if self.holder is not None else []
+        inboxes = {w: [torch.empty(t.numel(), dtype=t.dtype) for t in own] for w in self.copies}
+        self.communicator.exchange(sends, [(t, w) for w, box in inboxes.items() for t in box])
+        for w, box in inboxes.items():
+            self._install(self.copies[w], box)
+
+    def _state_tensors(self, masters: Sequence[torch.Tensor], state: Mapping[Any, Mapping[str, Any]]) -> list[Any]:
+        """Per bucket: the master, then its optimizer state's tensors by sorted key (the order both sides agree on:
+        every rank's wrapped optimizer has stepped the same buckets)."""
+        out: list[Any] = []
+        for m in masters:
+            st = state.get(m, {})
+            out += [m.detach(), *(st[k] for k in sorted(st) if torch.is_tensor(st[k]))]
+        return out
+
+    def _install(self, copy: WardCopy, box: list[torch.Tensor]) -> None:
+        """Fill ``copy`` from the mirrored tensors (laid out as :meth:`_state_tensors`; non-tensor state values are
+        this rank's own, the same everywhere)."""
+        it = iter(box)
+        for m, mine in zip(copy.masters, self.opt.masters, strict=True):
+            m.data.copy_(next(it))
+            st = self.opt.optim.state.get(mine, {})
+            if st:
+                copy.optim.state[m] = {
+                    k: next(it).reshape(v.shape) if torch.is_tensor(v) else v for k, v in sorted(st.items())
+                }
+
+    def _state_of(self, copy: WardCopy) -> ShardedState:
+        opt = self.opt
+        return ShardedState.of(
+            opt.layout,
+            copy.rank,
+            [m.detach() for m in copy.masters],
+            [copy.optim.state.get(m, {}) for m in copy.masters],
+            origin=opt.origin,
+            aliases=opt.tied_aliases(),
+            param_groups=opt.optim.param_groups,
+            module=opt.module_state(),
+        )

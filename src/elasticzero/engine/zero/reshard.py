@@ -1,0 +1,288 @@
+"""In-memory reshard: a ZeRO state laid out for world N, held by the ranks of a new group (their own shards, their
+buddies' copies), moved into an optimizer laid out for world M, over point-to-point transfers.
+
+Three steps, the first and last thin I/O, the middle a pure decision over what they gathered:
+
+1. *agree* (:func:`reshard_from`): every rank of the new group reports its :class:`Holdings` — which old ranks'
+   states it holds at which step, its old rank (``None`` for a joining process), the old layout — in one object
+   all-gather;
+2. *decide* (:func:`plan_reshard`): the newest step every old rank's state is held at, a source rank for each, and
+   the :class:`Transfer` s, or a :class:`Fallback` (some state has no copy left: both copies lost, or the survivors
+   are at different steps) — errors as data, nothing touched;
+3. *execute*: each rank packs what it sends to each peer (one message per peer and state key), receives into the
+   buffers of :meth:`~elasticzero.engine.zero.dcp_state.ZeroCheckpointState.load_template`, and installs them with
+   ``load_state_dict`` — the very path a DCP load takes.
+
+The chunk arithmetic is the DCP reshard's: what any rank owns of a parameter is
+:meth:`~elasticzero.engine.zero.layout.ZeroLayout.pieces`, and which parts of the old pieces fill a new piece is
+torch DCP's ``create_read_items_for_chunk_list`` (the resharding algorithm a checkpoint load runs), given the old
+pieces as the "saved" chunks. The same plan serves every element-wise state tensor (masters, Adam's moments), whose
+pieces coincide.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from elasticzero.engine.zero.base import ZeroOptimizer
+from elasticzero.engine.zero.dcp_state import ZeroCheckpointState
+from elasticzero.engine.zero.layout import Piece, ZeroLayout
+from elasticzero.engine.zero.sharded import ShardedState
+from elasticzero.errors import UsageError
+
+
+class Transfer(NamedTuple):
+    """Elements ``[start, end)`` of flattened parameter ``name``, of old rank ``old_rank``'s state: from new rank
+    ``src`` (at ``src_offset`` in old_rank's piece) to new rank ``dst`` (at ``dst_offset`` in its new piece)."""
+
+    name: str
+    old_rank: int
+    src: int
+    dst: int
+    start: int
+    end: int
+    src_offset: int
+    dst_offset: int
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    """Move the state at ``step``: old rank ``r``'s from new rank ``sources[r]``, by ``transfers``."""
+
+    step: int
+    sources: dict[int, int]
+    transfers: tuple[Transfer, ...]
+
+    def between(self, src: int, dst: int) -> list[Transfer]:
+        """The transfers from ``src`` to ``dst``, in plan order (the order a packed message holds them)."""
+        return [t for t in self.transfers if (t.src, t.dst) == (src, dst)]
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """No in-memory reshard: ``reason``; ``missing``: old ranks whose state no rank holds at a common step. Use the
+    disk checkpoint."""
+
+    reason: str
+    missing: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What one process brings to a reshard: its rank in the old group (``owner``; ``None`` when it joins), the states
+    it holds by old rank, and the step each is at."""
+
+    owner: int | None = None
+    states: Mapping[int, ShardedState] = field(default_factory=dict)
+    steps: Mapping[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Report:
+    """One rank's part of the agreement (picklable: no tensors)."""
+
+    owner: int | None
+    steps: dict[int, int]
+    layout: ZeroLayout | None
+    keys: tuple[str, ...]
+    scalars: dict[str, dict[str, Any]] | None
+    param_groups: tuple[dict[str, Any], ...] | None
+    optimizer: str = ""  # the wrapped optimizer's class name ("" when it holds nothing)
+
+
+# -- decide (pure) ----------------------------------------------------------------------------------------------------
+def choose_sources(reports: Sequence[Report], old_world: int) -> tuple[int, dict[int, int]] | Fallback:
+    """The newest step at which every old rank's state is held, and who holds it (its owner when it survived, else
+    the lowest new rank holding a copy); a :class:`Fallback` naming what is missing otherwise."""
+    holders: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))  # step -> old -> new ranks
+    for new, rep in enumerate(reports):
+        for old, step in rep.steps.items():
+            holders[step][old].append(new)
+    for step in sorted(holders, reverse=True):
+        if all(holders[step].get(old) for old in range(old_world)):
+            owners = {rep.owner: new for new, rep in enumerate(reports) if rep.owner is not None}
+            return step, {old: _prefer(owners.get(old), holders[step][old]) for old in range(old_world)}
+    held_anywhere = {old for by_old in holders.values() for old in by_old}
+    lost = tuple(old for old in range(old_world) if old not in held_anywhere)
+    if lost:
+        return Fallback(f"both copies of the state of old rank(s) {list(lost)} are lost", lost)
+    return Fallback(
+        "no step at which every old rank's state is held (survivors a step apart: a failure in the commit gate)", ()
+    )
+
+
+def _prefer(owner: int | None, holding: list[int]) -> int:
+    """The owner when it holds the state (its own live shard: no copy is read), else the lowest rank holding it."""
+    return owner if owner in holding else holding[0]
+
+
+def plan_transfers(old: ZeroLayout, new: ZeroLayout, sources: Mapping[int, int]) -> tuple[Transfer, ...]:
+    """Which elements of which old rank's pieces fill each new rank's pieces (DCP's resharding algorithm over the
+    old pieces as saved chunks), every element of every parameter exactly once."""
+    shapes = {n: x.shape for n, x in old.params.items()}
+    if shapes != {n: x.shape for n, x in new.params.items()}:
+        raise UsageError("in-memory reshard between different models: the old and new layouts' parameters differ")
+    old_pieces = [old.pieces(r) for r in range(old.world_size)]
+    new_pieces = [new.pieces(r) for r in range(new.world_size)]
+    out: list[Transfer] = []
+    for name, slot in new.params.items():
+        saved = [(r, ps[name]) for r, ps in enumerate(old_pieces) if name in ps]
+        md = TensorStorageMetadata(TensorProperties(), torch.Size([slot.numel]), [_box(p) for _, p in saved])
+        for dst, ps in enumerate(new_pieces):
+            if name not in ps:
+                continue
+            for item in create_read_items_for_chunk_list(name, md, [_box(ps[name])]):
+                r, p = saved[item.storage_index.index or 0]  # DCP sets the index of the saved chunk it read
+                a, n = p.start + item.storage_offsets[0], item.lengths[0]
+                out.append(Transfer(name, r, sources[r], dst, a, a + n, item.storage_offsets[0], item.dest_offsets[0]))
+    return tuple(out)
+
+
+def _box(p: Piece) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(offsets=torch.Size([p.start]), sizes=torch.Size([p.end - p.start]))
+
+
+def plan_reshard(reports: Sequence[Report], new: ZeroLayout, optimizer: str = "") -> ReshardPlan | Fallback:
+    """The whole decision over every rank's :class:`Report` (equal on every rank, computed on every rank), for an
+    optimizer laid out as ``new`` wrapping an ``optimizer`` (class name; its state keys must be the held ones')."""
+    other = sorted({r.optimizer for r in reports if r.optimizer not in ("", optimizer)})
+    if optimizer and other:
+        raise UsageError(f"in-memory reshard of {other[0]} state into {optimizer}: wrap the same optimizer class")
+    layouts = [r.layout for r in reports if r.layout is not None]
+    if not layouts:
+        return Fallback("no rank of the new group holds any state (a new job: load the checkpoint)")
+    if any(x != layouts[0] for x in layouts):
+        return Fallback("the survivors report different old layouts")
+    chosen = choose_sources(reports, layouts[0].world_size)
+    if isinstance(chosen, Fallback):
+        return chosen
+    step, sources = chosen
+    return ReshardPlan(step, sources, plan_transfers(layouts[0], new, sources))
+
+
+# -- agree and execute (thin I/O) ------------------------------------------------------------------------------------
+def report_of(holdings: Holdings) -> Report:
+    """This rank's :class:`Report`: the state's layout, element-wise keys and replicated values come from any state
+    it holds (all of one old optimizer)."""
+    any_state = next(iter(holdings.states.values()), None)
+    if any_state is None:
+        return Report(holdings.owner, dict(holdings.steps), None, (), None, None)
+    keys = sorted({k for st in any_state.optim_state.values() for k in st})
+    return Report(
+        holdings.owner,
+        dict(holdings.steps),
+        any_state.layout,
+        tuple(keys),
+        any_state.scalars,
+        any_state.param_groups,
+        any_state.origin.optimizer,
+    )
+
+
+def reshard_from(opt: ZeroOptimizer, holdings: Holdings) -> ReshardPlan | Fallback:
+    """Fill ``opt`` (built at the new world size, on the new group, every rank of it calling this) with the state the
+    ranks of its group hold; collective. Returns the plan it ran, or the :class:`Fallback` (on every rank alike) when
+    the state is not complete in memory — then ``opt`` is untouched: load the disk checkpoint.
+
+    ``holdings``: what this process holds (:meth:`~elasticzero.engine.zero.replica.Replicator.holdings`; a joining
+    process passes ``Holdings()``). The held tensors must stay unchanged until this returns: build ``opt`` on a model
+    built afresh (the held states of fp32 stages 1/2 view the old optimizer's buffers, which the old module's
+    parameters view; the old optimizer's hooks stay on its module)."""
+    reports = opt.communicator.all_gather_object(report_of(holdings), tag="reshard")
+    plan = plan_reshard(reports, opt.layout, opt.origin.optimizer)
+    if isinstance(plan, Fallback):
+        return plan
+    src_report = reports[plan.sources[0]]
+    keys = src_report.keys
+    state = ZeroCheckpointState(opt)
+    template = state.load_template()
+    _fill(opt, plan, holdings.states, template, keys)
+    _fill_replicated(opt, plan.sources[0], template, src_report, holdings.states.get(0))
+    state.load_state_dict(template)
+    return plan
+
+
+def _chunk(tree: Mapping[str, Any], name: str, key: str) -> torch.Tensor:
+    """The tensor of ``name``'s piece for state ``key`` (``"params"``: the master) in a state dict of
+    :class:`ShardedState`'s shape."""
+    chunk = tree["params"][name] if key == "params" else tree["optim"]["state"][name][key]
+    return chunk.tensor
+
+
+def _fill(
+    opt: ZeroOptimizer,
+    plan: ReshardPlan,
+    held: Mapping[int, ShardedState],
+    template: Mapping[str, Any],
+    keys: Sequence[str],
+) -> None:
+    """Run this rank's transfers into ``template``: local ones as copies, the others one packed message per peer and
+    state key (every rank posts them in the same order: keys, then peer pairs)."""
+    me, sends, recvs = opt.rank, [], []
+    trees = {r: st.state_dict() for r, st in held.items()}
+    peers = sorted({(t.src, t.dst) for t in plan.transfers if me in (t.src, t.dst)})
+    for key in ("params", *keys):
+        for src, dst in peers:
+            ts = plan.between(src, dst)
+            if src == dst:
+                _copy_local(template, trees, ts, key)
+            elif src == me:
+                sends.append((_pack(trees, ts, key), dst))
+            else:
+                dtype = _chunk(template, ts[0].name, key).dtype
+                recvs.append((torch.empty(sum(t.end - t.start for t in ts), dtype=dtype), src, ts, key))
+    opt.communicator.exchange(sends, [(buf, src) for buf, src, _, _ in recvs], tag="reshard")
+    for buf, _, ts, key in recvs:
+        _unpack(template, buf, ts, key)
+
+
+def _pack(trees: Mapping[int, Mapping[str, Any]], ts: Sequence[Transfer], key: str) -> torch.Tensor:
+    """The elements of transfers ``ts`` of state ``key``, from the held states' trees, back to back."""
+    return torch.cat([_slice(_chunk(trees[t.old_rank], t.name, key), t.src_offset, t) for t in ts])
+
+
+def _copy_local(
+    template: Mapping[str, Any], trees: Mapping[int, Mapping[str, Any]], ts: Sequence[Transfer], key: str
+) -> None:
+    """Transfers ``ts`` of state ``key`` within this rank: straight from the held states into ``template``."""
+    for t in ts:
+        _slice(_chunk(template, t.name, key), t.dst_offset, t).copy_(
+            _slice(_chunk(trees[t.old_rank], t.name, key), t.src_offset, t)
+        )
+
+
+def _unpack(template: Mapping[str, Any], buf: torch.Tensor, ts: Sequence[Transfer], key: str) -> None:
+    """Copy a packed ``buf`` (transfers ``ts`` of state ``key``, back to back) into the new pieces of ``template``."""
+    at = 0
+    for t in ts:
+        _slice(_chunk(template, t.name, key), t.dst_offset, t).copy_(buf[at : at + t.end - t.start])
+        at += t.end - t.start
+
+
+def _slice(t: torch.Tensor, offset: int, tr: Transfer) -> torch.Tensor:
+    return t[offset : offset + tr.end - tr.start]
+
+
+def _fill_replicated(
+    opt: ZeroOptimizer, src: int, template: dict[str, Any], report: Report, old_rank0: ShardedState | None
+) -> None:
+    """The values every rank holds alike: scalars and hyper-parameters (from the agreement), the frozen parameters
+    and buffers (the old module's, broadcast from ``src``, which holds old rank 0's state ``old_rank0``); optimizer
+    state keys the old state did not have (it never stepped) are left out, so the load makes them fresh."""
+    assert report.scalars is not None and report.param_groups is not None
+    template["optim"]["scalars"] = {k: [[n, v] for n, v in by.items()] for k, by in report.scalars.items()}
+    template["optim"]["param_groups"] = {str(i): dict(g) for i, g in enumerate(report.param_groups)}
+    for name, st in template["optim"]["state"].items():
+        template["optim"]["state"][name] = {k: v for k, v in st.items() if k in report.keys}
+    for k, t in template["module"].items():
+        if opt.rank == src:
+            assert old_rank0 is not None  # the plan's source of old rank 0 holds its state
+            t.copy_(old_rank0.module[k])
+        opt.communicator.broadcast(t, src, tag="reshard")

@@ -1,0 +1,180 @@
+"""Buddy placement (engine/zero/buddy.py) and the in-memory reshard plan (engine/zero/reshard.py): pure decisions,
+checked against brute force — every rank's copy on another node, every element of every parameter delivered exactly
+once from a rank that holds it, a loss of both copies of a shard (or no common step) reported as a fallback."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+from torch import nn
+
+from elasticzero.engine.zero.buddy import BuddyPlan, place_buddies
+from elasticzero.engine.zero.flat import layout_buckets, size_groups
+from elasticzero.engine.zero.layout import ZeroLayout
+from elasticzero.engine.zero.reshard import Fallback, Report, ReshardPlan, choose_sources, plan_reshard
+from elasticzero.engine.zero.stage3 import UnitPlan
+from elasticzero.errors import UsageError
+
+SHAPES = [("a", (1,)), ("b", (2, 3)), ("c", ()), ("d", (11,)), ("e", (3, 1, 2)), ("f", (5,)), ("g", (2,))]
+# the same parameters bucketed three ways: by size (stages 1/2), one unit per parameter (stage 3), all in one
+BUCKETINGS = {
+    "by_size": [SHAPES[:3], SHAPES[3:4], SHAPES[4:]],
+    "units": [[s] for s in SHAPES],
+    "one": [SHAPES],
+}
+
+
+def _layout(bucketing: str, world: int) -> ZeroLayout:
+    return ZeroLayout.of(BUCKETINGS[bucketing], world)
+
+
+# -- placement ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "nodes",
+    [[0, 1], [0, 0, 1, 1], [0, 1, 2], [0, 0, 1, 1, 2, 2], ["h1", "h1", "h1", "h2"], [5, 5, 7, 7, 7, 9], [1, 0, 1, 0]],
+)
+@pytest.mark.parametrize("shift", [1, 2])
+def test_every_copy_is_on_another_node(nodes: list[object], shift: int) -> None:
+    if shift % len(set(nodes)) == 0:
+        with pytest.raises(UsageError, match="node_shift"):
+            place_buddies(nodes, node_shift=shift)
+        return
+    plan = place_buddies(nodes, node_shift=shift)
+    assert plan.enabled
+    for r, h in enumerate(plan.holder):
+        assert h is not None and nodes[h] != nodes[r], (r, h)
+    assert sorted(r for h in range(len(nodes)) for r in plan.wards(h)) == list(range(len(nodes)))
+
+
+@pytest.mark.parametrize("nodes", [[0, 0, 1, 1], [0, 0, 0, 1, 1, 1], [0, 1, 2, 3]])
+def test_equal_nodes_give_each_rank_one_ward(nodes: list[int]) -> None:
+    plan = place_buddies(nodes)
+    assert sorted(h for h in plan.holder if h is not None) == list(range(len(nodes)))
+
+
+def test_one_node_or_off_holds_nothing() -> None:
+    for plan, why in ((place_buddies([3, 3, 3]), "one node"), (place_buddies([0, 1], enabled=False), "off")):
+        assert not plan.enabled and plan.holder == (None,) * len(plan.holder) and why in plan.reason
+        assert plan.wards(0) == ()
+
+
+# -- the plan ----------------------------------------------------------------------------------------------------------
+def _reports(
+    old: ZeroLayout, buddies: BuddyPlan, survivors: Sequence[int | None], steps: dict[int, int] | None = None
+) -> list[Report]:
+    """Each new rank's report: ``survivors[i]`` its old rank (None: joins), holding its own state and its wards'
+    copies, at ``steps`` (default: all at step 3)."""
+    steps = steps or {}
+    out = []
+    for owner in survivors:
+        held = () if owner is None else (owner, *buddies.wards(owner))
+        out.append(Report(owner, {r: steps.get(r, 3) for r in held}, old if held else None, ("exp_avg",), {}, ()))
+    return out
+
+
+def _check_exactly_once(plan: ReshardPlan, old: ZeroLayout, new: ZeroLayout, reports: Sequence[Report]) -> None:
+    got = {n: torch.zeros(s.numel, dtype=torch.int64) for n, s in new.params.items()}
+    for t in plan.transfers:
+        assert plan.step in [reports[t.src].steps.get(t.old_rank)], t  # the source holds that state, at the step
+        src_piece, dst_piece = old.pieces(t.old_rank)[t.name], new.pieces(t.dst)[t.name]
+        assert src_piece.start + t.src_offset == t.start and t.end <= src_piece.end, t
+        assert dst_piece.start + t.dst_offset == t.start and t.end <= dst_piece.end, t
+        got[t.name][t.start : t.end] += 1
+    for name, count in got.items():
+        assert torch.equal(count, torch.ones_like(count)), (name, count.tolist())
+
+
+CASES = [  # (old nodes, survivors: old rank or None per new rank)
+    ([0, 1, 2], [0, 1]),  # 3 -> 2, rank 2 lost
+    ([0, 1, 2], [1, 2]),  # 3 -> 2, rank 0 lost
+    ([0, 1, 2, 3], [0, 2, 3]),  # 4 -> 3
+    ([0, 0, 1, 1], [0, 1]),  # 4 -> 2, node 1 (ranks 2, 3) lost
+    ([0, 0, 1, 1], [2, 3]),  # 4 -> 2, node 0 lost
+    ([0, 1], [0, 1, None]),  # 2 -> 3, a node joins
+    ([0, 1, 2], [0, None, 2, None]),  # 3 -> 4: one lost, two join
+    ([0, 1], [1, 0]),  # same world, ranks renumbered
+]
+
+
+@pytest.mark.parametrize(("old_nodes", "survivors"), CASES)
+@pytest.mark.parametrize(
+    ("old_bucketing", "new_bucketing"),
+    [("by_size", "by_size"), ("units", "units"), ("by_size", "units"), ("one", "units")],
+)
+def test_every_element_is_delivered_once(
+    old_nodes: list[int], survivors: list[int | None], old_bucketing: str, new_bucketing: str
+) -> None:
+    old, new = _layout(old_bucketing, len(old_nodes)), _layout(new_bucketing, len(survivors))
+    reports = _reports(old, place_buddies(old_nodes), survivors)
+    plan = plan_reshard(reports, new)
+    assert isinstance(plan, ReshardPlan), plan
+    _check_exactly_once(plan, old, new, reports)
+    for old_rank, src in plan.sources.items():  # a survivor serves its own state, not a copy
+        if old_rank in survivors:
+            assert survivors[src] == old_rank
+
+
+def test_both_copies_lost_is_a_fallback() -> None:
+    buddies = place_buddies([0, 1, 2])  # 0 held by 1, 1 by 2, 2 by 0
+    old, new = _layout("by_size", 3), _layout("by_size", 1)
+    plan = plan_reshard(_reports(old, buddies, [2]), new)  # ranks 0 and 1 lost: 0's copy was on 1
+    assert plan == Fallback("both copies of the state of old rank(s) [0] are lost", (0,))
+
+
+def test_no_common_step_is_a_fallback_and_the_newest_common_step_wins() -> None:
+    buddies = place_buddies([0, 1, 2])
+    old, new = _layout("units", 3), _layout("units", 2)
+    split = plan_reshard(_reports(old, buddies, [0, 1], {0: 4, 1: 3}), new)  # 1 at 3, 0 (and 2's copy) at 4
+    assert isinstance(split, Fallback) and "commit gate" in split.reason and split.missing == ()
+    both = [Report(0, {0: 4, 2: 4}, old, (), {}, ()), Report(1, {1: 4, 0: 3}, old, (), {}, ())]
+    assert choose_sources(both, 3) == (4, {0: 0, 1: 1, 2: 0})
+
+
+def test_another_optimizer_class_is_refused() -> None:
+    reports = [Report(0, {0: 1}, _layout("one", 1), ("momentum_buffer",), {}, (), "SGD")]
+    with pytest.raises(UsageError, match="SGD state into AdamW"):
+        plan_reshard(reports, _layout("one", 2), "AdamW")
+    assert isinstance(plan_reshard(reports, _layout("one", 2), "SGD"), ReshardPlan)
+
+
+def test_a_new_job_and_another_model_are_refused() -> None:
+    assert isinstance(plan_reshard([Report(None, {}, None, (), None, None)], _layout("one", 1)), Fallback)
+    other = ZeroLayout.of([[("z", (4,))]], 2)
+    with pytest.raises(UsageError, match="different models"):
+        plan_reshard(_reports(other, place_buddies([0, 1]), [0, 1]), _layout("one", 2))
+
+
+class _Blocks(nn.Module):
+    """GPT-shaped: an embedding, a ModuleList of blocks (stage 3's units) of uneven sizes, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 6 + i)) for i in range(0, 3))
+        self.head = nn.Linear(8, 11, bias=False)
+
+
+def _stage_layout(stage: int, world: int) -> ZeroLayout:
+    """The layout a ZeRO stage gives :class:`_Blocks` at ``world`` ranks: stages 1/2 buckets of at most 256 bytes
+    (several, uneven, parameters straddling ranks), stage 3 one bucket per unit (the root, each block)."""
+    model = _Blocks()
+    named = list(model.named_parameters())
+    key = lambda p: p.dtype  # noqa: E731
+    groups = UnitPlan.of(model, None).groups(named, key) if stage == 3 else size_groups(named, key, bucket_bytes=256)
+    return ZeroLayout(world, tuple(b.layout for b in layout_buckets(groups, world_size=world, rank=0)))
+
+
+@pytest.mark.parametrize(("old_stage", "new_stage"), [(1, 1), (2, 2), (3, 3), (2, 3), (3, 1)])
+@pytest.mark.parametrize(
+    ("old_nodes", "survivors"), [([0, 1, 2], [0, 1]), ([0, 0, 1, 1], [2, 3]), ([0, 1], [0, 1, None])]
+)
+def test_the_stages_real_layouts(
+    old_stage: int, new_stage: int, old_nodes: list[int], survivors: list[int | None]
+) -> None:
+    old, new = _stage_layout(old_stage, len(old_nodes)), _stage_layout(new_stage, len(survivors))
+    reports = _reports(old, place_buddies(old_nodes), survivors)
+    plan = plan_reshard(reports, new)
+    assert isinstance(plan, ReshardPlan), plan
+    _check_exactly_once(plan, old, new, reports)

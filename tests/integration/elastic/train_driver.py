@@ -69,6 +69,12 @@ class DrivenTrainer(train_gpt.Trainer):
             self.record()
         return loss
 
+    def evaluate(self, global_batches: int = 2) -> None:
+        """The example's evaluation, told to the agent as progress (a pause of the loop's own, not a hang)."""
+        elasticzero.heartbeat()
+        super().evaluate(global_batches)
+        elasticzero.heartbeat()
+
     def maybe_hang(self) -> None:
         """``--hang-at``: the chosen rank stops making progress (a first attempt only: the restart trains on)."""
         a = self.args

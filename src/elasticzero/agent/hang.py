@@ -41,9 +41,12 @@ class HangWatch:
         self._watch = Watch()
         if self.plan.progress_dir is None:
             return
-        os.makedirs(self.plan.progress_dir, mode=0o700, exist_ok=True)
-        for name in os.listdir(self.plan.progress_dir):
-            os.unlink(os.path.join(self.plan.progress_dir, name))
+        try:
+            os.makedirs(self.plan.progress_dir, mode=0o700, exist_ok=True)
+            for name in os.listdir(self.plan.progress_dir):
+                os.unlink(os.path.join(self.plan.progress_dir, name))
+        except OSError as exc:  # the workers then report nothing: no hang detection, training unaffected
+            print(f"elasticzero-run: no progress records ({exc}); hang detection is off", file=sys.stderr, flush=True)
 
     def check(self, group: WorkerGroup) -> Hang | None:
         """Read, decide, and act on a hang (the hung worker is killed: torch's loop sees it fail)."""

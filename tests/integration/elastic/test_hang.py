@@ -106,6 +106,15 @@ def check_exactly_once(cluster: Cluster) -> None:
     assert redone == list(range(RESUME + 1, HANG_AT)), redone  # done before the hang, lost with it, done again
 
 
+def trained_again(first: dict, since: float, what: str) -> float:
+    """Seconds from ``since`` to the new attempt's first step, printed with its parts (the new workers' process start,
+    their start-up to the attempt id broadcast after the checkpoint load, the first step)."""
+    took, ready = first["time"] - since, first["attempt"] / 1e9
+    parts = f"restart {first['started'] - since:.1f}s + worker start {ready - first['started']:.1f}s"
+    print(f"{what} -> first step of the new attempt: {took:.1f}s = {parts} + step {first['time'] - ready:.1f}s")
+    return took
+
+
 def hang_lines(cluster: Cluster) -> list[tuple[int, str]]:
     """(agent index, line) of every agent's hang line."""
     return [
@@ -143,10 +152,7 @@ def test_a_worker_that_stops_making_progress_is_named_and_the_job_trains_on(clus
     wait_for(marker.exists, WAIT, "rank 1 hanging", cluster.agents)
     t_hang = float(marker.read_text())
     first = wait_for(lambda: retrained(cluster, t_hang), WAIT, "the job training again", cluster.agents)
-    took = first["time"] - t_hang
-    print(f"hang -> first step of the new attempt: {took:.1f}s (bound {HANG_TIMEOUT + 10:.0f}s)")
     assert first["resumed"] == RESUME
-    assert took <= HANG_TIMEOUT + 10, took
     lines = hang_lines(cluster)
     assert len(lines) == 1, lines  # the waiting rank's agent left it to the hung rank's
     index, line = lines[0]
@@ -155,6 +161,7 @@ def test_a_worker_that_stops_making_progress_is_named_and_the_job_trains_on(clus
     assert re.search(r"File \".*train_driver.py\", line \d+ in maybe_hang", cluster.agents[index].output())
     assert cluster.agents[index].state()["restart_count"] == 1  # a real failure: the restart is spent
     finish(cluster)
+    assert trained_again(first, t_hang, "hang") <= HANG_TIMEOUT + 10  # the spec (docs/agent.md); load-sensitive
 
 
 def test_a_stopped_worker_is_named_and_the_job_trains_on(cluster: Cluster) -> None:
@@ -168,13 +175,11 @@ def test_a_stopped_worker_is_named_and_the_job_trains_on(cluster: Cluster) -> No
     os.kill(pid, signal.SIGSTOP)  # the worker only: its agent and its peer run on
     (cluster.tmp / "hold").unlink()
     first = wait_for(lambda: retrained(cluster, t_stop), WAIT, "the job training again", cluster.agents)
-    took = first["time"] - t_stop
-    print(f"SIGSTOP -> first step of the new attempt: {took:.1f}s (bound {HANG_TIMEOUT + 10:.0f}s)")
     assert first["resumed"] == RESUME
-    assert took <= HANG_TIMEOUT + 10, took
     lines = hang_lines(cluster)
     assert len(lines) == 1, lines
     assert re.search(rf"hang: rank 1 \(local rank 1, pid {pid}\) .* after step {HANG_AT - 1} .*stopped", lines[0][1])
     assert "Python stacks: none: a stopped process cannot dump them" in lines[0][1]
     assert cluster.agents[0].state()["restart_count"] == 1
     finish(cluster)
+    assert trained_again(first, t_stop, "SIGSTOP") <= HANG_TIMEOUT + 10

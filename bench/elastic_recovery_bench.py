@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/elastic_recovery_bench.py                     # 6 kills + 6 joins per interval, K=5 and K=20
     .venv/bin/python bench/elastic_recovery_bench.py --reps 10 --save-every 5,20,50 --seed 1
+    .venv/bin/python bench/elastic_recovery_bench.py --events kill,freeze,freeze-worker --reps 10 --save-every 5
 
 The job is ``examples/train_gpt.py`` (ZeRO-2, gloo, tiny GPT, ``--async-save --save-every K``), run through its test
 driver ``tests/integration/elastic/train_driver.py`` (the example's trainer plus ``--record-samples``), under two
@@ -15,6 +16,16 @@ intervals (K=5, K=20, K=5, K=20: side by side under the same load). Each repetit
    committed checkpoint.
 2. **node join** — a random 3..K+2 steps into the world-1 run a new agent starts; the survivor's agent restarts its
    worker for the joiner and the job goes on at world 2 from the newest committed checkpoint.
+
+``--events`` picks the failures, taken in turn (each ``--reps`` times per interval):
+
+- ``kill`` — the node loss above (SIGKILL of the non-store agent and its worker), then a join;
+- ``freeze`` — the same node's agent and worker SIGSTOPped together (a hung machine: nothing exits, no socket
+  closes); the survivor must notice through its peer liveness check and go on at world 1. Once it trains again the
+  frozen processes are SIGKILLed (the bench's cleanup, not part of the measurement) and a new agent joins. Without
+  peer liveness in the agent the survivor waits for the collective timeout: the event times out (``--timeout``);
+- ``freeze-worker`` — only that node's worker is SIGSTOPped (its agent lives): its agent's hang watch kills it after
+  ``--hang-timeout`` and both nodes restart at world 2 from the newest checkpoint (no join needed).
 
 Everything is read afterwards from the job's own per-step record (``--record-samples``: step, world, attempt,
 resumed step, the worker's process start time, its checkpoint-load seconds, the step's completion time) and the
@@ -54,6 +65,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from elasticzero.agent.proctree import descendants, kill_now, processes_with_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -63,9 +76,16 @@ REPO = Path(__file__).resolve().parents[1]
 RUN = Path(sys.executable).with_name("elasticzero-run")
 DRIVER = REPO / "tests" / "integration" / "elastic" / "train_driver.py"  # examples/train_gpt.py + the record
 TIMEOUT = 240.0  # seconds to wait for any one event before giving up on the job (a hang, not a measurement)
+EVENTS = ("kill", "freeze", "freeze-worker")
+TITLES = {
+    "kill": "node loss (SIGKILL agent + worker)",
+    "freeze": "node freeze (SIGSTOP agent + worker)",
+    "freeze-worker": "worker freeze (SIGSTOP of one worker, its agent alive)",
+    "join": "node join (new agent)",
+}
 
 
-def wait_until(pred: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
+def wait_until(pred: Callable[[], Any], what: str, timeout: float) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = pred()
@@ -116,6 +136,8 @@ class Job:
     save_every: int
     rng: random.Random
     script: Path = DRIVER
+    hang_timeout: str | None = None  #: the agents' --hang-timeout (None: their default)
+    timeout: float = TIMEOUT  #: seconds to wait for any one event
     job_id: str = field(default_factory=lambda: f"ezrec-{uuid.uuid4().hex[:8]}")
     endpoint: str = field(default_factory=lambda: f"127.0.0.1:{free_port()}")
     agents: list[subprocess.Popen[bytes]] = field(default_factory=list)
@@ -127,6 +149,7 @@ class Job:
     def argv(self) -> list[str]:
         agent = [str(RUN), "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
         agent += ["--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job_id, "--max-restarts", "1000"]
+        agent += ["--hang-timeout", self.hang_timeout] if self.hang_timeout is not None else []
         job = [str(self.script), "--config", str(REPO / "examples" / "configs" / "gpt.yaml"), "--zero", "2"]
         job += ["--size", "tiny", "--seq-len", "128", "--steps", "1000000", "--corpus-bytes", str(1 << 20)]
         job += ["--checkpoint-dir", str(self.tmp / "ckpt"), "--save-every", str(self.save_every), "--async-save"]
@@ -148,9 +171,9 @@ class Job:
         (self.tmp / "hold").write_text("0")
         self.start_agent()
         host, port = self.endpoint.rsplit(":", 1)
-        wait_until(lambda: _connects(host, int(port)), "the rendezvous store")
+        wait_until(lambda: _connects(host, int(port)), "the rendezvous store", self.timeout)
         self.start_agent()
-        wait_until(lambda: self.logs_match(r"world=2 .*resumed at step 0\b"), "the first world of 2")
+        wait_until(lambda: self.logs_match(r"world=2 .*resumed at step 0\b"), "the first world of 2", self.timeout)
         (self.tmp / "hold").unlink()
 
     def current(self, world: int, after: float) -> tuple[int, dict[str, Any]]:
@@ -161,21 +184,31 @@ class Job:
             ok = new and new[1]["world"] == world and new[1]["started"] > after and self.records.done(*_first(new))
             return new if ok else None
 
-        return wait_until(found, f"a world of {world}")
+        return wait_until(found, f"a world of {world}", self.timeout)
 
     def reach(self, attempt: int, step: int) -> None:
-        wait_until(lambda: self.records.poll().done(attempt, step), f"step {step}")
+        wait_until(lambda: self.records.poll().done(attempt, step), f"step {step}", self.timeout)
 
-    def kill_node(self, world2_after: float) -> None:
-        """At a random point between checkpoints, SIGKILL the non-store agent with its worker (its process tree)."""
+    def fail_node(self, kind: str, world2_after: float) -> None:
+        """At a random point between checkpoints, fail the non-store node as ``kind`` says (module docstring): its
+        agent's process tree SIGKILLed (``kill``) or SIGSTOPped (``freeze``), or its worker alone SIGSTOPped."""
         attempt, rec = self.current(2, world2_after)
         self.reach(attempt, rec["resumed"] + self.rng.randint(1, self.save_every))
         time.sleep(self.rng.random() * step_times(self.records.poll().attempts).get(2, 0.0))
         victim = self.agents[-1]
-        tree = descendants([victim.pid])
-        self.events.append(("kill", time.time()))
-        kill_now(tree)
-        victim.wait(timeout=30)
+        tree = psutil.Process(victim.pid).children() if kind == "freeze-worker" else descendants([victim.pid])
+        t = time.time()
+        self.events.append((kind, t))
+        if kind == "kill":
+            kill_now(tree)
+            victim.wait(timeout=30)
+            return
+        for p in tree:
+            p.send_signal(signal.SIGSTOP)
+        if kind == "freeze":  # the survivor goes on alone; then the frozen node is removed for good
+            self.current(1, t)
+            kill_now(tree)
+            victim.wait(timeout=30)
 
     def join_node(self) -> float:
         """A random 3..K+2 steps into the world-1 run, start a new agent; returns the instant."""
@@ -248,8 +281,8 @@ def _row(kind: str, t: float, old: dict[int, list[dict]], new: dict[int, list[di
     t_first = max(r["time"] for r in new[resumed + 1])
     redone = last - resumed
     parts = {
-        "in-flight": t - t_last if kind == "kill" else 0.0,
-        "detect+rdzv+restart": started - (t if kind == "kill" else t_last),
+        "in-flight": t - t_last if kind != "join" else 0.0,
+        "detect+rdzv+restart": started - (t if kind != "join" else t_last),
         "worker start": t_ready - started - load_s,
         "ckpt load": load_s,
         "first-step extra": t_first - t_ready - step,
@@ -270,7 +303,8 @@ def _stats(values: list[float]) -> str:
 def report(rows: dict[int, list[dict[str, Any]]]) -> None:
     ks = sorted(rows)
     head = "".join(f" | K={k:<3d} median [min, max]" for k in ks)
-    for kind, title in (("kill", "node loss (SIGKILL agent + worker)"), ("join", "node join (new agent)")):
+    kinds = [k for k in TITLES if any(r["kind"] == k for rr in rows.values() for r in rr)]
+    for kind, title in ((k, TITLES[k]) for k in kinds):
         print(f"\n{title}; seconds unless stated; n = " + ", ".join(f"{_n(rows[k], kind)} (K={k})" for k in ks))
         print(f"{'':28s}{head}")
         lines = [("steps redone", lambda r: r["redone"]), ("time lost (s)", lambda r: r["lost"])]
@@ -296,19 +330,23 @@ def _n(rows: list[dict[str, Any]], kind: str) -> int:
 
 def run_job(k: int, reps: int, rng: random.Random, args: argparse.Namespace) -> list[dict[str, Any]]:
     tmp = Path(tempfile.mkdtemp(prefix=f"ez-elastic-recovery-k{k}-"))
-    job, keep = Job(tmp, k, rng, args.script.resolve()), args.keep
+    job = Job(tmp, k, rng, args.script.resolve(), args.hang_timeout, args.timeout)
     try:
         job.start()
         t = 0.0
         for rep in range(reps):
-            job.kill_node(t)
-            t = job.join_node()
-            print(f"  K={k:<3d} rep {rep + 1}: killed and re-joined; load average {os.getloadavg()[0]:.1f}", flush=True)
+            for kind in args.events:
+                job.fail_node(kind, t)
+                t = job.join_node() if kind != "freeze-worker" else job.events[-1][1]
+                again = "re-joined" if kind != "freeze-worker" else "restarted"
+                load = os.getloadavg()[0]
+                print(f"  K={k:<3d} rep {rep + 1}: {kind}, {again}; load average {load:.1f}", flush=True)
         attempt, rec = job.current(2, t)  # the last join's world of 2 trains a few steps (its step time)
         job.reach(attempt, rec["resumed"] + 4)
     finally:
         job.stop()
     rows = analyse(job.records.poll().attempts, job.events)
+    keep = args.keep
     print(f"  K={k}: {len(rows)} events analysed; job directory {tmp}{'' if keep else ' (kept only with --keep)'}")
     if not keep:
         subprocess.run(["rm", "-rf", str(tmp)], check=False)
@@ -323,7 +361,14 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0, help="seeds the kill and join points (default 0)")
     p.add_argument("--keep", action="store_true", help="keep the job directories (logs, records, checkpoints)")
     p.add_argument("--script", type=Path, default=DRIVER, help=f"the job (default {DRIVER.relative_to(REPO)})")
+    p.add_argument("--events", default="kill", help=f"failures to measure, in turn per repetition: {', '.join(EVENTS)}")
+    p.add_argument("--hang-timeout", default="5", help="the agents' --hang-timeout (freeze-worker; default 5)")
+    p.add_argument("--timeout", type=float, default=TIMEOUT, help=f"seconds to wait for any one event ({TIMEOUT:g})")
     args = p.parse_args()
+    args.events = args.events.split(",")
+    if not set(args.events) <= set(EVENTS):
+        p.error(f"--events {','.join(args.events)}: choose from {', '.join(EVENTS)}")
+
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERMed bench still stops its agents (finally)
     ks = [int(k) for k in args.save_every.split(",")]
     rng = random.Random(args.seed)

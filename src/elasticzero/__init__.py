@@ -24,6 +24,7 @@ _LAZY = {
     "build_pieces": "elasticzero.config.build",
     "load_config": "elasticzero.config.load",
     "init_distributed": "elasticzero.device",
+    "heartbeat": "elasticzero.progress",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -4,7 +4,8 @@ Each run: two agents (``--nnodes 2:3``, one gloo worker each, all-reducing every
 agent joins (world 3), the job runs on for a random 0 to ``--max-run`` seconds, then every worker stops (exit 0).
 A run is *bad* when an agent has not exited ``--linger`` seconds after the stop or exits non-zero; a lingering agent
 is sent SIGABRT first (the agents run with ``PYTHONFAULTHANDLER=1``, so every thread's stack lands in its log) and
-the logs are kept. ``--burn N`` adds N CPU-bound processes (the loaded machine).
+the logs are kept. ``--burn N`` adds N CPU-bound processes (the loaded machine); ``--spread S`` makes each worker
+wait a random 0..S seconds after the stop before it exits (nodes finish at different moments, as a real job's do).
 
     .venv/bin/python tests/stress/finish_stress.py --runs 20 --burn 2
 
@@ -44,10 +45,10 @@ def world(cluster: Cluster, size: int, since: float) -> None:
     wait_for(lambda: len(cluster.reports_since(since, size)) == size, WORLD_TIMEOUT, f"world {size}", cluster.agents)
 
 
-def grow_to_three(cluster: Cluster) -> None:
+def grow_to_three(cluster: Cluster, spread: float = 0.0) -> None:
     """Two agents form a world of 2; a third joins; wait for the world of 3."""
     endpoint = f"127.0.0.1:{free_port()}"
-    argv = cluster.argv(endpoint, "2:3", nproc=1, worker_opts=["loop=1"])
+    argv = cluster.argv(endpoint, "2:3", nproc=1, worker_opts=["loop=1", f"exit_spread={spread}"])
     env = {"PYTHONFAULTHANDLER": "1"}
     cluster.start(argv, env)
     cluster.wait_store(endpoint, WORLD_TIMEOUT)
@@ -80,18 +81,18 @@ def keep_stacks(cluster: Cluster, keep: Path, run: int) -> None:
         (keep / f"run{run}-agent{i}.log").write_text(agent.output())
 
 
-def one_run(run: int, keep: Path, max_run: float, linger: float, rng: random.Random) -> bool | None:
+def one_run(run: int, keep: Path, max_run: float, linger: float, rng: random.Random, spread: float) -> bool | None:
     """One run; True when every agent exited 0 within ``linger`` seconds of the stop (None: no world of 3 formed)."""
     cluster = Cluster(Path(tempfile.mkdtemp(dir=keep)))
     try:
         try:
-            grow_to_three(cluster)
+            grow_to_three(cluster, spread)
         except AssertionError as exc:  # the world did not form: a run that proves nothing about the exit
             print(f"run {run}: no world of 3 ({str(exc).splitlines()[0]}); not counted", flush=True)
             return None
         time.sleep(rng.uniform(0, max_run))
         (cluster.out / "stop").touch()
-        exits = exit_times(cluster.agents, linger)
+        exits = exit_times(cluster.agents, linger + spread)
         good = all(e is not None and e[1] == 0 for e in exits)
         print(f"run {run}: exits after the stop (s, code): {exits}{'' if good else '  <-- BAD, logs kept'}", flush=True)
         if not good:
@@ -107,6 +108,7 @@ def main() -> int:
     ap.add_argument("--linger", type=float, default=20.0, help="seconds after the stop before a run counts as bad")
     ap.add_argument("--max-run", type=float, default=2.0, help="the job runs 0 to this many seconds at world 3")
     ap.add_argument("--burn", type=int, default=0, help="CPU-bound processes beside the job")
+    ap.add_argument("--spread", type=float, default=0.0, help="each worker exits 0..SPREAD s after the stop")
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -116,7 +118,7 @@ def main() -> int:
     for b in burners:
         b.start()
     try:
-        results = [one_run(i, keep, args.max_run, args.linger, rng) for i in range(args.runs)]
+        results = [one_run(i, keep, args.max_run, args.linger, rng, args.spread) for i in range(args.runs)]
     finally:
         for b in burners:
             b.terminate()

@@ -19,7 +19,9 @@ PACKAGES = (ROOT / "src" / "elasticzero", ROOT / "plugins" / "elasticzero_plugin
 ENGINE_MAY_IMPORT = (
     "elasticzero.engine",
     "elasticzero.config",
-    *(f"elasticzero.{m}" for m in ("errors", "proc", "fileio", "_lazy", "torchcompat")),  # shared by every piece
+    *(
+        f"elasticzero.{m}" for m in ("errors", "proc", "fileio", "_lazy", "torchcompat", "progress")
+    ),  # shared by every piece
 )
 ACYCLIC_PACKAGES = ("elasticzero.engine", "elasticzero.checkpoint")
 

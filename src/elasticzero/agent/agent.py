@@ -6,11 +6,13 @@ public API; ``tests/unit/agent/test_exit_barrier.py`` checks torch still calls `
 * ``_set_local_rank_env`` — torch's (``LOCAL_RANK``), then what the agent was built with for that local rank
   (``worker_env``: job id, agent pid, devices, cores; see :meth:`~elasticzero.agent.plan.WorkersPlan.worker_env`):
   the workers' environment is handed over where torch builds it, never through the agent's ``os.environ``;
-* ``_start_workers`` — torch's, then the health file says ``running`` with this round's ranks and pids;
+* ``_start_workers`` — a fresh hang watch (:mod:`elasticzero.agent.hang`), torch's, then the health file says
+  ``running`` with this round's ranks and pids;
 * ``_monitor_workers`` — torch's; on a failure, the root-cause rank and its error file are reported once — unless
   the round is changing (:func:`failure_action`): then the workers are restarted through a new rendezvous without
   spending a restart; while healthy, a job marked failed or a rendezvous closed by another node (it exhausted its
-  restarts) stops this node;
+  restarts) stops this node, and a hung worker (no progress for the hang timeout) is killed after dumping its stacks,
+  so the next tick sees it fail (a real failure);
 * ``_restart_workers`` / ``_invoke_run`` — before this node stops its workers for a membership change (torch's loop
   restarts healthy workers only for nodes waiting to join) or leaves on a signal, it marks the round as changing
   (:data:`ROUND_CHANGE_KEY`), so a peer whose workers die of it does not count a failure;
@@ -54,8 +56,10 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 from elasticzero.agent.binding import AGENT_PID_ENV
+from elasticzero.agent.hang import HangWatch
 from elasticzero.agent.health import HealthFile
 from elasticzero.agent.proctree import descendants, kill_now, processes_with_env
+from elasticzero.agent.progress import NO_HANG, HangPlan
 from elasticzero.torchcompat import DEFAULT_SHUTDOWN_TIMEOUT, agent_shutdown_kwargs, stop_kwargs
 
 logger = logging.getLogger(__name__)
@@ -131,6 +135,7 @@ class ElasticZeroAgent(LocalElasticAgent):
         monitor_hold_file: str | None = None,
         worker_env: Callable[[int], Mapping[str, str]] | None = None,
         shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT,
+        hang: HangPlan | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(spec, logs_specs, **kwargs, **agent_shutdown_kwargs(shutdown_timeout))
@@ -140,11 +145,13 @@ class ElasticZeroAgent(LocalElasticAgent):
         self._min_nodes = min_nodes
         self._monitor_hold_file = monitor_hold_file
         self._worker_pids: list[int] = []
+        self._hang = HangWatch(hang or NO_HANG)
         self.last_failure: tuple[int, ProcessFailure] | None = None
 
     def remove_health_file(self) -> None:
-        """Delete the health file (called once the agent is done)."""
+        """Delete the health file and the workers' progress records (called once the agent is done)."""
         self._health.remove()
+        self._hang.close()
 
     def _set_local_rank_env(self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec) -> None:
         """torch's ``LOCAL_RANK`` (and virtual-rank devices), then ours for ``local_rank`` (ours win).
@@ -161,6 +168,7 @@ class ElasticZeroAgent(LocalElasticAgent):
         worker_env.update(extra)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        self._hang.start()
         pids = super()._start_workers(worker_group)
         self._worker_pids = [int(p) for p in pids.values()]
         self._health.write(
@@ -189,6 +197,7 @@ class ElasticZeroAgent(LocalElasticAgent):
             self._raise_if_peer_failed()
             if worker_group.spec.rdzv_handler.is_closed():
                 raise PeerFailedError("the rendezvous was closed by another node; stopping this node's workers")
+            self._hang.check(worker_group)  # a hung worker is killed: the next tick sees it fail
         return result
 
     def _rejoin(self, worker_group: WorkerGroup, why: str) -> RunResult:

@@ -115,6 +115,7 @@ def launch(plan: AgentPlan) -> tuple[RunResult, ElasticZeroAgent]:
         start_method=plan.workers.start_method,
         log_line_prefix_template=plan.workers.log_line_prefix_template,
         shutdown_timeout=plan.shutdown_timeout,
+        hang=plan.workers.hang,
     )
     close_rendezvous = True
     failed = False

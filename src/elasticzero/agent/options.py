@@ -73,6 +73,14 @@ def add_agent_flags(parser: argparse.ArgumentParser) -> None:
         "(the process group's timeout; default: $ELASTICZERO_COLLECTIVE_TIMEOUT, else 300)",
     )
     g.add_argument(
+        "--hang-timeout",
+        "--hang_timeout",
+        metavar="SECONDS",
+        help="a worker without progress this long (steps, engine collectives, elasticzero.heartbeat()) on this live "
+        "node is hung: its stacks are dumped and the job restarts from its checkpoint (default: 10 x the longest step "
+        "seen, at least 30; 'off' disables)",
+    )
+    g.add_argument(
         "--torch-rdzv-defaults",
         action="store_true",
         help="use torch's rendezvous timeouts instead of elasticzero's faster defaults",

@@ -33,6 +33,7 @@ from elasticzero.agent.nodetable import (
     rank_of_host,
 )
 from elasticzero.agent.options import IDENTITY_FLAGS, rdzv_config
+from elasticzero.agent.progress import NO_HANG, HangPlan, hang_plan
 from elasticzero.errors import UsageError
 from elasticzero.proc import check_job_id
 from elasticzero.torchcompat import DEFAULT_SHUTDOWN_TIMEOUT
@@ -117,10 +118,13 @@ class WorkersPlan:
     duplicate_stderr_filters: tuple[str, ...]
     log_line_prefix_template: str | None
     logs: LogsPlan
+    #: the hang watch the workers report progress to (each local rank's record file, in its environment)
+    hang: HangPlan = NO_HANG
 
     def worker_env(self, local_rank: int) -> dict[str, str]:
         """What local rank ``local_rank`` gets on top of torch's variables (the agent's start hook adds it)."""
-        return worker_env(self.env, local_rank, self.devices, self.cpus, self.virtual_local_rank)
+        env = worker_env(self.env, local_rank, self.devices, self.cpus, self.virtual_local_rank)
+        return {**env, **self.hang.worker_env(local_rank)}
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,7 @@ class AgentPlan:
             "event_log_handler": self.event_log_handler,
             "torch_knobs": dict(self.torch_knobs),
             "collective": {**_plain(self.collective), "env": dict(self.collective.env)},
+            "hang": _plain(w.hang),
             "health_file": self.health_file,
             "elastic_config": self.elastic_config,
         }
@@ -412,6 +417,7 @@ def _workers(
         duplicate_stderr_filters=tuple(args.duplicate_stderr_filters),
         log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
         logs=LogsPlan(args.logs_specs, args.log_dir, args.redirects, args.tee, _ranks_filter(args.local_ranks_filter)),
+        hang=hang_plan(args.hang_timeout, environ, job_id, facts.pid),
     )
 
 

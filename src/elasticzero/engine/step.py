@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from elasticzero.progress import reporter
+
 if TYPE_CHECKING:
     from elasticzero.engine.loss_scaler import LossScaler
 
@@ -56,7 +58,8 @@ def optimizer_step(
 ) -> StepResult:
     """Unscale (with ``scaler``), clip to ``max_norm`` (None: no clipping), step, update the scale, zero the grads.
 
-    The gradients are released (``zero_grad(set_to_none=True)``) whether the step was taken or skipped."""
+    The gradients are released (``zero_grad(set_to_none=True)``) whether the step was taken or skipped. The step is
+    reported to the agent as progress (:func:`elasticzero.heartbeat`; a no-op outside ``elasticzero-run``)."""
     skipped = bool(scaler.unscale_(optimizer)) if scaler is not None else False
     norm = clip_grad_norm(optimizer, max_norm) if max_norm is not None and not skipped else None
     if scaler is None:
@@ -65,4 +68,5 @@ def optimizer_step(
         scaler.step(optimizer)
         scaler.update()
     optimizer.zero_grad(set_to_none=True)
+    reporter().step()
     return StepResult(skipped=skipped, grad_norm=norm)

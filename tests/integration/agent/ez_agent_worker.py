@@ -1,7 +1,8 @@
 """Tiny gloo worker for the agent tests: ``ez_agent_worker.py OUT_DIR [key=value ...]``.
 
 Writes ``OUT_DIR/report.<pid>.json`` (rank, world size, env, allowed cpus) after one all_reduce. Options:
-``loop=1`` keep all-reducing every 0.1 s until ``OUT_DIR/stop`` exists (all ranks stop together);
+``loop=1`` keep all-reducing every 0.1 s until ``OUT_DIR/stop`` exists (all ranks stop together; with
+``exit_spread=S`` each then waits a random 0..S seconds before it leaves the group and exits 0);
 ``idle=1`` wait for ``OUT_DIR/stop`` without any collective;
 ``fail_rank=R fail_code=C`` rank R exits with C after the first all_reduce (via torch's ``@record`` when
 ``record=1``, raising so an error file is written), ``fail_delay=S`` seconds later, writing ``OUT_DIR/failed_at.R``
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -83,6 +85,7 @@ def main() -> None:
             if flag.item() > 0:
                 break
             time.sleep(0.1)
+        time.sleep(random.uniform(0, float(opts.get("exit_spread", "0"))))
     dist.destroy_process_group()
 
 

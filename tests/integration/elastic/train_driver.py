@@ -6,7 +6,10 @@ Run it as the example is run (under ``elasticzero-run``, or directly: a world of
   "attempt", "resumed", "started", "load_s", "time", "samples": [[epoch, id], ...]}`` (docs/elastic-training.md, "The
   sample record");
 - ``--hold-file FILE``: before step N+1 (after step N and its checkpoint) the job waits while FILE exists and holds a
-  number <= N, collectively (a lost peer fails the job). A test holds the job at a known step this way.
+  number <= N, collectively (a lost peer fails the job). A test holds the job at a known step this way;
+- ``--hang-at N --hang-rank R``: in an attempt that started from step 0, rank R stops making progress before step N
+  (after the hold): it writes the wall-clock instant to ``<--record-samples>.hang`` and sleeps for good, while its
+  peers go on into step N's collectives. The hang tests' hung worker.
 
 :class:`DrivenTrainer` subclasses the example's ``Trainer``: the example's own loop runs, the hooks wrap its
 ``load`` and ``train_step``. Used by ``test_elastic_e2e.py`` and ``bench/elastic_recovery_bench.py``.
@@ -25,6 +28,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
+import elasticzero
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))  # the example job and its gpt.py
 import train_gpt
 
@@ -37,6 +42,8 @@ class DrivenTrainer(train_gpt.Trainer):
         p = train_gpt.Trainer.parser()
         p.add_argument("--record-samples", type=Path, help="append each step's sample ids per rank to this JSONL file")
         p.add_argument("--hold-file", type=Path, help="before step N+1, wait while this file holds a number <= N")
+        p.add_argument("--hang-at", type=int, help="rank --hang-rank sleeps for good before this step (first attempt)")
+        p.add_argument("--hang-rank", type=int, default=0, help="the rank --hang-at hangs (default 0)")
         return p
 
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
@@ -56,10 +63,28 @@ class DrivenTrainer(train_gpt.Trainer):
 
     def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         hold(self.args.hold_file, self.step - 1, self.device)
+        self.maybe_hang()
         loss = super().train_step(batches)
         if self.recording:
             self.record()
         return loss
+
+    def evaluate(self, global_batches: int = 2) -> None:
+        """The example's evaluation, told to the agent as progress (a pause of the loop's own, not a hang)."""
+        elasticzero.heartbeat()
+        super().evaluate(global_batches)
+        elasticzero.heartbeat()
+
+    def maybe_hang(self) -> None:
+        """``--hang-at``: the chosen rank stops making progress (a first attempt only: the restart trains on)."""
+        a = self.args
+        if a.hang_at != self.step or a.hang_rank != self.rank or self.resumed != 0:
+            return
+        if a.record_samples is not None:
+            a.record_samples.with_suffix(".hang").write_text(str(time.time()))
+        print(f"train_driver: rank {self.rank} hangs before step {self.step}", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)
 
     def record(self) -> None:
         """The sample ids this rank trained on in this step, one JSON line (O_APPEND keeps the ranks' lines whole)."""
@@ -81,12 +106,14 @@ def attempt_id(device: torch.device) -> int:
 
 
 def hold(path: Path | None, step: int, device: torch.device) -> None:
-    """Wait (collectively: a lost peer fails the job) while ``path`` exists and names a step <= ``step``."""
+    """Wait (collectively: a lost peer fails the job) while ``path`` exists and names a step <= ``step``; a held job
+    tells the agent it is alive (``elasticzero.heartbeat()``: a pause of the loop's own, not a hang)."""
     while path is not None:
         flag = torch.tensor(int(dist.get_rank() == 0 and held(path, step)), device=device)
         dist.broadcast(flag, 0)
         if not flag.item():
             return
+        elasticzero.heartbeat()
         time.sleep(0.2)
 
 

@@ -22,6 +22,7 @@ from elasticzero.agent.nodetable import HostFacts
 from elasticzero.agent.options import RDZV_DEFAULTS, TORCHRUN_RDZV_TIMEOUT, rdzv_config
 from elasticzero.agent.plan import SHARE_STORE_KNOB, AgentFacts, AgentPlan, plan_agent
 from elasticzero.errors import UsageError
+from elasticzero.progress import PROGRESS_FILE_ENV
 from elasticzero.torchcompat import DEFAULT_SHUTDOWN_TIMEOUT
 
 TABLE = '[["hostA",[0,1]],["hostB",[2,3,5]]]'
@@ -182,6 +183,7 @@ def test_workers_run_through_the_shim_with_the_plans_env() -> None:
         "OMP_NUM_THREADS": "1",  # torchrun's default with several local ranks, for the workers only
         "CUDA_VISIBLE_DEVICES": "2,3,5",
         **p.collective.env,  # the collective timeout and NCCL knobs (tests/unit/agent/test_collective.py)
+        PROGRESS_FILE_ENV: "/tmp/elasticzero-progress-job9-4242/rank2",  # its progress record (hang watch)
     }
     assert "OMP_NUM_THREADS" not in plan(parse("--nproc-per-node", "2"), {"OMP_NUM_THREADS": "3"}).workers.env
     virtual = plan(parse("--node-table", TABLE, "--node-rank", "1", "--virtual-local-rank")).workers
@@ -357,7 +359,7 @@ def test_dry_run_prints_the_plan_and_starts_nothing(
     monkeypatch.setattr(elasticzero.agent.launch, "launch", no_launch)
     before = dict(os.environ)
     argv = ["--dry-run", "--node-table", TABLE, "--node-rank", "1", "--rdzv-backend", "elasticzero"]
-    argv += ["--rdzv-endpoint", "hostA:29400", "--rdzv-id", "dry", "train.py", "--lr", "1"]
+    argv += ["--rdzv-endpoint", "hostA:29400", "--rdzv-id", "dry", "--hang-timeout", "45", "train.py", "--lr", "1"]
     assert main(argv) == 0
     shown = json.loads(capsys.readouterr().out)
     assert dict(os.environ) == before  # not even the torch knobs
@@ -367,3 +369,5 @@ def test_dry_run_prints_the_plan_and_starts_nothing(
     assert shown["workers"]["command"][0] == sys.executable
     assert shown["workers"]["env"]["2"]["CUDA_VISIBLE_DEVICES"] == "2,3,5"
     assert shown["workers"]["env"]["0"][AGENT_PID_ENV] == str(os.getpid())
+    assert shown["hang"]["timeout_s"] == 45 and shown["hang"]["enabled"] is True  # the hang watch, and each record:
+    assert shown["workers"]["env"]["1"][PROGRESS_FILE_ENV] == os.path.join(shown["hang"]["progress_dir"], "rank1")

@@ -56,6 +56,7 @@ import torch.distributed.nn.functional  # (see above: imported before the script
 
 from elasticzero.engine.zero import ring
 from elasticzero.errors import UsageError
+from elasticzero.progress import Reporter, reporter
 
 
 @dataclass
@@ -109,17 +110,24 @@ class PendingWork:
     """An asynchronous collective issued by a :class:`Communicator`; :meth:`wait` completes it (idempotent).
 
     Holds the ``torch.distributed`` work and the aliases of the tensors handed to it. After the wait the work is
-    dropped and the aliases go to the communicator's settle list (see :meth:`Communicator.settle`).
+    dropped and the aliases go to the communicator's settle list (see :meth:`Communicator.settle`). While it waits,
+    the worker's progress record says so (``progress.waiting(seq)``, :mod:`elasticzero.progress`).
     """
 
-    __slots__ = ("_aliases", "_retire", "_work")
+    __slots__ = ("_aliases", "_progress", "_retire", "_seq", "_work")
 
     def __init__(
-        self, work: Any, aliases: tuple[torch.Tensor, ...], retire: Callable[[tuple[torch.Tensor, ...]], None]
+        self,
+        work: Any,
+        aliases: tuple[torch.Tensor, ...],
+        retire: Callable[[tuple[torch.Tensor, ...]], None],
+        progress: Reporter,
+        seq: int,
     ) -> None:
         self._work = work
         self._aliases = aliases
         self._retire = retire
+        self._progress, self._seq = progress, seq
 
     @property
     def done(self) -> bool:
@@ -129,7 +137,9 @@ class PendingWork:
     def wait(self) -> None:
         """Block until the collective completed (idempotent)."""
         if self._work is not None:
+            self._progress.waiting(self._seq)
             self._work.wait()
+            self._progress.waiting(0)
             self._work = None
             self._retire(self._aliases)
             self._aliases = ()
@@ -190,6 +200,7 @@ class Communicator:
         # Aliases of tensors whose collective completed but whose backend thread may still hold them (see settle)
         self._settling: list[torch.Tensor] = []
         self._rings = 0  # ring collectives issued: their message tags (every rank issues the same sequence)
+        self._progress = reporter()  # the worker's progress record: collectives numbered, waits marked
         if pg is dist.group.WORLD:
             # The one place the engine calls it. The default group is the one torch's default arguments pin (see the
             # import of torch.distributed.nn.functional above), so it is unpinned where the engine starts to use it:
@@ -251,7 +262,7 @@ class Communicator:
         pg = self.group
         self.stats.record("reduce_scatter", tag, input)
         if self._ring_for(input):
-            work = ring.reduce_scatter(output, input, pg, self._ring_tag(), self._settling.extend)
+            work = ring.reduce_scatter(output, input, pg, self._ring_tag(), self._settling.extend, self._mark())
             return self._finish(work, async_op)
         return self._issue(_reduce_scatter, (output, input), async_op, op=dist.ReduceOp.SUM, group=pg)
 
@@ -262,7 +273,7 @@ class Communicator:
         pg = self.group
         self.stats.record("all_gather", tag, output)
         if self._ring_for(output):
-            work = ring.all_gather(output, input, pg, self._ring_tag(), self._settling.extend)
+            work = ring.all_gather(output, input, pg, self._ring_tag(), self._settling.extend, self._mark())
             return self._finish(work, async_op)
         return self._issue(_all_gather, (output, input), async_op, group=pg)
 
@@ -356,10 +367,14 @@ class Communicator:
         n, self._rings = self._rings, self._rings + 1
         return ring.message_tag(n)
 
+    def _mark(self) -> tuple[Reporter, int]:
+        """The progress record and the number of the collective being issued (for its wait)."""
+        return self._progress, self._progress.issued()
+
     def _issue(self, fn: Callable[..., Any], tensors: tuple[torch.Tensor, ...], async_op: bool, **kwargs: Any) -> Any:
         aliases = tuple(t.detach() for t in tensors)
         retire = self._settling.extend if settles(self.backend, tensors[0].device.type) else _forget
-        work = PendingWork(fn(*aliases, async_op=True, **kwargs), aliases, retire)
+        work = PendingWork(fn(*aliases, async_op=True, **kwargs), aliases, retire, *self._mark())
         del aliases  # from here on only the work (then the settle list) refers to them
         return self._finish(work, async_op)
 

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elasticzero.progress import NullReporter, Reporter
+
 _TAG_BASE = 1 << 20
 
 
@@ -34,13 +36,21 @@ def message_tag(n: int) -> int:
 
 
 class RingWork:
-    """A ring collective in progress; :meth:`wait` completes it (idempotent)."""
+    """A ring collective in progress; :meth:`wait` completes it (idempotent). ``progress``: the worker's progress
+    record and this collective's number, marked as waited in while :meth:`wait` blocks (:mod:`elasticzero.progress`).
+    """
 
-    __slots__ = ("_retire", "_step", "_steps", "_works")
+    __slots__ = ("_progress", "_retire", "_step", "_steps", "_works")
 
-    def __init__(self, steps: list[Callable[[], list[Any]]], retire: Callable[[tuple[torch.Tensor, ...]], None]):
+    def __init__(
+        self,
+        steps: list[Callable[[], list[Any]]],
+        retire: Callable[[tuple[torch.Tensor, ...]], None],
+        progress: tuple[Reporter, int] | None = None,
+    ):
         self._steps = steps
         self._retire = retire
+        self._progress = progress or (NullReporter(), 0)
         self._step = 0
         self._works: list[Any] = self._post()
 
@@ -56,6 +66,9 @@ class RingWork:
 
     def wait(self) -> None:
         """Finish every remaining step."""
+        record, seq = self._progress
+        if self._works:
+            record.waiting(seq)
         while self._works:
             tensors = []
             for work, tensor in self._works:
@@ -66,6 +79,7 @@ class RingWork:
             del tensors
             if self._step < len(self._steps):
                 self._works = self._post()
+        record.waiting(0)
         self._steps = []  # done: let go of the steps' buffers (the issuer may keep this object a while)
 
 
@@ -89,6 +103,7 @@ def reduce_scatter(
     group: Any,
     tag: int,
     retire: Callable[[tuple[torch.Tensor, ...]], None],
+    progress: tuple[Reporter, int] | None = None,
 ) -> RingWork:
     """``output`` = this rank's chunk of the sum of every rank's ``input`` (``input`` has ``N * output.numel()``)."""
     n, r, right, left = _neighbours(group)
@@ -111,7 +126,7 @@ def reduce_scatter(
 
     steps: list[Callable[[], list[Any]]] = [functools.partial(step, s) for s in range(n - 1)]
     steps.append(finish)
-    return RingWork(steps, retire)
+    return RingWork(steps, retire, progress)
 
 
 def all_gather(
@@ -120,6 +135,7 @@ def all_gather(
     group: Any,
     tag: int,
     retire: Callable[[tuple[torch.Tensor, ...]], None],
+    progress: tuple[Reporter, int] | None = None,
 ) -> RingWork:
     """``output`` = every rank's ``input`` concatenated in group-rank order (``input`` may be a view of ``output``)."""
     n, r, right, left = _neighbours(group)
@@ -131,4 +147,4 @@ def all_gather(
     def step(s: int) -> list[Any]:
         return _exchange(group, tag, chunk[(r - s) % n][:], right, chunk[(r - s - 1) % n][:], left)
 
-    return RingWork([functools.partial(step, s) for s in range(n - 1)], retire)
+    return RingWork([functools.partial(step, s) for s in range(n - 1)], retire, progress)

@@ -1,0 +1,121 @@
+"""The hang decision (elasticzero.agent.progress): pure, over records, process states and a clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticzero.agent.progress import (
+    FLOOR_S,
+    STEP_FACTOR,
+    VICTIM_FACTOR,
+    HangPlan,
+    Observed,
+    Watch,
+    hang_plan,
+    hang_timeout,
+    observe,
+    timeout_source,
+    verdict,
+)
+from elasticzero.errors import UsageError
+from elasticzero.progress import PROGRESS_FILE_ENV, ProgressRecord
+
+FIXED = HangPlan(enabled=True, timeout_s=5.0, progress_dir="/p")
+AUTO = HangPlan(enabled=True, timeout_s=None, progress_dir="/p")
+
+
+def rec(pid: int, step: int = 1, collectives: int = 10, waiting: int = 0, beats: int | None = None, ns: int = 0):
+    return ProgressRecord(pid, step if beats is None else beats, step, collectives, waiting, ns)
+
+
+def w(rank: int, record: ProgressRecord | None, stopped: bool = False, local: int | None = None) -> Observed:
+    return Observed(rank, rank if local is None else local, 100 + rank, record, stopped)
+
+
+def run(plan: HangPlan, ticks: list[tuple[float, list[Observed]]]):
+    """Observe each tick in turn; the verdict after the last."""
+    watch = Watch()
+    for now, workers in ticks:
+        watch = observe(watch, workers, now)
+    return verdict(watch, ticks[-1][1], ticks[-1][0], plan), watch
+
+
+def test_plan_from_the_flag() -> None:
+    default = hang_plan(None, {}, "job", 7)
+    assert (default.enabled, default.timeout_s, default.progress_dir) == (True, None, "/tmp/elasticzero-progress-job-7")
+    assert default.worker_env(1) == {PROGRESS_FILE_ENV: "/tmp/elasticzero-progress-job-7/rank1"}
+    fixed = HangPlan(True, 12.5, "/scratch/elasticzero-progress-j-1")
+    assert hang_plan("12.5", {"TMPDIR": "/scratch"}, "j", 1) == fixed
+    for off in ("off", "0", "none"):
+        plan = hang_plan(off, {}, "j", 1)
+        assert not plan.enabled and plan.worker_env(0) == {}
+    for bad in ("-3", "soon", "inf"):
+        with pytest.raises(UsageError, match="--hang-timeout"):
+            hang_plan(bad, {}, "j", 1)
+
+
+def test_a_worker_is_watched_from_its_first_step() -> None:
+    starting = [w(0, rec(100, step=0, beats=0))]  # the engine is built (collectives), no step yet: loading, warm-up
+    assert run(FIXED, [(0.0, starting), (60.0, starting)])[0] is None
+    assert run(FIXED, [(0.0, [w(0, None)]), (60.0, [w(0, None)])])[0] is None  # no record: not watched at all
+
+
+def test_a_stalled_worker_outside_the_collectives_is_hung_at_the_timeout() -> None:
+    ranks = [w(0, rec(100, step=4, collectives=37))]
+    assert run(FIXED, [(0.0, ranks), (4.9, ranks)])[0] is None
+    hang, _ = run(FIXED, [(0.0, ranks), (5.0, ranks)])
+    assert hang is not None and (hang.rank, hang.step, hang.idle_s, hang.stopped) == (0, 4, 5.0, False)
+    assert hang.where == "outside the engine's collectives, after its collective #37 (its peers wait for it)"
+
+
+def test_progress_restarts_the_clock() -> None:
+    ticks = [(0.0, [w(0, rec(100, step=4))]), (3.0, [w(0, rec(100, step=4, collectives=11))])]
+    assert run(FIXED, [*ticks, (7.9, ticks[-1][1])])[0] is None  # idle since 3.0
+    assert run(FIXED, [*ticks, (8.0, ticks[-1][1])])[0] is not None
+    waits = [(0.0, [w(0, rec(100, waiting=11))]), (4.0, [w(0, rec(100, waiting=0))])]  # a wait that ended
+    assert run(FIXED, [*waits, (8.9, waits[-1][1])])[0] is None
+
+
+def test_a_worker_waiting_in_a_collective_is_left_to_the_hung_ranks_agent() -> None:
+    victim = [w(0, rec(100, collectives=38, waiting=38))]
+    assert run(FIXED, [(0.0, victim), (5.0 * VICTIM_FACTOR - 0.1, victim)])[0] is None
+    hang, _ = run(FIXED, [(0.0, victim), (5.0 * VICTIM_FACTOR, victim)])
+    assert hang is not None and hang.where.startswith("waiting in engine collective #38 (no rank of this node")
+
+
+def test_the_rank_behind_is_named_and_a_stopped_one_first() -> None:
+    waiting, behind = w(0, rec(100, collectives=38, waiting=38)), w(1, rec(101, collectives=37))
+    hang, _ = run(FIXED, [(0.0, [waiting, behind]), (5.0, [waiting, behind])])
+    assert hang is not None and hang.rank == 1
+    also_idle = w(2, rec(102, collectives=36))
+    stopped = w(3, rec(103, collectives=38, waiting=38), stopped=True)  # stopped inside the collective
+    hang, _ = run(FIXED, [(0.0, [also_idle, stopped]), (5.0, [also_idle, stopped])])
+    assert hang is not None and (hang.rank, hang.stopped) == (3, True)
+    assert hang.where == "stopped (SIGSTOP or a debugger): it cannot dump its stacks"
+    victims = [w(0, rec(100, collectives=38, waiting=38)), w(1, rec(101, collectives=38, waiting=38))]
+    hang, _ = run(FIXED, [(0.0, victims), (10.0, victims)])
+    assert hang is not None and hang.rank == 0
+
+
+def test_a_new_process_in_the_slot_starts_afresh() -> None:
+    old, new = w(0, rec(100, step=9)), Observed(0, 0, 200, rec(200, step=1))
+    hang, watch = run(FIXED, [(0.0, [old]), (4.0, [new]), (8.0, [new])])
+    assert hang is None and watch.seen[0].since == 4.0
+    stale = Observed(0, 0, 200, rec(100, step=9))  # the last round's record, not yet replaced
+    assert run(FIXED, [(0.0, [stale]), (60.0, [stale])])[0] is None
+
+
+def test_the_default_timeout_follows_the_longest_step() -> None:
+    assert hang_timeout(AUTO, []) == FLOOR_S and timeout_source(AUTO, []) == "the floor: no step interval seen yet"
+    ticks = [(float(t), [w(0, rec(100, step=s, ns=int(s * 0.5e9)))]) for t, s in ((0, 1), (1, 3), (2, 4))]
+    _, watch = run(AUTO, ticks)
+    assert watch.gaps == (0.5, 0.5)  # two steps in 1 s, then one in 0.5 s: per step, from the workers' own clock
+    assert hang_timeout(AUTO, watch.gaps) == FLOOR_S  # 10 x 0.5 s is below the floor
+    assert hang_timeout(AUTO, [0.5, 4.0, 1.0]) == STEP_FACTOR * 4.0
+    assert timeout_source(AUTO, [4.0]) == f"max({FLOOR_S:g} s, {STEP_FACTOR:g} x the longest step, 4.00 s)"
+    assert hang_timeout(FIXED, [100.0]) == 5.0 and timeout_source(FIXED, [1.0]) == "--hang-timeout"
+
+
+def test_off_decides_nothing() -> None:
+    ranks = [w(0, rec(100))]
+    assert run(hang_plan("off", {}, "j", 1), [(0.0, ranks), (1e6, ranks)])[0] is None

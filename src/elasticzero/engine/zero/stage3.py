@@ -140,7 +140,9 @@ class ZeroStage3(ZeroOptimizer):
         return handles
 
     def _attach_entry(self, name: str) -> None:
-        """Give entry point ``name`` its hooks (see :meth:`_pre_entry`), outside any compiled graph."""
+        """Give entry point ``name`` its hooks (see :meth:`_pre_entry`), outside any compiled graph (idempotent)."""
+        if name in self._entry_handles:
+            return
         m = self._modules[name]
         pre, post = (outside_graph(functools.partial(h, name)) for h in (self._pre_entry, self._post_entry))
         self._entry_handles[name] = (

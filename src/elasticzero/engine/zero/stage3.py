@@ -17,6 +17,11 @@ Activation checkpointing works: a unit recomputed inside backward keeps its para
 are done. A parameter shared by several modules (tied weights) belongs to the nearest unit enclosing all of them
 (often the root), so it stays gathered through that unit's forward and is gathered once per pass, never twice.
 
+Under ``torch.compile`` (each unit compiled with ``block.compile()``, or ``torch.compile(model)``) the hooks run
+eagerly between the graphs (:func:`~elasticzero.engine.zero.eager.outside_graph`), and while a unit's forward runs,
+the entry-point hooks of the submodules inside it are detached (:meth:`ZeroStage3._enter`), so a compiled unit traces
+as one graph with no hooked submodule in it (docs/engine.md, "torch.compile").
+
 Held per rank (Ψ trainable elements, N ranks, fp32 Adam): fp32 master shard 4Ψ/N, fp32 gradient shard 4Ψ/N, Adam
 8Ψ/N — 8 bytes/param at N=2 — plus the units being used and, during backward, the gradient buckets filled so far
 (up to Ψ elements of ``reduce_dtype`` at the end of backward, freed as they are reduce-scattered). Frozen parameters

@@ -29,10 +29,16 @@ PEERS = (
     "ds_stage1",
     "ds_stage2",
     "ds_stage3",
+    "fsdp2_compiled",
+    "ez_stage1_compiled",
+    "ez_stage2_compiled",
+    "ez_stage3_compiled",
 )
 """Run order. ``torch_zero1`` = DDP + ``ZeroRedundancyOptimizer``; ``fsdp2`` = ``fully_shard`` with
 ``reshard_after_forward=True``, ``fsdp2_keep`` with ``False``; ``ez_stageN`` = elasticzero ``ZeroStageN``;
-``ds_stageN`` = DeepSpeed ZeRO stage N on CPU."""
+``ds_stageN`` = DeepSpeed ZeRO stage N on CPU; ``<peer>_compiled`` = that peer with every transformer block compiled
+(``block.compile()`` after wrapping, torchtitan's per-block pattern; Inductor compiles in the warm-up steps)."""
+COMPILED_SUFFIX = "_compiled"
 ALL_PEERS = ("adamw", *PEERS)
 """``adamw`` (plain ``torch.optim.AdamW`` on the bare model, no wrapper, no collective: the single-device baseline
 ``bench/gpu_check.py`` divides by) is not in the default run."""
@@ -57,6 +63,7 @@ FORMULA: dict[str, Callable[[int], float]] = {
     "ds_stage2": lambda n: 4 + (4 + 8) / n,
     "ds_stage3": lambda n: 16 / n,
 }
+FORMULA |= {p: FORMULA[p.removesuffix(COMPILED_SUFFIX)] for p in PEERS if p.endswith(COMPILED_SUFFIX)}
 # communication per rank per step in units of Ψ, as the ZeRO paper counts it (all-reduce = 2Ψ)
 COMM_GOAL = {
     "adamw": 0,
@@ -71,6 +78,7 @@ COMM_GOAL = {
     "ds_stage2": 2,
     "ds_stage3": 3,
 }
+COMM_GOAL |= {p: COMM_GOAL[p.removesuffix(COMPILED_SUFFIX)] for p in PEERS if p.endswith(COMPILED_SUFFIX)}
 
 
 @dataclass
@@ -225,6 +233,8 @@ def build_ds(model: nn.Module, lr: float, stage: int, bucket_mb: float, batch_si
 
 def build(name: str, model: nn.Module, lr: float, bucket_mb: float, batch_size: int, setting: Setting = CPU) -> Peer:
     """Build peer ``name`` around ``model`` (already on ``setting.device``, same initial weights on every rank)."""
+    if name.endswith(COMPILED_SUFFIX):
+        return compile_blocks(build(name.removesuffix(COMPILED_SUFFIX), model, lr, bucket_mb, batch_size, setting))
     if name == "adamw":
         return build_adamw(model, lr, setting)
     if name == "ddp":
@@ -240,8 +250,18 @@ def build(name: str, model: nn.Module, lr: float, bucket_mb: float, batch_size: 
     raise ValueError(f"unknown peer {name!r}")
 
 
+def compile_blocks(peer: Peer) -> Peer:
+    """Compile each transformer block of the built peer in place (``block.compile()``, after the wrapper's hooks are on
+    it, as a user of either engine would)."""
+    for block in peer.net.blocks:
+        block.compile()
+    peer.info["compiled"] = "per block: block.compile() after wrapping (Inductor)"
+    return peer
+
+
 def preflight(name: str) -> str | None:
     """A reason to skip ``name`` in this interpreter (checked on every rank before any collective), or ``None``."""
+    name = name.removesuffix(COMPILED_SUFFIX)
     try:
         if name.startswith("ez_stage"):
             import elasticzero

@@ -162,6 +162,12 @@ def ratios(rows_list: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
         peer, ds = f"ez_stage{s}", f"ds_stage{s}"
         checks.append((f"{peer} step time / {ds}", _ratio(rows, peer, ds, "step_ms_median"), 1, "<="))
         checks.append((f"{peer} peak RSS / {ds}", _ratio(rows, peer, ds, "peak_rss_MiB"), 1, "<="))
+    for peer in ("fsdp2", "ez_stage1", "ez_stage2", "ez_stage3"):  # what per-block compile buys each peer
+        checks.append((f"{peer}_compiled step time / {peer}", _ratio(rows, f"{peer}_compiled", peer, time), 1, "<="))
+    for s in (1, 2, 3):  # compiled side by side: every stage against FSDP2, both per-block compiled
+        peer = f"ez_stage{s}_compiled"
+        checks.append((f"{peer} step time / fsdp2_compiled", _ratio(rows, peer, "fsdp2_compiled", time), 1, "<="))
+        checks.append((f"{peer} step CPU time / fsdp2_compiled", _ratio(rows, peer, "fsdp2_compiled", cpu), 1, "<="))
     checks.append(("torch_zero1 comm / (3Ψ)", rows.get("torch_zero1", {}).get("comm_psi", 0) / 3 or None, 1, "=="))
     lines, data = [], {}
     for label, value, goal, cmp in checks:

@@ -108,14 +108,17 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
 
     losses: list[float] = []
     cpu_times: list[float] = []
+    frames = compile_frames(args.peer)
     for _ in range(args.warmup):
         losses.append(float(one_step()))
+    frames_warmup = compile_frames(args.peer)
     reset_peak_memory(setting.device)
     timed_losses = []
     for _ in range(args.steps):
         c0 = time.process_time()
         timed_losses.append(one_step(timed=True))  # no .item() here: on CUDA it would synchronise every step
         cpu_times.append(time.process_time() - c0)  # all threads of this rank; less sensitive to other load
+    frames_timed = compile_frames(args.peer)
     clock.mark()  # marks: start, after forward, after backward of each step, then the end; read once
     intervals = clock.intervals()
     phase_times = [intervals[i : i + 3] for i in range(0, len(intervals), 3)]  # the step phase runs to the next start
@@ -180,8 +183,20 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
         "rss_end_kib": proc_status_kib("VmRSS"),
         "torch": torch.__version__,
         "info": peer.info,
+        "compile_frames": None
+        if frames is None
+        else {"warmup": frames_warmup - frames, "timed": frames_timed - frames_warmup},
         "profile_error": profile_error,
     }
+
+
+def compile_frames(peer: str) -> int | None:
+    """Frames Dynamo has compiled in this process (a compiled peer's timed steps should add none), else None."""
+    if not peer.endswith(_peers.COMPILED_SUFFIX):
+        return None
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["total"])
 
 
 def profile(stem: Path, device: torch.device, step: Callable[[], object], steps: int = 2) -> None:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Install the Debian packages the real-part tests need (idempotent; quick when already installed).
+# Install the Debian packages the real-part tests need (idempotent; quick when already installed); g++ is Inductor's
+# compiler (torch.compile on the CPU: tests/integration/engine/test_compile.py).
 #   bash tests/cluster/packages.sh
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
-PKGS=(openssh-server openssh-client pdsh iproute2 util-linux procps openmpi-bin mpich slurm-wlm munge
+PKGS=(openssh-server openssh-client pdsh iproute2 util-linux procps openmpi-bin mpich slurm-wlm munge g++
       etcd-server etcd-client)
 missing=()
 for p in "${PKGS[@]}"; do

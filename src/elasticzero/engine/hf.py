@@ -25,12 +25,18 @@ from elasticzero.errors import UsageError
 
 SHARDED_FLAG = "_is_fsdp_managed_module"
 """The attribute HF's ``is_fsdp_managed_module`` reads (set by torch's ``fully_shard`` on the modules it manages)."""
+ORIG_PARAMS_FLAG = "_fsdp_use_orig_params"
+"""Set beside :data:`SHARDED_FLAG` by ``fully_shard``: ``torch.compile`` refuses a module carrying the first without
+this one (FSDP1's flat parameters) and falls back to eager for the whole frame; with both, it traces the module's
+parameters as the graph's inputs, as it does for FSDP2."""
 
 
 def mark_sharded(module: nn.Module) -> None:
     """Tell libraries that look for FSDP2's flag (HF ``generate()``: ``synced_gpus``) that ``module``'s parameters
-    are sharded over ranks, so every rank must run every forward."""
+    are sharded over ranks, so every rank must run every forward; and ``torch.compile`` that its parameters are
+    the module's own tensors (both flags, as ``fully_shard`` sets them)."""
     setattr(module, SHARDED_FLAG, True)
+    setattr(module, ORIG_PARAMS_FLAG, True)
 
 
 def save_pretrained(model: Any, opt: Any, save_directory: str | os.PathLike[str], **kwargs: Any) -> None:

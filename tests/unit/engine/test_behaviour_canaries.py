@@ -45,6 +45,20 @@ def test_transformers_reads_the_sharded_flag_that_stage3_sets() -> None:
     )
 
 
+def test_compile_traces_a_module_marked_sharded_as_fsdp2s() -> None:
+    """engine/hf.mark_sharded sets both flags torch's fully_shard sets: Dynamo refuses a module carrying only
+    _is_fsdp_managed_module (FSDP1's flat parameters; the whole frame runs eagerly) and reads _fsdp_use_orig_params to
+    trace it as FSDP2's (its parameters the graph's inputs)."""
+    from torch._dynamo.variables import builder
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+
+    where = "revisit engine/hf.py mark_sharded (see docs/architecture.md)"
+    dynamo, shard = inspect.getsource(builder), inspect.getsource(_fully_shard)
+    for flag in (hf.SHARDED_FLAG, hf.ORIG_PARAMS_FLAG):
+        assert flag in dynamo, f"torch.compile (torch._dynamo.variables.builder) no longer reads {flag!r}: {where}"
+        assert f"{flag} = True" in shard, f"torch's fully_shard no longer sets {flag!r}: {where}"
+
+
 def _binds_world_at_import(source: str) -> bool:
     """Whether a function in ``source`` has ``group.WORLD`` (``dist.group.WORLD``) as a default argument."""
     for node in ast.walk(ast.parse(source)):

@@ -160,3 +160,37 @@ def test_layer_of_another_unit_called_inside_a_forward(group: None, reshard: boo
     full = opt.full_state_dict()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(full[k], v, rtol=RTOL, atol=ATOL)
+
+
+class Probe(Block):
+    """Records how many forward hooks its layer carries while the block's own forward runs."""
+
+    seen: list[int]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(len(self.fc._forward_pre_hooks) + len(self.fc._forward_hooks))
+        return super().forward(x)
+
+
+def test_a_units_submodules_carry_no_hooks_while_it_runs(group: None) -> None:
+    """torch.compile per block: a hooked submodule inside a compiled block splits its graph and recompiles the
+    block's code once per block (its hook ids differ), so a unit's forward detaches its interior's entry hooks and
+    re-attaches them after (a direct call between steps still gathers)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Probe(), Probe())
+    for probe in model:
+        probe.seen = []
+    opt = ZeroStage3(model, torch.optim.SGD, lr=0.1, units=Probe)
+    hooks = [len(p.fc._forward_pre_hooks) + len(p.fc._forward_hooks) for p in model]
+    assert hooks == [2, 2]  # entry points: a direct call of `fc` gathers its block's bucket
+    for _ in range(2):
+        model(torch.randn(3, 8)).sum().backward()
+        opt.step()
+    assert [p.seen for p in model] == [[0, 0], [0, 0]]
+    assert [len(p.fc._forward_pre_hooks) + len(p.fc._forward_hooks) for p in model] == hooks
+    full = opt.full_state_dict()
+    with torch.no_grad():  # the direct call between steps gathered the block's bucket, and freed it again
+        torch.testing.assert_close(
+            model[1].fc(torch.ones(2, 8)), torch.ones(2, 8) @ full["1.fc.weight"].t() + full["1.fc.bias"]
+        )
+    assert _freed(opt)

@@ -17,6 +17,11 @@ Activation checkpointing works: a unit recomputed inside backward keeps its para
 are done. A parameter shared by several modules (tied weights) belongs to the nearest unit enclosing all of them
 (often the root), so it stays gathered through that unit's forward and is gathered once per pass, never twice.
 
+Under ``torch.compile`` (each unit compiled with ``block.compile()``, or ``torch.compile(model)``) the hooks run
+eagerly between the graphs (:func:`~elasticzero.engine.zero.eager.outside_graph`), and while a unit's forward runs,
+the entry-point hooks of the submodules inside it are detached (:meth:`ZeroStage3._enter`), so a compiled unit traces
+as one graph with no hooked submodule in it (docs/engine.md, "torch.compile").
+
 Held per rank (Ψ trainable elements, N ranks, fp32 Adam): fp32 master shard 4Ψ/N, fp32 gradient shard 4Ψ/N, Adam
 8Ψ/N — 8 bytes/param at N=2 — plus the units being used and, during backward, the gradient buckets filled so far
 (up to Ψ elements of ``reduce_dtype`` at the end of backward, freed as they are reduce-scattered). Frozen parameters
@@ -41,6 +46,7 @@ from elasticzero.engine import hf
 from elasticzero.engine.bucketer import DEFAULT_BUCKET_BYTES, GradBucketer, phase
 from elasticzero.engine.precision import PrecisionPolicy
 from elasticzero.engine.zero.base import ZeroOptimizer
+from elasticzero.engine.zero.eager import outside_graph
 from elasticzero.engine.zero.flat import FlatBucket, Named, flatten_into, view_params_into
 from elasticzero.errors import UsageError
 
@@ -120,22 +126,62 @@ class ZeroStage3(ZeroOptimizer):
         self._in_root = False  # the root's forward is in progress: the only time the unit order is recorded
         self._entries: list[str] = []  # submodules called directly whose forward is in progress (see _pre_entry)
         self._entry_buckets = self._entry_points()
-        self._hook_handles = self._install_hooks(module)
+        self._interior = _interiors(self._entry_buckets, self._needed)  # unit -> entry points it makes redundant
+        self._active: dict[str, int] = {}  # unit -> its forwards in progress (entry hooks of its interior detached)
+        self._modules = dict(module.named_modules())
+        self._entry_handles: dict[str, tuple[Any, Any]] = {}
+        self._hook_handles = self._install_hooks()
+        for name in self._entry_buckets:
+            self._attach_entry(name)
         hf.mark_sharded(module)  # HF generate() then keeps ranks in lock step (synced_gpus) by itself
 
-    def _install_hooks(self, module: nn.Module) -> list[Any]:
-        """Every unit's forward hooks (gather/free), every entry point's (see :meth:`_pre_entry`); their handles."""
+    def _install_hooks(self) -> list[Any]:
+        """Every unit's forward hooks (gather/free), run outside any compiled graph; their handles."""
         handles = []
-        modules = dict(module.named_modules())
         for name in self._needed:
-            m = modules[name]
-            handles.append(m.register_forward_pre_hook(functools.partial(self._pre_forward, name)))
-            handles.append(m.register_forward_hook(functools.partial(self._post_forward, name)))
-        for name in self._entry_buckets:
-            m = modules[name]
-            handles.append(m.register_forward_pre_hook(functools.partial(self._pre_entry, name), prepend=True))
-            handles.append(m.register_forward_hook(functools.partial(self._post_entry, name), always_call=True))
+            m = self._modules[name]
+            handles.append(m.register_forward_pre_hook(outside_graph(functools.partial(self._pre_forward, name))))
+            handles.append(m.register_forward_hook(outside_graph(functools.partial(self._post_forward, name))))
         return handles
+
+    def _attach_entry(self, name: str) -> None:
+        """Give entry point ``name`` its hooks (see :meth:`_pre_entry`), outside any compiled graph (idempotent)."""
+        if name in self._entry_handles:
+            return
+        m = self._modules[name]
+        pre, post = (outside_graph(functools.partial(h, name)) for h in (self._pre_entry, self._post_entry))
+        self._entry_handles[name] = (
+            m.register_forward_pre_hook(pre, prepend=True),
+            m.register_forward_hook(post, always_call=True),
+        )
+
+    def _detach_entry(self, name: str) -> None:
+        for handle in self._entry_handles.pop(name, ()):
+            handle.remove()
+
+    def _enter(self, unit: str) -> None:
+        """``unit``'s forward starts: detach the entry hooks of its interior. Inside it they would find everything
+        gathered anyway, and a module with hooks inside a compiled unit splits its graph and, with hook ids that
+        differ per block, recompiles the block's shared code for every block (see docs/engine.md, torch.compile)."""
+        depth = self._active.get(unit, 0)
+        self._active[unit] = depth + 1
+        if depth == 0:
+            for name in self._interior.get(unit, ()):
+                self._detach_entry(name)
+
+    def _leave(self, unit: str) -> None:
+        depth = self._active.pop(unit, 0) - 1
+        if depth > 0:
+            self._active[unit] = depth
+            return
+        for name in self._interior.get(unit, ()):
+            self._attach_entry(name)
+
+    def _reattach_entries(self) -> None:
+        """Re-attach what a forward that raised left detached (called when the root's forward starts)."""
+        for unit in list(self._active):
+            self._active[unit] = 1
+            self._leave(unit)
 
     # -- layout ------------------------------------------------------------------------------------------------
     def _entry_points(self) -> dict[str, list[int]]:
@@ -238,17 +284,20 @@ class ZeroStage3(ZeroOptimizer):
         if unit == "":  # the outermost call
             self._in_root = True
             self._entries.clear()  # forget an entry an exception left unfinished
+            self._reattach_entries()
         if not self._order_frozen and self._in_root and unit not in self._fwd_index:
             self._fwd_index[unit] = len(self._fwd_order)
             self._fwd_order.append(unit)
         self._use(unit)
         for i in self._needed[unit]:
             self._gathers[i].users += 1
+        self._enter(unit)
         self._prefetch(unit, self._fwd_order, self._fwd_index)
 
     def _post_forward(self, unit: str, module: nn.Module, args: Any, output: Any) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation inside backward (see _pre_forward): its backward needs the params now
+        self._leave(unit)
         for i in self._needed[unit]:
             self._gathers[i].users -= 1
         if (
@@ -425,6 +474,17 @@ def _is_unit(spec: Any, list_children: frozenset[int], name: str, m: nn.Module) 
     if isinstance(spec, frozenset):
         return id(m) in spec
     return bool(spec(m))
+
+
+def _interiors(entries: dict[str, list[int]], units: Iterable[str]) -> dict[str, list[str]]:
+    """Unit -> the entry points whose nearest unit strictly above them it is: while its forward runs, they find every
+    bucket they use gathered (the buckets of that unit, and of the units above it, which its forward or its own entry
+    hooks gathered)."""
+    out: dict[str, list[str]] = {}
+    unit_set = set(units)
+    for name in entries:
+        out.setdefault(_enclosing(unit_set, name.rpartition(".")[0]), []).append(name)
+    return out
 
 
 def _enclosing(units: set[str], module_name: str) -> str:

@@ -5,7 +5,9 @@ A :class:`BoundedWait` is a :data:`~elasticzero.engine.zero.comm.Waiter`: given 
 bound's helper thread while the calling thread waits for it ``poll_s`` at a time and, between two, polls the round
 source. When a newer round is announced the caller leaves with :class:`Reconfigure` (the round); when the work fails
 (a peer's socket closed: SIGKILL) it waits up to ``failure_grace_s`` for the agent's round, then leaves with
-:class:`Reconfigure` too (or re-raises the failure when no round came).
+:class:`Reconfigure` too (or re-raises the failure when no round came). gloo may also fail a collective when it is
+*issued* (posting a receive on a closed pair raises): the loop construct hands such an error to
+:meth:`BoundedWait.after_failure` itself.
 
 Why a thread and not ``work.wait(timeout)`` in a loop: for gloo's point-to-point works (the rings, the replica
 exchange) ``wait(timeout)`` that times out signals the error to every pair of the context (the whole group is broken:
@@ -84,7 +86,7 @@ class BoundedWait:
             except FutureTimeout:
                 self._leave_if(self.poll())
             except Exception as err:
-                self._after_failure(err)
+                self.after_failure(err)
 
     def check(self) -> None:
         """Raise :class:`Reconfigure` if this bound was abandoned or a newer round is announced now."""
@@ -103,8 +105,10 @@ class BoundedWait:
             self._jobs.put(None)  # the thread ends once the abandoned wait does
             raise leave
 
-    def _after_failure(self, err: Exception) -> None:
-        """A work failed (a peer's sockets closed): the agent's round is expected; re-raise ``err`` if none comes."""
+    def after_failure(self, err: BaseException) -> None:
+        """A collective failed (a peer's sockets closed; at its wait, or already when it was issued): the agent's
+        round is expected. Raise :class:`Reconfigure` (from ``err``) if it comes within ``failure_grace_s``, else
+        ``err``."""
         deadline = time.monotonic() + self.failure_grace_s
         while time.monotonic() < deadline:
             try:

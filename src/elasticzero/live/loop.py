@@ -243,6 +243,13 @@ class Attempt:
             self.live.commit()
             return False
         abandoned = self.live.bound.abandoned  # set by the wait that left (autograd may wrap its Reconfigure)
+        if abandoned is None and isinstance(exc, RuntimeError):  # torch's and gloo's errors: a peer may be gone
+            try:
+                self.live.bound.after_failure(exc)
+            except Reconfigure as leave:
+                abandoned = leave.round
+            except BaseException:
+                return False  # no round came: the failure is the step's own
         if abandoned is None:
             return False
         try:

@@ -1,4 +1,4 @@
-"""Live reconfiguration with real gloo ranks (``live_loop_worker.py``): 3 ranks train the tiny GPT at ZeRO-2 in
+"""Live reconfiguration with real gloo ranks (``live_loop_worker.py``): 3 ranks train the tiny GPT at ZeRO-1/2/3 in
 :class:`~elasticzero.live.LiveTraining`; at step K rank 2 is SIGKILLed or SIGSTOPped. This test stands in for the
 agent: it hosts the store, sees the rank die or stop, and announces round 1 of the two survivors. Then:
 
@@ -20,62 +20,31 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
-from live_loop_worker import GLOBAL_BATCH, LR, SAMPLES, TOTAL, WD, K, config, loss_of, tokens
+from live_loop_worker import CASES, GLOBAL_BATCH, LR, SAMPLES, TOTAL, VICTIM, WD, K, case_name, config, loss_of, tokens
 
 from elasticzero.data.sampler import epoch_order
-from elasticzero.live import Round, announce
 from ez_numerics import error_ratio
-from ez_testing import free_port
 from gpt import GPT
 
 HERE = Path(__file__).parent
-WORLD, VICTIM = 3, 2
 
 
-def wait_stopped(pid: int, timeout: float = 60) -> None:
-    """Until ``pid`` is in the stopped state (SIGSTOP)."""
-    deadline = time.monotonic() + timeout
-    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
-        assert time.monotonic() < deadline, f"rank {VICTIM} never stopped"
-        time.sleep(0.01)
-
-
-def run_job(tmp_path: Path, sig: str) -> tuple[list[subprocess.Popen[bytes]], float, Path]:
-    """Start the 3 ranks, wait for the victim's signal, announce round 1; returns the processes, when it announced
-    (monotonic, the clock the workers use) and the output stem."""
-    port, out = free_port(), tmp_path / "live"
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=True, wait_for_workers=False)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every case run once by the driver (one process imports torch and forks each case's ranks)."""
+    out = tmp_path_factory.mktemp("live") / "live"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    argv = [sys.executable, str(HERE / "live_loop_worker.py")]
-    procs = [
-        subprocess.Popen([*argv, str(r), str(WORLD), str(port), str(out), str(VICTIM), sig], env=env)
-        for r in range(WORLD)
-    ]
-    victim = procs[VICTIM]
-    if sig == "KILL":
-        assert victim.wait(timeout=120) == -signal.SIGKILL
-    else:
-        wait_stopped(victim.pid)
-    announce(store, Round(1, ((0, 0), (1, 1)), "round1/"))
-    announced = time.monotonic()
-    try:
-        for p in procs[:VICTIM]:
-            assert p.wait(timeout=120) == 0, Path(f"{out}.rank{procs.index(p)}.err").read_text()
-    finally:
-        for p in procs:  # the agent fences a frozen worker: killed, never resumed
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return procs, announced, out
+    argv = [sys.executable, str(HERE / "live_loop_worker.py"), str(out)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out
 
 
 def continue_plainly(start: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -116,12 +85,15 @@ def record_problems(records: list[list[Any]]) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("sig", ["KILL", "STOP"])
-def test_live_loop_zero2(tmp_path: Path, sig: str) -> None:
-    procs, announced, out = run_job(tmp_path, sig)
+@pytest.mark.parametrize(("stage", "sig"), CASES)
+def test_live_loop(runs: Path, stage: int, sig: str) -> None:
+    out = Path(f"{runs}.{case_name(stage, sig)}")
+    harness = json.loads(Path(f"{out}.harness.json").read_text())
+    errors = [Path(f"{out}.rank{r}.err") for r in range(VICTIM)]
+    assert harness["codes"] == [0] * VICTIM + [-signal.SIGKILL], [e.read_text() for e in errors if e.exists()]
     results = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(VICTIM)]
-    assert [res["pid"] for res in results] == [p.pid for p in procs[:VICTIM]]
-    assert [res["world"] for res in results] == [2, 2]
+    assert [res["pid"] for res in results] == harness["pids"][:VICTIM]  # the survivors kept their processes
+    assert [res["world"] for res in results] == [VICTIM] * VICTIM
     for res in results:
         assert [(e["round"], e["step"]) for e in res["events"]] == [(1, K)], res["events"]
     assert record_problems([res["record"] for res in results]) == []
@@ -131,9 +103,9 @@ def test_live_loop_zero2(tmp_path: Path, sig: str) -> None:
     ref = continue_plainly(start, torch.float32)
     ratio = error_ratio(got, ref, truth)
     assert ratio <= 1, f"final parameters off by {ratio:.3g}x the fp32 rounding scale (ez_numerics rule)"
-    first = max(e["first_step_at"] for res in results for e in res["events"])
-    left = max(e["left_at"] for res in results for e in res["events"])
+    left = max(e["left_at"] for res in results for e in res["events"]) - harness["announced"]
+    first = max(e["first_step_at"] for res in results for e in res["events"]) - harness["announced"]
     print(
-        f"SIG{sig}: announcement -> left the old group {left - announced:.3f} s, "
-        f"-> first step at world 2 {first - announced:.3f} s"
+        f"ZeRO-{stage} SIG{sig}: announcement -> old group left {left:.3f} s, -> first step at world 2 {first:.3f} s "
+        f"(error ratio {ratio:.3g})"
     )

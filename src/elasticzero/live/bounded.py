@@ -76,8 +76,10 @@ class BoundedWait:
         self._thread.start()
 
     def __call__(self, wait: Callable[[], None]) -> None:
-        """Run ``wait`` (a work's blocking wait), leaving with :class:`Reconfigure` on a new round."""
-        self.check()
+        """Run ``wait`` (a work's blocking wait), leaving with :class:`Reconfigure` on a new round (the source is
+        polled only once the wait took ``poll_s``: a wait that completes costs no store traffic)."""
+        if self.abandoned is not None:
+            raise Reconfigure(self.abandoned)
         done: Future[None] = Future()
         self._jobs.put((wait, done))
         while True:

@@ -1,10 +1,12 @@
 """Driver of test_live_loop: ``live_loop_worker.py OUT`` runs every case of :data:`CASES` (torch imported once, here):
 it forks 3 ranks that train the tiny GPT at ZeRO-``stage`` in :class:`~elasticzero.live.LiveTraining` and stands in
-for the agent: it hosts the store (outside the ranks), sees the victim die or stop, announces round 1 of the two
-survivors and fences the victim. At step ``K`` the victim (rank 2), after every rank's shards were gathered and saved
-(``OUT.<case>.at_k.pt``: the start of the reference run), sends itself the case's signal. The survivors write
-``OUT.<case>.rank<r>.json`` (pid, sample record, reconfigurations with monotonic times); rank 0 the final parameters
-(``OUT.<case>.final.pt``); the driver ``OUT.<case>.harness.json`` (pids, exit codes, when it announced)."""
+for the agent: it hosts the store (outside the ranks), sees the victim die or stop, announces round 1 of the
+survivors and fences the victim. At step ``K`` the victim (rank 2; ranks 1 and 2 in ``KILL2``), after every rank's
+shards were gathered and saved (``OUT.<case>.at_k.pt``: the start of the reference run), sends itself the case's
+signal. The survivors write ``OUT.<case>.rank<r>.json`` (pid, sample record, reconfigurations with monotonic times);
+rank 0 the final parameters (``OUT.<case>.final.pt``); the driver ``OUT.<case>.harness.json`` (pids, exit codes,
+when it announced). A rank that ends in a :class:`~elasticzero.live.LiveError` (the restart path) writes it to
+``OUT.<case>.rank<r>.live_error`` and exits 3."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.stage1 import ZeroStage1
 from elasticzero.engine.zero.stage2 import ZeroStage2
 from elasticzero.engine.zero.stage3 import ZeroStage3
-from elasticzero.live import LiveTraining, Round, RoundSource, announce
+from elasticzero.live import LiveError, LiveTraining, Round, RoundSource, announce
 from ez_testing import free_port
 from gpt import GPT, config_for
 
@@ -40,7 +42,13 @@ K, TOTAL = 3, 6  # the failure comes at step K; the run ends after TOTAL committ
 GLOBAL_BATCH, MICRO, SAMPLES, SEED = 12, 2, 96, 5
 LR, WD = 1e-2, 0.1
 WORLD, VICTIM = 3, 2  # the victim is the last rank: the survivors keep their ranks
-CASES = [(2, "KILL"), (2, "STOP"), (1, "STOP"), (3, "KILL")]  # (ZeRO stage, signal)
+LIVE = [(2, "KILL"), (2, "STOP"), (1, "STOP"), (3, "KILL")]  # (ZeRO stage, signal)
+LOSE2 = (2, "KILL2")  # ranks 1 and 2 killed: rank 1's copy was on rank 2, a fallback for rank 0
+CASES = [*LIVE, LOSE2]
+
+
+def victims(sig: str) -> list[int]:
+    return [1, 2] if sig == "KILL2" else [VICTIM]
 
 
 def case_name(stage: int, sig: str) -> str:
@@ -76,7 +84,7 @@ def builder(stage: int) -> Any:
     return build
 
 
-def train(rank: int, world: int, port: int, out: Path, victim: int, sig: str, stage: int) -> None:
+def train(rank: int, world: int, port: int, out: Path, sig: str, stage: int) -> None:
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
     dist.init_process_group("gloo", store=dist.PrefixStore("round0/", store), rank=rank, world_size=world)
     sampler = ElasticSampler(
@@ -93,8 +101,8 @@ def train(rank: int, world: int, port: int, out: Path, victim: int, sig: str, st
                 at_k = full_state(attempt.opt)  # every rank's shards (collective), before the failure
                 if rank == 0:
                     torch.save(at_k, f"{out}.at_k.pt")
-                if rank == victim:
-                    os.kill(os.getpid(), getattr(signal, f"SIG{sig}"))
+                if rank in victims(sig):
+                    os.kill(os.getpid(), getattr(signal, f"SIG{sig.rstrip('2')}"))
             batches = attempt.micro_batches
             for idx in batches:
                 (loss_of(attempt.model, data[idx]) / len(batches)).backward()
@@ -138,8 +146,11 @@ def exit_code(pid: int, pids: list[int], timeout: float = 120) -> int:
 
 def child(rank: int, port: int, out: Path, sig: str, stage: int) -> int:
     try:
-        train(rank, WORLD, port, out, VICTIM, sig, stage)
+        train(rank, WORLD, port, out, sig, stage)
         return 0
+    except LiveError as err:  # for the restart path: the reason, and an exit code of its own
+        Path(f"{out}.rank{rank}.live_error").write_text(f"{type(err).__name__}: {err}")
+        return 3
     except BaseException:
         Path(f"{out}.rank{rank}.err").write_text(traceback.format_exc())
         return 1
@@ -157,17 +168,21 @@ def run_case(stage: int, sig: str, out: Path) -> None:
             os._exit(child(r, port, out, sig, stage))
         pids.append(pid)
     store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=True, wait_for_workers=False)
-    if sig == "KILL":
-        code = exit_code(pids[VICTIM], pids)
-    else:
-        wait_stopped(pids[VICTIM])
-    announce(store, Round(1, tuple((r, r) for r in range(VICTIM)), "round1/"))
+    lost = victims(sig)
+    survivors = [r for r in range(WORLD) if r not in lost]
+    codes = dict.fromkeys(range(WORLD), 0)
+    for r in lost:
+        if sig == "STOP":
+            wait_stopped(pids[r])
+        else:
+            codes[r] = exit_code(pids[r], pids)
+    announce(store, Round(1, tuple((r, new) for new, r in enumerate(survivors)), "round1/"))
     announced = time.monotonic()
-    codes = [exit_code(pid, pids) for pid in pids[:VICTIM]]
-    if sig == "STOP":
-        os.kill(pids[VICTIM], signal.SIGKILL)
-        code = exit_code(pids[VICTIM], pids)
-    report = {"pids": pids, "codes": [*codes, code], "announced": announced}
+    codes.update({r: exit_code(pids[r], pids) for r in survivors})
+    for r in lost if sig == "STOP" else []:
+        os.kill(pids[r], signal.SIGKILL)
+        codes[r] = exit_code(pids[r], pids)
+    report = {"pids": pids, "codes": [codes[r] for r in range(WORLD)], "announced": announced}
     Path(f"{out}.harness.json").write_text(json.dumps(report))
 
 

@@ -10,7 +10,9 @@ agent: it hosts the store, sees the rank die or stop, and announces round 1 of t
   failure) on the same global batches, within ``ez_numerics``' rule: the error against the same continuation in
   float64 is at most 3x plain fp32 torch's own (a world-2 ZeRO run differs from plain torch by rounding only).
 
-It prints the time from the announcement to the first completed step at the new world (the figure for the note).
+And when ranks 1 and 2 are killed at once (rank 1's copy was on rank 2), rank 0 leaves with one clear error for the
+restart path (``ReshardFallback``). It prints the time from the announcement to the first completed step at the new
+world (the figure for the note).
 """
 
 from __future__ import annotations
@@ -27,7 +29,21 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
-from live_loop_worker import CASES, GLOBAL_BATCH, LR, SAMPLES, TOTAL, VICTIM, WD, K, case_name, config, loss_of, tokens
+from live_loop_worker import (
+    GLOBAL_BATCH,
+    LIVE,
+    LOSE2,
+    LR,
+    SAMPLES,
+    TOTAL,
+    VICTIM,
+    WD,
+    K,
+    case_name,
+    config,
+    loss_of,
+    tokens,
+)
 
 from elasticzero.data.sampler import epoch_order
 from ez_numerics import error_ratio
@@ -85,7 +101,7 @@ def record_problems(records: list[list[Any]]) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize(("stage", "sig"), CASES)
+@pytest.mark.parametrize(("stage", "sig"), LIVE)
 def test_live_loop(runs: Path, stage: int, sig: str) -> None:
     out = Path(f"{runs}.{case_name(stage, sig)}")
     harness = json.loads(Path(f"{out}.harness.json").read_text())
@@ -109,3 +125,14 @@ def test_live_loop(runs: Path, stage: int, sig: str) -> None:
         f"ZeRO-{stage} SIG{sig}: announcement -> old group left {left:.3f} s, -> first step at world 2 {first:.3f} s "
         f"(error ratio {ratio:.3g})"
     )
+
+
+def test_both_copies_lost_is_one_clear_error_for_the_restart_path(runs: Path) -> None:
+    """Ranks 1 and 2 killed at once: rank 1's copy was on rank 2, so rank 0 cannot reshard in memory; it leaves with
+    ``ReshardFallback`` (exit 3 here), naming what is lost and the disk checkpoint."""
+    out = Path(f"{runs}.{case_name(*LOSE2)}")
+    harness = json.loads(Path(f"{out}.harness.json").read_text())
+    assert harness["codes"] == [3, -signal.SIGKILL, -signal.SIGKILL], Path(f"{out}.rank0.err").read_text()
+    said = Path(f"{out}.rank0.live_error").read_text()
+    assert said.startswith("ReshardFallback: ") and "both copies of the state of old rank(s) [1] are lost" in said
+    assert "disk checkpoint" in said

@@ -2,7 +2,7 @@
 
 ::
 
-    live = LiveTraining(build, sampler=sampler, source=RoundSource(store), nodes=...)
+    live = LiveTraining(build, sampler=sampler, source=RoundSource(store), first=Round(0, members, "round0/"))
     for attempt in live.steps(total):
         with attempt:                                   # the one construct
             for idx in attempt.micro_batches:           # this rank's sample indices, micro-batch by micro-batch
@@ -44,6 +44,7 @@ from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.comm import Communicator
 from elasticzero.engine.zero.replica import Replicator
 from elasticzero.engine.zero.reshard import Fallback, reshard_from
+from elasticzero.errors import UsageError
 from elasticzero.live.bounded import BoundedWait, LiveError, Reconfigure
 from elasticzero.live.rounds import Round, RoundSource
 
@@ -104,6 +105,8 @@ class LiveTraining:
         nodes: ``nodes(world_size)``, the node of every rank of a round (the buddy placement); default: gathered.
         poll_s, failure_grace_s: the bound of the waits (:class:`BoundedWait`).
         group_timeout: the collective timeout of the groups it forms.
+        start_step: the step the job starts at (a job resumed from a checkpoint: its step; ``sampler`` at its
+            position).
     """
 
     def __init__(
@@ -118,17 +121,23 @@ class LiveTraining:
         poll_s: float = 0.05,
         failure_grace_s: float = 30.0,
         group_timeout: timedelta = timedelta(minutes=5),
+        start_step: int = 0,
     ) -> None:
         self.build, self.source, self.nodes = build, source, nodes
         self.poll_s, self.failure_grace_s, self.group_timeout = poll_s, failure_grace_s, group_timeout
-        self.round, self.sampler, self.step = first, sampler, 0
+        self.round, self.sampler, self.step = first, sampler, start_step
         self.group = group if group is not None else dist.group.WORLD
         self.global_ranks = dist.get_process_group_ranks(self.group)
+        if first.world_size != len(self.global_ranks):
+            raise UsageError(
+                f"LiveTraining: the first round has {first.world_size} member(s) but its group {len(self.global_ranks)}"
+                " rank(s): name every rank of the group in first.members"
+            )
         self.record: list[tuple[int, list[int]]] = []  # (step, this rank's samples) of every committed step
         self.events: list[RoundEvent] = []
         self.bound = self._bound(first)
         self.opt = self._bounded(build(self.group))
-        self.replicator = self._replicate(0)
+        self.replicator = self._replicate(start_step)
 
     @property
     def rank(self) -> int:

@@ -159,8 +159,31 @@ def _forget(_aliases: tuple[torch.Tensor, ...]) -> None:
     """The retire of a collective that needs no settling: its aliases are simply dropped."""
 
 
-AnyWork = PendingWork | ring.RingWork
-"""What an asynchronous collective of a :class:`Communicator` returns (both have ``wait()`` and ``done``)."""
+Waiter = Callable[[Callable[[], None]], None]
+"""How a :class:`Communicator` waits: ``waiter(work.wait)`` blocks until the work completed or raises (a bounded wait
+that gives up on a group being reconfigured: ``elasticzero.live.bounded``)."""
+
+
+class WaitedWork:
+    """A work whose :meth:`wait` goes through a :data:`Waiter` (what a communicator built with one returns)."""
+
+    __slots__ = ("_inner", "_waiter")
+
+    def __init__(self, inner: PendingWork | ring.RingWork | WaitedWork, waiter: Waiter) -> None:
+        self._inner = inner
+        self._waiter = waiter
+
+    @property
+    def done(self) -> bool:
+        return self._inner.done
+
+    def wait(self) -> None:
+        if not self._inner.done:
+            self._waiter(self._inner.wait)
+
+
+AnyWork = PendingWork | ring.RingWork | WaitedWork
+"""What an asynchronous collective of a :class:`Communicator` returns (all have ``wait()`` and ``done``)."""
 
 
 class Communicator:
@@ -174,6 +197,7 @@ class Communicator:
             without an active exception", exit -6). With a weak reference, ``destroy_process_group()`` joins them.
         owner: the engine object's name, for error messages.
         stats: the :class:`CommStats` to count into (default: new ones); ``communicator.stats`` either way.
+        waiter: how every wait of this communicator's works blocks (:data:`Waiter`; default: ``work.wait()``).
 
     Attributes:
         rank, size: this process's rank in the group and the group's size, when built.
@@ -183,13 +207,21 @@ class Communicator:
             them off).
     """
 
-    def __init__(self, group: Any = None, *, owner: str = "Communicator", stats: CommStats | None = None) -> None:
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        owner: str = "Communicator",
+        stats: CommStats | None = None,
+        waiter: Waiter | None = None,
+    ) -> None:
         pg = group if group is not None else dist.group.WORLD
         if pg is None:
             raise UsageError(f"{owner} needs torch.distributed initialised (init_process_group)")
         if pg is dist.GroupMember.NON_GROUP_MEMBER:
             raise UsageError(f"{owner}: this process is not in the group (new_group gave it NON_GROUP_MEMBER)")
         self.owner = owner
+        self.waiter = waiter
         self.stats = stats if stats is not None else CommStats()
         self.rank: int = dist.get_rank(pg)
         self.size: int = dist.get_world_size(pg)
@@ -380,6 +412,8 @@ class Communicator:
 
     def _finish(self, work: AnyWork, async_op: bool) -> AnyWork | None:
         """The work itself when asynchronous (tracked until done); otherwise wait for it, settle, and return None."""
+        if self.waiter is not None:
+            work = WaitedWork(work, self.waiter)
         if async_op:
             self._pending = [w for w in self._pending if not w.done]
             self._pending.append(work)

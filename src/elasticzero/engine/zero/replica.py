@@ -44,7 +44,7 @@ from torch import nn
 
 from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.buddy import BuddyPlan, place_buddies
-from elasticzero.engine.zero.comm import Communicator
+from elasticzero.engine.zero.comm import Communicator, Waiter
 from elasticzero.engine.zero.reshard import Holdings
 from elasticzero.engine.zero.sharded import ShardedState
 
@@ -114,6 +114,8 @@ class Replicator:
         step: the training step ``opt``'s state is at (the census reports steps from there).
         overlap: step the copies on a background thread, overlapping this rank's next forward and backward (joined
             before the next exchange and by every method that reads the copies); False: inside ``opt.step()``.
+        waiter: how the copies' communicator waits (:data:`~elasticzero.engine.zero.comm.Waiter`; a bounded wait for
+            live reconfiguration).
 
     Collective: every rank of ``opt``'s group builds one at the same point (it mirrors the current state to the
     holders). The replicator has its own :class:`Communicator` on ``opt.process_group`` (``replicator.comm_stats``:
@@ -128,11 +130,12 @@ class Replicator:
         node_shift: int = 1,
         step: int = 0,
         overlap: bool = True,
+        waiter: Waiter | None = None,
     ) -> None:
         self.opt = opt
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ez-replica") if overlap else None
         self._applying: Future[None] | None = None
-        self.communicator = Communicator(opt.process_group, owner="Replicator")
+        self.communicator = Communicator(opt.process_group, owner="Replicator", waiter=waiter)
         self.rank = opt.rank
         self.step = step
         found = list(nodes) if nodes is not None else self._gather_nodes()

@@ -1,0 +1,131 @@
+"""Bounded waits: gloo cannot abort a collective, so the engine's waits are made leavable.
+
+A :class:`BoundedWait` is a :data:`~elasticzero.engine.zero.comm.Waiter`: given to the engine's communicators
+(``Communicator(group, waiter=bound)``, ``Replicator(..., waiter=bound)``), every wait of their works runs on the
+bound's helper thread while the calling thread waits for it ``poll_s`` at a time and, between two, polls the round
+source. When a newer round is announced the caller leaves with :class:`Reconfigure` (the round); when the work fails
+(a peer's socket closed: SIGKILL) it waits up to ``failure_grace_s`` for the agent's round, then leaves with
+:class:`Reconfigure` too (or re-raises the failure when no round came). gloo may also fail a collective when it is
+*issued* (posting a receive on a closed pair raises): the loop construct hands such an error to
+:meth:`BoundedWait.after_failure` itself.
+
+Why a thread and not ``work.wait(timeout)`` in a loop: for gloo's point-to-point works (the rings, the replica
+exchange) ``wait(timeout)`` that times out signals the error to every pair of the context (the whole group is broken:
+"Application timeout caused pair closure"), and their ``is_completed()`` stays false until ``wait()`` — so a short
+timed wait can only be used where the group is given up anyway. The thread waits without a bound.
+
+Abandoning: once it raised :class:`Reconfigure` a bound refuses every later wait (:attr:`BoundedWait.abandoned`), so
+nothing issues or waits on the old group again. The helper thread (a daemon) stays blocked in the abandoned wait, and
+gloo's own worker thread in the collective, until the old group's timeout fires or the lost peer's sockets close (the
+agent kills a frozen worker: fencing); either ends the wait with an error nobody reads. The old group is never
+destroyed (``destroy_process_group`` would join those threads).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from elasticzero.live.rounds import Round, RoundError
+
+
+class Reconfigure(Exception):
+    """A newer round was announced while this process waited on the old group: reform the group for ``round``."""
+
+    def __init__(self, round_: Round) -> None:
+        super().__init__(f"round {round_.number} announced: {round_.world_size} member(s)")
+        self.round = round_
+
+
+class LiveError(RuntimeError):
+    """Live reconfiguration cannot go on in this process (a bad round key, not a member of the new round, a failed
+    reconfiguration): exit, and the agent's restart path takes over (disk checkpoint)."""
+
+
+Poll = Callable[[], Round | RoundError | None]
+
+
+def leave_for(found: Round | RoundError | None) -> Reconfigure | None:
+    """The exception a wait leaves with for what the round source said (``None``: keep waiting); a
+    :class:`RoundError` is raised as :class:`LiveError`."""
+    if isinstance(found, RoundError):
+        raise LiveError(found.reason)
+    return Reconfigure(found) if found is not None else None
+
+
+class BoundedWait:
+    """Waits the engine's works on a helper thread, leaving when ``poll`` reports a newer round (see the module).
+
+    Args:
+        poll: the round source's decision for this process's current round (:meth:`RoundSource.poll` bound to it).
+        poll_s: how long a wait runs between two polls (the bound on leaving after an announcement).
+        failure_grace_s: after a work failed, how long to wait for the agent's round before re-raising the failure.
+    """
+
+    def __init__(self, poll: Poll, *, poll_s: float = 0.05, failure_grace_s: float = 30.0) -> None:
+        self.poll = poll
+        self.poll_s = poll_s
+        self.failure_grace_s = failure_grace_s
+        self.abandoned: Round | None = None
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], Future[None]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="ez-bounded-wait", daemon=True)
+        self._thread.start()
+
+    def __call__(self, wait: Callable[[], None]) -> None:
+        """Run ``wait`` (a work's blocking wait), leaving with :class:`Reconfigure` on a new round (the source is
+        polled only once the wait took ``poll_s``: a wait that completes costs no store traffic)."""
+        if self.abandoned is not None:
+            raise Reconfigure(self.abandoned)
+        done: Future[None] = Future()
+        self._jobs.put((wait, done))
+        while True:
+            try:
+                return done.result(timeout=self.poll_s)
+            except FutureTimeout:
+                self._leave_if(self.poll())
+            except Exception as err:
+                self.after_failure(err)
+
+    def check(self) -> None:
+        """Raise :class:`Reconfigure` if this bound was abandoned or a newer round is announced now."""
+        if self.abandoned is not None:
+            raise Reconfigure(self.abandoned)
+        self._leave_if(self.poll())
+
+    def close(self) -> None:
+        """Let the helper thread end (after the wait it is in, if any)."""
+        self._jobs.put(None)
+
+    def _leave_if(self, found: Round | RoundError | None) -> None:
+        leave = leave_for(found)
+        if leave is not None:
+            self.abandoned = leave.round
+            self._jobs.put(None)  # the thread ends once the abandoned wait does
+            raise leave
+
+    def after_failure(self, err: BaseException) -> None:
+        """A collective failed (a peer's sockets closed; at its wait, or already when it was issued): the agent's
+        round is expected. Raise :class:`Reconfigure` (from ``err``) if it comes within ``failure_grace_s``, else
+        ``err``."""
+        deadline = time.monotonic() + self.failure_grace_s
+        while time.monotonic() < deadline:
+            try:
+                self._leave_if(self.poll())
+            except Reconfigure as leave:
+                raise leave from err
+            time.sleep(self.poll_s)
+        raise err
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            wait, done = job
+            try:
+                wait()
+            except BaseException as err:  # handed to the waiting caller
+                done.set_exception(err)
+            else:
+                done.set_result(None)

@@ -1,0 +1,30 @@
+"""A communicator built with a waiter (a live job's bounded wait, elasticzero.live.bounded) routes every wait of its
+works through it, synchronous or not (world-size-1 gloo group)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from elasticzero.engine.zero.comm import Communicator
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_communicator_with_a_waiter_waits_through_it(group: None) -> None:
+    waited: list[Callable[[], None]] = []
+
+    def waiter(wait: Callable[[], None]) -> None:
+        waited.append(wait)
+        wait()
+
+    comm = Communicator(waiter=waiter)
+    comm.all_reduce(torch.ones(3))
+    work = comm.all_gather(torch.empty(2), torch.ones(2), async_op=True)
+    assert work is not None and len(waited) == 1
+    work.wait()
+    work.wait()  # done: not waited again
+    assert len(waited) == 2 and work.done
+    comm.close()

@@ -1,0 +1,77 @@
+"""Bounded waits over plain blocking callables (what a gloo work's ``wait`` is to them) and a scripted round source
+(real gloo ranks: tests/integration/live/test_live_loop.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from elasticzero.live.bounded import BoundedWait, LiveError, Reconfigure
+from elasticzero.live.rounds import Round, RoundError
+
+pytestmark = pytest.mark.timeout(60)
+ROUND = Round(1, ((0, 0),), "round1/")
+
+
+class Source:
+    """A round source that announces ``found`` once ``announced`` is set."""
+
+    def __init__(self, found: Round | RoundError = ROUND) -> None:
+        self.announced = threading.Event()
+        self.found = found
+        self.polls = 0
+
+    def __call__(self) -> Round | RoundError | None:
+        self.polls += 1
+        return self.found if self.announced.is_set() else None
+
+
+def test_a_wait_that_completes_returns_without_polling() -> None:
+    source = Source()
+    bound = BoundedWait(source, poll_s=5)
+    bound(lambda: None)
+    assert (bound.abandoned, source.polls) == (None, 0)
+    bound.close()
+
+
+def test_a_stuck_wait_is_left_within_a_poll_of_the_announcement() -> None:
+    source, stuck = Source(), threading.Event()
+    bound = BoundedWait(source, poll_s=0.02)
+    timer = threading.Timer(0.2, source.announced.set)
+    timer.start()
+    with pytest.raises(Reconfigure) as left:
+        bound(stuck.wait)  # never set: a collective whose peer froze
+    late = time.monotonic()
+    assert left.value.round == ROUND and bound.abandoned == ROUND
+    with pytest.raises(Reconfigure):  # an abandoned bound never waits on the old group again
+        bound(lambda: None)
+    stuck.set()  # the abandoned wait ends (the group's timeout, the peer's sockets closing): its thread goes
+    assert time.monotonic() - late < 1
+
+
+def test_a_failed_wait_waits_for_the_round_then_leaves_for_it() -> None:
+    source = Source()
+
+    def fails() -> None:
+        threading.Timer(0.1, source.announced.set).start()
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(Reconfigure) as left:
+        BoundedWait(source, poll_s=0.02, failure_grace_s=10)(fails)
+    assert isinstance(left.value.__cause__, RuntimeError)
+
+
+def test_a_failure_without_a_round_is_raised_after_the_grace() -> None:
+    bound = BoundedWait(Source(), poll_s=0.01, failure_grace_s=0.1)
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        bound.after_failure(RuntimeError("closed by peer"))
+    assert bound.abandoned is None
+
+
+def test_a_broken_round_key_is_a_live_error() -> None:
+    source = Source(RoundError("elasticzero/live/round: not a round"))
+    source.announced.set()
+    with pytest.raises(LiveError, match="not a round"):
+        BoundedWait(source).check()

@@ -207,9 +207,11 @@ CANARIES = [
     Canary(f"{HANDLER}._bootstrap_store_info", HANDLER_PY, None),
     Canary(
         "torch.distributed.elastic.rendezvous.dynamic_rendezvous._RendezvousState",
-        HANDLER_PY,
-        _assigns("round", "participants"),
+        f"{HANDLER_PY}, agent/peers.py (last_heartbeats: who is still alive)",
+        _assigns("round", "participants", "last_heartbeats"),
     ),
+    # -- peer liveness: the round's participants and their heartbeats, read as torch's num_nodes_waiting does ----
+    Canary(f"{HANDLER}._heartbeat_lock", "agent/peers.py (PeerWatch: read the state without racing keep-alive)", None),
     Canary(
         "torch.distributed.elastic.rendezvous.dynamic_rendezvous._NodeDesc",
         "rendezvous/ordering.py (hint keys), rendezvous/handler.py (constructor)",
@@ -264,6 +266,7 @@ _INSTANCE_ATTRS = {
     f"{HANDLER}._state_holder",
     f"{HANDLER}._this_node",
     f"{HANDLER}._bootstrap_store_info",
+    f"{HANDLER}._heartbeat_lock",
     "torch.nn.Module._parameters",
 }
 

@@ -55,6 +55,8 @@ from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 from elasticzero.agent.binding import AGENT_PID_ENV
 from elasticzero.agent.health import HealthFile
+from elasticzero.agent.liveness import PeerPlan
+from elasticzero.agent.peers import PeerWatch, peer_change
 from elasticzero.agent.proctree import descendants, kill_now, processes_with_env
 from elasticzero.torchcompat import DEFAULT_SHUTDOWN_TIMEOUT, agent_shutdown_kwargs, stop_kwargs
 
@@ -131,6 +133,7 @@ class ElasticZeroAgent(LocalElasticAgent):
         monitor_hold_file: str | None = None,
         worker_env: Callable[[int], Mapping[str, str]] | None = None,
         shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT,
+        peers: PeerPlan | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(spec, logs_specs, **kwargs, **agent_shutdown_kwargs(shutdown_timeout))
@@ -140,6 +143,8 @@ class ElasticZeroAgent(LocalElasticAgent):
         self._min_nodes = min_nodes
         self._monitor_hold_file = monitor_hold_file
         self._worker_pids: list[int] = []
+        self._peer_plan = peers
+        self._peers: PeerWatch | None = None  #: watches the current round's participants (peer liveness)
         self.last_failure: tuple[int, ProcessFailure] | None = None
 
     def remove_health_file(self) -> None:
@@ -163,6 +168,8 @@ class ElasticZeroAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pids = super()._start_workers(worker_group)
         self._worker_pids = [int(p) for p in pids.values()]
+        if self._peer_plan is not None:
+            self._peers = PeerWatch.for_round(worker_group.spec.rdzv_handler, self._peer_plan)
         self._health.write(
             "running",
             worker_pids=self._worker_pids,
@@ -184,12 +191,28 @@ class ElasticZeroAgent(LocalElasticAgent):
                 return self._rejoin(worker_group, str(view.changing))
             report_failure(*self.last_failure)
         elif result.state == WorkerState.HEALTHY:
+            changed = self._check_peers(worker_group)  # first: bounded, so the store calls below find it answering
+            if changed is not None:
+                return changed
             # another node gave up (restarts exhausted) and closed the run; torch's loop only looks at the wait
             # list, so workers that never talk to that node would run on alone. Stop them and exit.
             self._raise_if_peer_failed()
             if worker_group.spec.rdzv_handler.is_closed():
                 raise PeerFailedError("the rendezvous was closed by another node; stopping this node's workers")
         return result
+
+    def _check_peers(self, worker_group: WorkerGroup) -> RunResult | None:
+        """Peer liveness (:mod:`~elasticzero.agent.liveness`): a participant gone, or this node dropped, re-forms the
+        round without spending a restart (a store host gone raises :class:`~elasticzero.agent.peers.StoreLostError`)."""
+        change = peer_change(self._peers)
+        if change is None:
+            return None
+        if change.mark:
+            self._mark_round_changing(change.why)
+        print(f"elasticzero-run: {change.why}; re-forming the round, no restart spent", file=sys.stderr, flush=True)
+        self._peers = None
+        super()._restart_workers(worker_group)  # not ours: no "nodes waiting to join" mark
+        return RunResult(state=WorkerState.HEALTHY)
 
     def _rejoin(self, worker_group: WorkerGroup, why: str) -> RunResult:
         """Restart the workers through a new rendezvous without spending a restart (the round is changing)."""

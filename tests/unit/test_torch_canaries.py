@@ -213,6 +213,11 @@ CANARIES = [
     # -- peer liveness: the round's participants and their heartbeats, read as torch's num_nodes_waiting does ----
     Canary(f"{HANDLER}._heartbeat_lock", "agent/peers.py (PeerWatch: read the state without racing keep-alive)", None),
     Canary(
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous._BackendRendezvousStateHolder._backend",
+        "agent/peers.py (PeerWatch: a fresh read of the heartbeats, not the holder's 1 s cache)",
+        None,
+    ),
+    Canary(
         "torch.distributed.elastic.rendezvous.dynamic_rendezvous._NodeDesc",
         "rendezvous/ordering.py (hint keys), rendezvous/handler.py (constructor)",
         _fields("addr", "pid", "local_id"),
@@ -267,6 +272,7 @@ _INSTANCE_ATTRS = {
     f"{HANDLER}._this_node",
     f"{HANDLER}._bootstrap_store_info",
     f"{HANDLER}._heartbeat_lock",
+    "torch.distributed.elastic.rendezvous.dynamic_rendezvous._BackendRendezvousStateHolder._backend",
     "torch.nn.Module._parameters",
 }
 

@@ -4,8 +4,9 @@ Every agent of a dynamic rendezvous writes a keep-alive heartbeat into the rende
 ``keep_alive_interval`` (torch's ``DynamicRendezvousHandler``), and every read of the state drops a node whose last
 heartbeat is older than ``keep_alive_interval * keep_alive_max_attempt`` (torch's ``_sanitize``). elasticzero makes
 that age *the* peer timeout: :func:`peer_plan` derives the two keep-alive settings from ``--peer-timeout`` (or the
-timeout from the settings a user wrote into ``--rdzv-conf``), so there is one rule for "gone" — torch's — and
-:func:`judge` only compares the round's participants with the nodes the state still holds.
+timeout from the settings a user wrote into ``--rdzv-conf``), and :func:`judge` applies torch's rule to a fresh read
+of the heartbeats, so a node the agent finds gone is one the next rendezvous drops too (it never waits for it).
+Heartbeats carry the writer's clock, as in torch: the nodes' clocks must agree well within the timeout (NTP).
 
 :mod:`elasticzero.agent.peers` reads the snapshot (thin I/O); the agent acts on the :class:`Liveness` verdict.
 The trade-off of the timeout (docs/agent.md, "Peer liveness"): a frozen node is noticed after at most the timeout
@@ -115,8 +116,10 @@ class Snapshot:
 
     this_node: str  #: this agent's node descriptor (torch's ``addr_pid_localid``)
     round_nodes: frozenset[str]  #: the participants of the round this node's workers run in
-    alive_nodes: frozenset[str]  #: nodes the state still holds a heartbeat for, after torch dropped the silent ones
-    #: seconds the current read of the state has been waiting for the store (0 when it answered)
+    #: each node's last heartbeat in the state (POSIX seconds, the writer's clock); a node torch dropped is absent
+    beats: Mapping[str, float]
+    read_at: float  #: when the state was read (POSIX seconds, this node's clock)
+    #: seconds the store has not answered for (0 when the last read did)
     store_wait_s: float = 0.0
 
 
@@ -124,8 +127,8 @@ class Snapshot:
 class Liveness:
     """The verdict: everyone alive, peers gone, this node itself dropped, or the store silent."""
 
-    gone: tuple[str, ...] = ()  #: participants of the round torch dropped (silent past the timeout, or left)
-    self_gone: bool = False  #: this node was dropped: it was frozen or cut off, the others re-formed without it
+    gone: tuple[str, ...] = ()  #: participants of the round silent past the timeout, or gone from the state
+    self_gone: bool = False  #: this node was silent past the timeout: frozen or cut off, the others went on
     store_silent_s: float | None = None  #: the store has not answered for this long (past the timeout)
 
     @property
@@ -133,19 +136,26 @@ class Liveness:
         return not (self.gone or self.self_gone or self.store_silent_s is not None)
 
 
+def silent(snap: Snapshot, node: str, timeout_s: float) -> bool:
+    """torch's ``_sanitize`` rule: no heartbeat in the state, or the last one older than the timeout."""
+    beat = snap.beats.get(node)
+    return beat is None or snap.read_at - beat > timeout_s
+
+
 def judge(snap: Snapshot, timeout_s: float, store_is_a_peer: bool) -> Liveness:
     """The verdict over one snapshot.
 
     A store that has not answered for ``timeout_s`` counts first when it lives in a peer (c10d: the agent of one
-    node hosts it; that node is frozen or cut off, and no heartbeat can be read); then this node's own absence from
-    the state (torch dropped it while it was frozen: the others re-formed without it); then the round's participants
-    the state no longer holds.
+    node hosts it; that node is frozen or cut off, and no heartbeat can be read); then this node's own silence (it
+    was frozen: the others dropped it and went on); then the round's participants silent past the timeout — the
+    age at which every node's next read of the state drops them (torch's ``_sanitize``), so the round the agent
+    re-forms never waits for them.
     """
     if store_is_a_peer and snap.store_wait_s > timeout_s:
         return Liveness(store_silent_s=snap.store_wait_s)
-    if snap.this_node not in snap.alive_nodes:
+    if silent(snap, snap.this_node, timeout_s):
         return Liveness(self_gone=True)
-    return Liveness(gone=tuple(sorted(snap.round_nodes - snap.alive_nodes)))
+    return Liveness(gone=tuple(sorted(n for n in snap.round_nodes if silent(snap, n, timeout_s))))
 
 
 def node_host(node: str) -> str:

@@ -1,17 +1,19 @@
 """Thin I/O of peer liveness: read the rendezvous state into a :class:`~elasticzero.agent.liveness.Snapshot`.
 
-The state is torch's (``DynamicRendezvousHandler``): read under the handler's heartbeat lock, as torch's own
-``num_nodes_waiting`` reads it, so this never races the keep-alive thread; the read syncs through torch's state
-holder, which drops the nodes silent past the keep-alive age (the peer timeout). The read runs in a daemon thread and
+The state is torch's (``DynamicRendezvousHandler``): fetched from its backend under the handler's heartbeat lock (the
+lock torch's keep-alive thread and ``num_nodes_waiting`` hold around their reads), so it never races them; fetched
+fresh each time, not through the state holder's one-second cache, so a frozen node is seen at the peer timeout,
+not up to a second later. The read runs in a daemon thread and
 the monitor loop never waits for it: a store that does not answer (c10d: its host is frozen, and torch's keep-alive
 thread holds the lock while it waits) shows as a growing ``store_wait_s`` instead of a blocked agent.
 """
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,10 +36,11 @@ class PeerChange:
 
 @dataclass
 class _Read:
-    """One read of the state in flight, and the nodes it found alive (``None``: the store failed)."""
+    """One read of the state in flight, and the heartbeats it found (``None``: the store failed)."""
 
     done: threading.Event = field(default_factory=threading.Event)
-    alive: frozenset[str] | None = None
+    beats: dict[str, float] | None = None
+    at: float = 0.0  #: POSIX time of the read
 
 
 class PeerWatch:
@@ -48,7 +51,9 @@ class PeerWatch:
         self.plan = plan
         self.this_node = repr(handler._this_node)
         self.round_nodes = self._participants()
-        self._alive = self.round_nodes  #: the nodes the last answered read held a heartbeat for
+        #: the last answered read: heartbeats and when (before the first: everyone just joined, as of now)
+        self._beats: Mapping[str, float] = dict.fromkeys(self.round_nodes, time.time())
+        self._read_at = time.time()
         self._read: _Read | None = None
         self._unanswered_since: float | None = None  #: start of the first read since the store last answered
 
@@ -83,10 +88,10 @@ class PeerWatch:
             read.done.wait(max(0.0, since + self.plan.timeout_s - now()) + 0.05)
         if read.done.is_set():
             self._read = None
-            if read.alive is not None:
-                self._alive, self._unanswered_since = read.alive, None
+            if read.beats is not None:
+                self._beats, self._read_at, self._unanswered_since = read.beats, read.at, None
         wait = 0.0 if self._unanswered_since is None else now() - self._unanswered_since
-        snap = Snapshot(self.this_node, self.round_nodes, self._alive, wait)
+        snap = Snapshot(self.this_node, self.round_nodes, self._beats, self._read_at, wait)
         return judge(snap, self.plan.timeout_s, self.plan.store_in_agent is not None)
 
     def _start_read(self, t: float) -> None:
@@ -98,11 +103,14 @@ class PeerWatch:
 
 
 def _read_state(handler: Any, read: _Read) -> None:
-    """In a daemon thread: sync torch's state holder (it drops the silent nodes) and note who is still there."""
+    """In a daemon thread: fetch the rendezvous state from its backend and note each node's last heartbeat."""
     try:
         with handler._heartbeat_lock:
-            handler._state_holder.sync()
-            read.alive = frozenset(repr(n) for n in handler._state_holder.state.last_heartbeats)
+            fetched = handler._state_holder._backend.get_state()
+            read.at = time.time()
+        state = pickle.loads(fetched[0]) if fetched is not None else None  # the state torch itself pickled there
+        beats = state.last_heartbeats if state is not None else {}
+        read.beats = {repr(node): beat.timestamp() for node, beat in beats.items()}
     except Exception:  # a store error is no answer: the store's silence keeps growing
         pass
     finally:

@@ -9,7 +9,9 @@ public API; ``tests/unit/agent/test_exit_barrier.py`` checks torch still calls `
 * ``_start_workers`` — torch's, then the health file says ``running`` with this round's ranks and pids;
 * ``_monitor_workers`` — torch's; on a failure, the root-cause rank and its error file are reported once — unless
   the round is changing (:func:`failure_action`): then the workers are restarted through a new rendezvous without
-  spending a restart; while healthy, a job marked failed or a rendezvous closed by another node (it exhausted its
+  spending a restart; while healthy, first peer liveness (:mod:`~elasticzero.agent.peers`: a participant silent past
+  ``--peer-timeout`` re-forms the round, no restart spent; this node dropped rejoins; a silent c10d store ends the
+  agent with one line), then a job marked failed or a rendezvous closed by another node (it exhausted its
   restarts) stops this node;
 * ``_restart_workers`` / ``_invoke_run`` — before this node stops its workers for a membership change (torch's loop
   restarts healthy workers only for nodes waiting to join) or leaves on a signal, it marks the round as changing

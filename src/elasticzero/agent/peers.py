@@ -21,6 +21,10 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from elasticzero.agent.liveness import Liveness, PeerPlan, Snapshot, gone_line, judge, store_lost_line
 
+#: etcd: seconds between two reads of the state (one small range request per agent each); c10d reads every monitor
+#: tick, since the read is also the probe that keeps the tick from blocking on a store whose host froze
+READ_PERIOD_S = 0.5
+
 
 class StoreLostError(RendezvousConnectionError):
     """The c10d store's host (a peer's agent) has not answered for the peer timeout: this node cannot go on."""
@@ -56,11 +60,14 @@ class PeerWatch:
         self._read_at = time.time()
         self._read: _Read | None = None
         self._unanswered_since: float | None = None  #: start of the first read since the store last answered
+        self._next_read = 0.0  #: etcd: the earliest start of the next read (monotonic)
 
     @classmethod
     def for_round(cls, handler: Any, plan: PeerPlan) -> PeerWatch | None:
         """A watch over ``handler``'s current round; ``None`` for a handler without torch's heartbeats (static)."""
         if not all(hasattr(handler, a) for a in ("_this_node", "_state_holder", "_heartbeat_lock")):
+            return None
+        if not hasattr(handler._state_holder, "_backend"):
             return None
         return cls(handler, plan)
 
@@ -75,18 +82,18 @@ class PeerWatch:
                 lock.release()
 
     def check(self, now: Callable[[], float] = time.monotonic) -> Liveness:
-        """Read the state (torch's holder serves it from a 1 s cache) and judge it.
+        """Read the heartbeats (fresh from the backend) and judge them.
 
-        Where the store lives in a peer (c10d), the read is waited for until the store has been silent for the peer
-        timeout, so the torch calls that follow in the same tick (``num_nodes_waiting``) find it answering.
+        Where the store lives in a peer (c10d), a read starts every tick and is waited for until the store has been
+        silent for the peer timeout, so the store calls that follow in the same tick (``num_nodes_waiting``) find it
+        answering. With etcd a read starts every :data:`READ_PERIOD_S` and is never waited for.
         """
-        if self._read is None:
+        if self._read is None and (self.plan.store_in_agent is not None or now() >= self._next_read):
             self._start_read(now())
         read, since = self._read, self._unanswered_since
-        assert read is not None and since is not None
-        if self.plan.store_in_agent is not None:
+        if read is not None and since is not None and self.plan.store_in_agent is not None:
             read.done.wait(max(0.0, since + self.plan.timeout_s - now()) + 0.05)
-        if read.done.is_set():
+        if read is not None and read.done.is_set():
             self._read = None
             if read.beats is not None:
                 self._beats, self._read_at, self._unanswered_since = read.beats, read.at, None
@@ -95,7 +102,7 @@ class PeerWatch:
         return judge(snap, self.plan.timeout_s, self.plan.store_in_agent is not None)
 
     def _start_read(self, t: float) -> None:
-        self._read = _Read()
+        self._read, self._next_read = _Read(), t + READ_PERIOD_S
         if self._unanswered_since is None:
             self._unanswered_since = t
         args = (self._handler, self._read)

@@ -49,7 +49,8 @@ def run_once(nodeid: str, keep: Path, label: str) -> tuple[bool, str, dict[str, 
         return True, "", times
     log = keep / f"{label}-{time.strftime('%H%M%S')}.log"
     log.write_text(out)
-    why = next((line.strip() for line in out.splitlines() if line.startswith("E ")), f"exit {p.returncode}")
+    lines = out.splitlines()  # pytest marks the failing source line with ">", its message with "E"
+    why = next((line[1:].strip() for line in lines if line.startswith(">")), f"exit {p.returncode}")
     return False, f"{why[:160]} (log: {log})", times
 
 

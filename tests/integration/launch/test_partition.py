@@ -88,7 +88,10 @@ def test_a_partitioned_node_is_dropped_and_the_survivor_trains_on(tmp_path: Path
             wait_for(again, 60, "the survivor training at world 1")
             recovery = min(r["time"] for r in again()) - t_cut
             line = "the c10d rendezvous store at"
-            wait_for(lambda: line in log.read_text(), 60, "the cut-off node's line")
+            try:
+                wait_for(lambda: line in log.read_text(), 60, "the cut-off node's line")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n{log.read_text()[-6000:]}") from None
             wait_for(lambda: hosts[1] not in leftovers(job, tb), 30, f"nothing of the job left on {hosts[1]}")
         print(f"partition: the survivor trains again {recovery:.2f} s after the cut")
         text = log.read_text()

@@ -193,20 +193,29 @@ class ElasticZeroAgent(LocalElasticAgent):
                 return self._rejoin(worker_group, str(view.changing))
             report_failure(*self.last_failure)
         elif result.state == WorkerState.HEALTHY:
-            changed = self._check_peers(worker_group)  # first: bounded, so the store calls below find it answering
-            if changed is not None:
-                return changed
-            # another node gave up (restarts exhausted) and closed the run; torch's loop only looks at the wait
-            # list, so workers that never talk to that node would run on alone. Stop them and exit.
-            self._raise_if_peer_failed()
-            if worker_group.spec.rdzv_handler.is_closed():
-                raise PeerFailedError("the rendezvous was closed by another node; stopping this node's workers")
+            return self._check_peers(worker_group) or result
         return result
+
+    def _raise_if_closed(self, worker_group: WorkerGroup) -> None:
+        """Another node gave up (restarts exhausted) and closed the run: stop this node too.
+
+        torch's loop only looks at the wait list, so workers that never talk to that node would run on alone. With
+        peer liveness the closed flag comes from its read (bounded; the failing node marks the job failed before it
+        closes), so a healthy tick makes no store call of its own that a lost c10d store could block.
+        """
+        closed = self._peers.closed if self._peers is not None else None
+        if closed is None:
+            self._raise_if_peer_failed()
+            closed = worker_group.spec.rdzv_handler.is_closed()
+        if closed:
+            self._raise_if_peer_failed()
+            raise PeerFailedError("the rendezvous was closed by another node; stopping this node's workers")
 
     def _check_peers(self, worker_group: WorkerGroup) -> RunResult | None:
         """Peer liveness (:mod:`~elasticzero.agent.liveness`): a participant gone, or this node dropped, re-forms the
         round without spending a restart (a store host gone raises :class:`~elasticzero.agent.peers.StoreLostError`)."""
-        change = peer_change(self._peers)
+        change = peer_change(self._peers)  # first: bounded, so the store calls after it find the store answering
+        self._raise_if_closed(worker_group)  # a closed run wins over a silent peer (the failing node stopped beating)
         if change is None:
             return None
         if change.mark:

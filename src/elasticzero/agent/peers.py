@@ -45,6 +45,7 @@ class _Read:
     done: threading.Event = field(default_factory=threading.Event)
     beats: dict[str, float] | None = None
     at: float = 0.0  #: POSIX time of the read
+    closed: bool = False  #: the rendezvous is closed (a node gave up, or the job finished)
 
 
 class PeerWatch:
@@ -61,6 +62,8 @@ class PeerWatch:
         self._read: _Read | None = None
         self._unanswered_since: float | None = None  #: start of the first read since the store last answered
         self._next_read = 0.0  #: etcd: the earliest start of the next read (monotonic)
+        #: whether the last answered read found the rendezvous closed (None: no read answered yet)
+        self.closed: bool | None = None
 
     @classmethod
     def for_round(cls, handler: Any, plan: PeerPlan) -> PeerWatch | None:
@@ -97,6 +100,7 @@ class PeerWatch:
             self._read = None
             if read.beats is not None:
                 self._beats, self._read_at, self._unanswered_since = read.beats, read.at, None
+                self.closed = read.closed
         wait = 0.0 if self._unanswered_since is None else now() - self._unanswered_since
         snap = Snapshot(self.this_node, self.round_nodes, self._beats, self._read_at, wait)
         return judge(snap, self.plan.timeout_s, self.plan.store_in_agent is not None)
@@ -117,6 +121,7 @@ def _read_state(handler: Any, read: _Read) -> None:
             read.at = time.time()
         state = pickle.loads(fetched[0]) if fetched is not None else None  # the state torch itself pickled there
         beats = state.last_heartbeats if state is not None else {}
+        read.closed = bool(state is not None and state.closed)
         read.beats = {repr(node): beat.timestamp() for node, beat in beats.items()}
     except Exception:  # a store error is no answer: the store's silence keeps growing
         pass

@@ -3,7 +3,7 @@ collected by pytest: no ``test_`` files here).
 
 Each repetition is one real pytest run of one case (fresh agents, fresh job id, fresh etcd server), so what is
 repeated is exactly what CI runs. The failures' output is kept under ``--keep``; the timings the tests print (the
-agents' part of a recovery and the first step at the new world size) are collected.
+agents' part of a recovery, when the survivor trains again, when its first step is done) are collected.
 
     .venv/bin/python tests/stress/freeze_stress.py 10                      # every case 10 times
     .venv/bin/python tests/stress/freeze_stress.py 10 --case c10d-freeze   # one case
@@ -34,7 +34,8 @@ CASES = {
 #: the lines the tests print, and the name each timing gets in the summary
 TIMINGS = {
     "agents' part": re.compile(r"workers started ([\d.]+) s after the freeze"),
-    "first step": re.compile(r"trains again (?:at world 1 )?([\d.]+) s after the (?:freeze|cut)"),
+    "trains again": re.compile(r"trains again (?:at world 1 )?([\d.]+) s after the (?:freeze|cut)"),
+    "first step": re.compile(r"first step done after ([\d.]+) s"),
     "store line": re.compile(r"said why ([\d.]+) s after the store host froze"),
 }
 

@@ -3,7 +3,8 @@
 Run it as the example is run (under ``elasticzero-run``, or directly: a world of one), with the example's flags and:
 
 - ``--record-samples FILE``: after every optimizer step each rank appends one JSON line ``{"step", "rank", "world",
-  "attempt", "resumed", "started", "load_s", "time", "samples": [[epoch, id], ...]}`` (docs/elastic-training.md, "The
+  "attempt", "resumed", "started", "load_s", "loaded", "time", "samples": [[epoch, id], ...]}`` (``loaded``: when
+  the resume finished and training began, wall clock) (docs/elastic-training.md, "The
   sample record");
 - ``--hold-file FILE``: before step N+1 (after step N and its checkpoint) the job waits while FILE exists and holds a
   number <= N, collectively (a lost peer fails the job). A test holds the job at a known step this way.
@@ -51,7 +52,7 @@ class DrivenTrainer(train_gpt.Trainer):
         if self.recording:
             self.loader.sampler.record = []  # (epoch, index) of every sample this rank trains on
         self.started = psutil.Process().create_time()  # this worker process's start (wall clock)
-        self.attempt, self.resumed, self.load_s = 0, 0, 0.0
+        self.attempt, self.resumed, self.load_s, self.loaded = 0, 0, 0.0, 0.0
         if args.freeze_file is not None and self.ckpt:  # the example's Checkpointer, rebuilt with the freeze hook
             self.ckpt.close()
             hook, directory = self.phase, args.checkpoint_dir
@@ -66,7 +67,7 @@ class DrivenTrainer(train_gpt.Trainer):
     def load(self) -> int:
         t0 = time.perf_counter()
         self.resumed = super().load()
-        self.load_s = time.perf_counter() - t0
+        self.load_s, self.loaded = time.perf_counter() - t0, time.time()
         self.attempt = attempt_id(self.device)
         return self.resumed
 
@@ -83,7 +84,8 @@ class DrivenTrainer(train_gpt.Trainer):
         assert sampler.record is not None
         samples, sampler.record[:] = list(sampler.record), []
         fields = {"step": self.step, "rank": self.rank, "world": self.world, "attempt": self.attempt}
-        fields |= {"resumed": self.resumed, "started": self.started, "load_s": self.load_s, "time": time.time()}
+        fields |= {"resumed": self.resumed, "started": self.started, "load_s": self.load_s, "loaded": self.loaded}
+        fields["time"] = time.time()
         with self.args.record_samples.open("a") as fh:
             fh.write(json.dumps({**fields, "samples": samples}) + "\n")
 

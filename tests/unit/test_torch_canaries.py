@@ -207,8 +207,15 @@ CANARIES = [
     Canary(f"{HANDLER}._bootstrap_store_info", HANDLER_PY, None),
     Canary(
         "torch.distributed.elastic.rendezvous.dynamic_rendezvous._RendezvousState",
-        HANDLER_PY,
-        _assigns("round", "participants"),
+        f"{HANDLER_PY}, agent/peers.py (last_heartbeats: who is still alive)",
+        _assigns("round", "participants", "last_heartbeats"),
+    ),
+    # -- peer liveness: the round's participants and their heartbeats, read as torch's num_nodes_waiting does ----
+    Canary(f"{HANDLER}._heartbeat_lock", "agent/peers.py (PeerWatch: read the state without racing keep-alive)", None),
+    Canary(
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous._BackendRendezvousStateHolder._backend",
+        "agent/peers.py (PeerWatch: a fresh read of the heartbeats, not the holder's 1 s cache)",
+        None,
     ),
     Canary(
         "torch.distributed.elastic.rendezvous.dynamic_rendezvous._NodeDesc",
@@ -264,6 +271,8 @@ _INSTANCE_ATTRS = {
     f"{HANDLER}._state_holder",
     f"{HANDLER}._this_node",
     f"{HANDLER}._bootstrap_store_info",
+    f"{HANDLER}._heartbeat_lock",
+    "torch.distributed.elastic.rendezvous.dynamic_rendezvous._BackendRendezvousStateHolder._backend",
     "torch.nn.Module._parameters",
 }
 

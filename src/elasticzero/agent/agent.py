@@ -10,9 +10,11 @@ public API; ``tests/unit/agent/test_exit_barrier.py`` checks torch still calls `
   ``running`` with this round's ranks and pids;
 * ``_monitor_workers`` — torch's; on a failure, the root-cause rank and its error file are reported once — unless
   the round is changing (:func:`failure_action`): then the workers are restarted through a new rendezvous without
-  spending a restart; while healthy, a job marked failed or a rendezvous closed by another node (it exhausted its
-  restarts) stops this node, and a hung worker (no progress for the hang timeout) is killed after dumping its stacks,
-  so the next tick sees it fail (a real failure);
+  spending a restart; while healthy, first peer liveness (:mod:`~elasticzero.agent.peers`: a participant silent past
+  ``--peer-timeout`` re-forms the round, no restart spent; this node dropped rejoins; a silent c10d store ends the
+  agent with one line), then a job marked failed or a rendezvous closed by another node (it exhausted its
+  restarts) stops this node, and a hung worker (no progress for the hang timeout) is killed after dumping its
+  stacks, so the next tick sees it fail (a real failure);
 * ``_restart_workers`` / ``_invoke_run`` — before this node stops its workers for a membership change (torch's loop
   restarts healthy workers only for nodes waiting to join) or leaves on a signal, it marks the round as changing
   (:data:`ROUND_CHANGE_KEY`), so a peer whose workers die of it does not count a failure;
@@ -58,6 +60,8 @@ from torch.distributed.elastic.utils.store import _barrier_nonblocking
 from elasticzero.agent.binding import AGENT_PID_ENV
 from elasticzero.agent.hang import HangWatch
 from elasticzero.agent.health import HealthFile
+from elasticzero.agent.liveness import PeerPlan
+from elasticzero.agent.peers import PeerWatch, peer_change
 from elasticzero.agent.proctree import descendants, kill_now, processes_with_env
 from elasticzero.agent.progress import NO_HANG, HangPlan
 from elasticzero.torchcompat import DEFAULT_SHUTDOWN_TIMEOUT, agent_shutdown_kwargs, stop_kwargs
@@ -136,6 +140,7 @@ class ElasticZeroAgent(LocalElasticAgent):
         worker_env: Callable[[int], Mapping[str, str]] | None = None,
         shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT,
         hang: HangPlan | None = None,
+        peers: PeerPlan | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(spec, logs_specs, **kwargs, **agent_shutdown_kwargs(shutdown_timeout))
@@ -146,6 +151,8 @@ class ElasticZeroAgent(LocalElasticAgent):
         self._monitor_hold_file = monitor_hold_file
         self._worker_pids: list[int] = []
         self._hang = HangWatch(hang or NO_HANG)
+        self._peer_plan = peers
+        self._peers: PeerWatch | None = None  #: watches the current round's participants (peer liveness)
         self.last_failure: tuple[int, ProcessFailure] | None = None
 
     def remove_health_file(self) -> None:
@@ -171,6 +178,8 @@ class ElasticZeroAgent(LocalElasticAgent):
         self._hang.start()
         pids = super()._start_workers(worker_group)
         self._worker_pids = [int(p) for p in pids.values()]
+        if self._peer_plan is not None:
+            self._peers = PeerWatch.for_round(worker_group.spec.rdzv_handler, self._peer_plan)
         self._health.write(
             "running",
             worker_pids=self._worker_pids,
@@ -192,13 +201,40 @@ class ElasticZeroAgent(LocalElasticAgent):
                 return self._rejoin(worker_group, str(view.changing))
             report_failure(*self.last_failure)
         elif result.state == WorkerState.HEALTHY:
-            # another node gave up (restarts exhausted) and closed the run; torch's loop only looks at the wait
-            # list, so workers that never talk to that node would run on alone. Stop them and exit.
-            self._raise_if_peer_failed()
-            if worker_group.spec.rdzv_handler.is_closed():
-                raise PeerFailedError("the rendezvous was closed by another node; stopping this node's workers")
+            peer_result = self._check_peers(worker_group)
+            if peer_result is not None:
+                return peer_result
             self._hang.check(worker_group)  # a hung worker is killed: the next tick sees it fail
         return result
+
+    def _raise_if_closed(self, worker_group: WorkerGroup) -> None:
+        """Another node gave up (restarts exhausted) and closed the run: stop this node too.
+
+        torch's loop only looks at the wait list, so workers that never talk to that node would run on alone. With
+        peer liveness the closed flag comes from its read (bounded; the failing node marks the job failed before it
+        closes), so a healthy tick makes no store call of its own that a lost c10d store could block.
+        """
+        closed = self._peers.closed if self._peers is not None else None
+        if closed is None:
+            self._raise_if_peer_failed()
+            closed = worker_group.spec.rdzv_handler.is_closed()
+        if closed:
+            self._raise_if_peer_failed()
+            raise PeerFailedError("the rendezvous was closed by another node; stopping this node's workers")
+
+    def _check_peers(self, worker_group: WorkerGroup) -> RunResult | None:
+        """Peer liveness (:mod:`~elasticzero.agent.liveness`): a participant gone, or this node dropped, re-forms the
+        round without spending a restart (a store host gone raises :class:`~elasticzero.agent.peers.StoreLostError`)."""
+        change = peer_change(self._peers)  # first: bounded, so the store calls after it find the store answering
+        self._raise_if_closed(worker_group)  # a closed run wins over a silent peer (the failing node stopped beating)
+        if change is None:
+            return None
+        if change.mark:
+            self._mark_round_changing(change.why)
+        print(f"elasticzero-run: {change.why}; re-forming the round, no restart spent", file=sys.stderr, flush=True)
+        self._peers = None
+        super()._restart_workers(worker_group)  # not ours: no "nodes waiting to join" mark
+        return RunResult(state=WorkerState.HEALTHY)
 
     def _rejoin(self, worker_group: WorkerGroup, why: str) -> RunResult:
         """Restart the workers through a new rendezvous without spending a restart (the round is changing)."""

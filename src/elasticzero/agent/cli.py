@@ -111,6 +111,7 @@ def _run(plan: AgentPlan) -> int:
 
     from elasticzero.agent.agent import PeerFailedError
     from elasticzero.agent.launch import launch
+    from elasticzero.agent.peers import StoreLostError
 
     try:
         result, _ = launch(plan)
@@ -119,6 +120,9 @@ def _run(plan: AgentPlan) -> int:
         return signal_exit_code(exc.sigval)
     except PeerFailedError as exc:
         print(f"{PROG}: job failed on another node: {exc}", file=sys.stderr)
+        return 1
+    except StoreLostError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
     except RendezvousError as exc:
         print(f"{PROG}: rendezvous failed: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -24,6 +24,7 @@ from torch.distributed.run import run_script_path
 from torch.numa.binding import AffinityMode, NumaOptions
 
 from elasticzero.agent.agent import ElasticZeroAgent, PeerFailedError
+from elasticzero.agent.peers import StoreLostError
 from elasticzero.agent.plan import AgentPlan, LogsPlan, RendezvousPlan
 from elasticzero.errors import UsageError
 
@@ -116,6 +117,7 @@ def launch(plan: AgentPlan) -> tuple[RunResult, ElasticZeroAgent]:
         log_line_prefix_template=plan.workers.log_line_prefix_template,
         shutdown_timeout=plan.shutdown_timeout,
         hang=plan.workers.hang,
+        peers=plan.peers,
     )
     close_rendezvous = True
     failed = False
@@ -128,9 +130,9 @@ def launch(plan: AgentPlan) -> tuple[RunResult, ElasticZeroAgent]:
     except SignalException:
         close_rendezvous = False  # closing would end the run for every node; a signalled node just leaves
         raise
-    except PeerFailedError:
+    except (PeerFailedError, StoreLostError):
         # the failing node closes the rendezvous itself, and it may host the store and leave as soon as we saw
-        # its mark: closing again would only meet a dead store
+        # its mark: closing again would only meet a dead store (a store lost to a frozen host: it would hang)
         close_rendezvous = False
         raise
     finally:

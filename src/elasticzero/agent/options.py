@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 
+from elasticzero.agent.liveness import DEFAULT_PEER_TIMEOUT_S, PeerPlan, keep_alive_for
+
 #: rendezvous backends built on torch's DynamicRendezvousHandler (they read the keys in RDZV_DEFAULTS)
 DYNAMIC_BACKENDS = frozenset({"c10d", "elasticzero", "etcd-v2"})
 
@@ -17,7 +19,12 @@ DYNAMIC_BACKENDS = frozenset({"c10d", "elasticzero", "etcd-v2"})
 #: with at least min nodes closes 2 s after the last join instead of 30 s. Keep max_attempt >= 3: a live node's
 #: heartbeat is up to 2 intervals old (the keep-alive timer skips a beat when it fires just early), so with 2 a
 #: live but busy node can be dropped from the round without noticing.
-RDZV_DEFAULTS = {"keep_alive_interval": "1", "keep_alive_max_attempt": "4", "last_call_timeout": "2"}
+#: The keep-alive pair is the default peer timeout's (elasticzero.agent.liveness).
+RDZV_DEFAULTS = {
+    "keep_alive_interval": str(keep_alive_for(DEFAULT_PEER_TIMEOUT_S)[0]),
+    "keep_alive_max_attempt": str(keep_alive_for(DEFAULT_PEER_TIMEOUT_S)[1]),
+    "last_call_timeout": "2",
+}
 
 IDENTITY_FLAGS = ("--node-rank", "--node-rank-env", "--node-host", "--node-host-env")
 
@@ -81,6 +88,14 @@ def add_agent_flags(parser: argparse.ArgumentParser) -> None:
         "seen, at least 30; 'off' disables)",
     )
     g.add_argument(
+        "--peer-timeout",
+        "--peer_timeout",
+        metavar="SECONDS",
+        help="a node whose agent sends no rendezvous heartbeat for this long is gone: the others stop their workers "
+        "and re-form without it, no restart spent (whole seconds >= 3; heartbeat every ~1/4 of it; default 4, or "
+        "what --rdzv-conf keep_alive_interval * keep_alive_max_attempt gives; torch's 15 with --torch-rdzv-defaults)",
+    )
+    g.add_argument(
         "--torch-rdzv-defaults",
         action="store_true",
         help="use torch's rendezvous timeouts instead of elasticzero's faster defaults",
@@ -113,12 +128,15 @@ def rdzv_config(
     node_rank: int | None,
     first_host: str | None,
     torch_defaults: bool,
+    peers: PeerPlan | None = None,
 ) -> dict[str, object]:
     """The rendezvous config the handler is built with: ``--rdzv-conf`` (``user``) plus ours, as a new dict.
 
     Static: torchrun's ``rank`` and ``timeout``. Dynamic backends: our defaults (:data:`RDZV_DEFAULTS`) unless
-    ``torch_defaults``; the node-rank hint; ``is_host``; and no ``timeout`` nobody set (torchrun's ``LaunchConfig``
-    injects ``timeout=900`` whether or not the user wrote it).
+    ``torch_defaults``; the keep-alive settings ``--peer-timeout`` derives (``peers``,
+    :func:`elasticzero.agent.liveness.peer_plan`: it already checked them against the user's); the node-rank
+    hint; ``is_host``; and no ``timeout`` nobody set (torchrun's ``LaunchConfig`` injects ``timeout=900`` whether
+    or not the user wrote it).
 
     ``is_host``: when the endpoint host is the node table's first host (``elasticzero-launch``'s default), node 0
     hosts the embedded c10d store — ``is_host=true`` there, ``false`` elsewhere — instead of torch's guess from
@@ -130,6 +148,8 @@ def rdzv_config(
     config: dict[str, object] = dict(user)
     if not torch_defaults and backend in DYNAMIC_BACKENDS:
         config = {**RDZV_DEFAULTS, **config}
+    if peers is not None and peers.source == "--peer-timeout" and backend in DYNAMIC_BACKENDS:
+        config.update(peers.rdzv_conf())  # the keep-alive age torch drops a node at is the peer timeout
     if node_rank is not None:
         config["node_rank_hint"] = node_rank
     if (
@@ -146,6 +166,13 @@ def rdzv_config(
 def _bare_host(host: str) -> str:
     """``user@host`` → ``host``; IPv6 brackets dropped."""
     return host.rsplit("@", 1)[-1].strip("[]")
+
+
+def store_in_agent(backend: str, endpoint: str) -> str | None:
+    """The ``host:port`` of a c10d store an agent hosts (backends with an embedded TCPStore, a TCP endpoint)."""
+    if backend not in STORE_HOSTING_BACKENDS or _endpoint_host(endpoint) is None:
+        return None
+    return endpoint[len("tcp://") :] if endpoint.lower().startswith("tcp://") else endpoint
 
 
 def _endpoint_host(endpoint: str) -> str | None:

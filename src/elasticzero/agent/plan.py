@@ -24,6 +24,7 @@ from typing import Any
 
 from elasticzero.agent.binding import SHIM_STUB, node_env, split_cores, worker_env
 from elasticzero.agent.collective import CollectivePlan, collective_plan
+from elasticzero.agent.liveness import PeerPlan, peer_plan
 from elasticzero.agent.nodetable import (
     HostFacts,
     NodeRow,
@@ -32,7 +33,7 @@ from elasticzero.agent.nodetable import (
     rank_from_env,
     rank_of_host,
 )
-from elasticzero.agent.options import IDENTITY_FLAGS, rdzv_config
+from elasticzero.agent.options import DYNAMIC_BACKENDS, IDENTITY_FLAGS, rdzv_config, store_in_agent
 from elasticzero.agent.progress import NO_HANG, HangPlan, hang_plan
 from elasticzero.errors import UsageError
 from elasticzero.proc import check_job_id
@@ -144,6 +145,8 @@ class AgentPlan:
     #: round, the signals torch's process context handles); the workers' environment is :attr:`workers`
     torch_knobs: Mapping[str, str]
     collective: CollectivePlan  #: the workers' collective timeout and NCCL error handling (also in ``workers.env``)
+    #: peer liveness (dynamic rendezvous only): the peer timeout and the heartbeat carrying it (also in ``rdzv``)
+    peers: PeerPlan | None = None
     health_file: str | None = None
     monitor_hold_file: str | None = None  #: the test hook :data:`MONITOR_HOLD_ENV`
     elastic_config: str | None = None
@@ -170,6 +173,7 @@ class AgentPlan:
             "torch_knobs": dict(self.torch_knobs),
             "collective": {**_plain(self.collective), "env": dict(self.collective.env)},
             "hang": _plain(w.hang),
+            "peers": None if self.peers is None else _plain(self.peers),
             "health_file": self.health_file,
             "elastic_config": self.elastic_config,
         }
@@ -421,6 +425,15 @@ def _workers(
     )
 
 
+def _peers(args: argparse.Namespace, backend: str, endpoint: str, user_conf: Mapping[str, str]) -> PeerPlan | None:
+    """Peer liveness for a dynamic rendezvous (:mod:`elasticzero.agent.liveness`); ``None`` for static ones."""
+    if backend not in DYNAMIC_BACKENDS:
+        if args.peer_timeout is not None:
+            raise UsageError(f"--peer-timeout needs a dynamic rendezvous ({', '.join(sorted(DYNAMIC_BACKENDS))})")
+        return None
+    return peer_plan(args.peer_timeout, user_conf, args.torch_rdzv_defaults, store_in_agent(backend, endpoint))
+
+
 def plan_agent(args: argparse.Namespace, environ: Mapping[str, str], facts: AgentFacts) -> AgentPlan:
     """This node's :class:`AgentPlan` (pure: see the module docstring); bad input raises :class:`UsageError`."""
     table = parse_node_table(args.node_table) if args.node_table is not None else None
@@ -431,13 +444,16 @@ def plan_agent(args: argparse.Namespace, environ: Mapping[str, str], facts: Agen
         raise UsageError(f"--max-restarts {args.max_restarts}: must be >= 0")
     backend, endpoint, run_id = _rdzv_target(args, environ, facts, nnodes)
     job_id = check_job_id(run_id, "--rdzv-id")
+    user_conf = _user_rdzv_conf(args.rdzv_conf)
+    peers = _peers(args, backend, endpoint, user_conf)
     config = rdzv_config(
-        _user_rdzv_conf(args.rdzv_conf),
+        user_conf,
         backend,
         endpoint,
         node_rank=node_rank,
         first_host=table[0].host if table else None,
         torch_defaults=args.torch_rdzv_defaults,
+        peers=peers,
     )
     collective = collective_plan(args.collective_timeout, environ)
     return AgentPlan(
@@ -454,6 +470,7 @@ def plan_agent(args: argparse.Namespace, environ: Mapping[str, str], facts: Agen
             {SHARE_STORE_KNOB: environ.get(SHARE_STORE_KNOB, "1"), SIGNALS_KNOB: args.signals_to_handle}
         ),
         collective=collective,
+        peers=peers,
         health_file=args.health_file,
         monitor_hold_file=environ.get(MONITOR_HOLD_ENV),
         elastic_config=args.elastic_config,

@@ -16,6 +16,7 @@ _LAZY = {
     "ReplicatedState": "elasticzero.checkpoint.replicated",
     "Snapshot": "elasticzero.checkpoint.snapshot",
     "DiskTier": "elasticzero.checkpoint.disk",
+    "FencedError": "elasticzero.checkpoint.fence",
     "ZeroSavePlanner": "elasticzero.checkpoint.planner",
     "ZeroLoadPlanner": "elasticzero.checkpoint.planner",
     "SafeFileSystemReader": "elasticzero.checkpoint.planner",

@@ -55,6 +55,10 @@ class Checkpointer:
             in the caller.
         phase_hook: ``f(phase, step)`` called at the commit protocol's phases (``"snapshot"`` and those of
             :data:`~elasticzero.checkpoint.disk.PhaseHook`).
+
+    Building one is collective and makes its world the directory's writer (:mod:`~elasticzero.checkpoint.fence`):
+    a Checkpointer built earlier on the same directory — a stale world whose node was declared gone and resumed —
+    raises :class:`~elasticzero.checkpoint.fence.FencedError` at its next write, commit or deletion there.
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class Checkpointer:
             raise UsageError("Checkpointer needs torch.distributed initialised (init_process_group)")
         group = process_group if process_group is not None else dist.new_group(backend="gloo")
         self.tier = DiskTier(directory, keep_last=keep_last, process_group=group, phase_hook=phase_hook)
+        self.tier.claim()  # this world writes here from now on; an older one still running is fenced off
         self.async_save = async_save
         self.verify_on_load = verify_on_load
         self._hook = phase_hook or (lambda phase, step: None)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elasticzero.checkpoint import commit
+from elasticzero.checkpoint import commit, fence
 from elasticzero.checkpoint.planner import ZeroLoadPlanner, ZeroSavePlanner, read_metadata_file
 from elasticzero.checkpoint.reader import FastFileSystemReader
 from elasticzero.checkpoint.snapshot import Snapshot
@@ -42,6 +42,16 @@ class DiskTier:
         self.keep_last = keep_last
         self.process_group = process_group
         self._hook = phase_hook or (lambda phase, step: None)
+        self._token: str | None = None  #: this world's writer token (:meth:`claim`); None: not fenced
+
+    def claim(self) -> None:
+        """Make this world the directory's writer (collective; :mod:`~elasticzero.checkpoint.fence`): a world that
+        claimed it before — a node declared gone that resumes later — can no longer write or commit here."""
+        self._token = self._agree(fence.claim(self.root) if self.rank == 0 else None)
+
+    def _check_fence(self, what: str, step: int) -> None:
+        if self._token is not None:
+            fence.check(self.root, what, step, self._token)
 
     @property
     def rank(self) -> int:
@@ -55,6 +65,7 @@ class DiskTier:
     def write(self, snap: Snapshot) -> Path:
         """Write and commit ``snap`` (collective). Returns the committed directory."""
         snap.wait_ready()  # its staging copies from CUDA are asynchronous
+        self._check_fence("this rank's write", snap.step)
         token = self._agree(commit.new_token() if self.rank == 0 else None)
         tmp_name = commit.tmp_dir(snap.step, token)
         if self.rank == 0:
@@ -81,10 +92,12 @@ class DiskTier:
             "info": snap.info,
         }
         self._hook("manifest", snap.step)
+        self._check_fence("the commit", snap.step)
         commit.commit(self.root, tmp_name, snap.step, manifest)
         self._hook("committed", snap.step)
         commit.publish(self.root, snap.step)
         self._hook("published", snap.step)
+        self._check_fence("deleting old checkpoints", snap.step)
         commit.delete(self.root, commit.to_delete(commit.list_dir(self.root), self.keep_last, snap.step))
         self._hook("retained", snap.step)
 

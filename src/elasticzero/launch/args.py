@@ -154,6 +154,12 @@ def build_parser(prog: str = PROG, usage: str | None = None) -> argparse.Argumen
     a.add_argument("--rdzv-id", "--rdzv_id", "--job-id", "--job_id", dest="rdzv_id", metavar="ID", help="job id")
     a.add_argument("--max-restarts", "--max_restarts", type=_nonneg_int, default=0, metavar="N")
     a.add_argument("--monitor-interval", "--monitor_interval", type=float, metavar="SECONDS")
+    a.add_argument(
+        "--peer-timeout",
+        "--peer_timeout",
+        metavar="SECONDS",
+        help="a node silent this long is gone; the others re-form without it (elasticzero-run --peer-timeout)",
+    )
     a.add_argument("--log-dir", "--log_dir", "--enable_each_rank_log", dest="log_dir", metavar="DIR")
     a.add_argument("--redirects", metavar="SPEC", help="torchrun --redirects")
     a.add_argument("--tee", metavar="SPEC", help="torchrun --tee")

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from elasticzero.agent.liveness import parse_peer_timeout
 from elasticzero.errors import UsageError, cli_main
 from elasticzero.launch import backend as backend_mod
 from elasticzero.launch.args import DEFAULT_MASTER_PORT, PROG, parse_args
@@ -290,6 +291,7 @@ def _agent_options(args: argparse.Namespace, nnodes: str, cwd: str) -> AgentOpti
         rdzv_conf=_rdzv_conf(args.rdzv_conf),
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,
+        peer_timeout=None if args.peer_timeout is None else parse_peer_timeout(args.peer_timeout),
         log_dir=os.path.join(cwd, args.log_dir) if args.log_dir else None,
         redirects=args.redirects,
         tee=args.tee,

@@ -61,6 +61,7 @@ class AgentOptions:
     rdzv_conf: tuple[tuple[str, str], ...] = ()
     max_restarts: int = 0
     monitor_interval: float | None = None
+    peer_timeout: int | None = None  #: ``--peer-timeout`` (elasticzero.agent.liveness); None: the agent's default
     log_dir: str | None = None
     redirects: str | None = None
     tee: str | None = None
@@ -119,6 +120,8 @@ class LaunchPlan:
         argv += ["--max-restarts", str(a.max_restarts)]
         if a.monitor_interval is not None:
             argv += ["--monitor-interval", str(a.monitor_interval)]
+        if a.peer_timeout is not None:
+            argv += ["--peer-timeout", str(a.peer_timeout)]
         if a.log_dir:
             argv += ["--log-dir", a.log_dir]
         if a.redirects:

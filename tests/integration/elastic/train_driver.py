@@ -3,13 +3,17 @@
 Run it as the example is run (under ``elasticzero-run``, or directly: a world of one), with the example's flags and:
 
 - ``--record-samples FILE``: after every optimizer step each rank appends one JSON line ``{"step", "rank", "world",
-  "attempt", "resumed", "started", "load_s", "time", "samples": [[epoch, id], ...]}`` (docs/elastic-training.md, "The
+  "attempt", "resumed", "started", "load_s", "loaded", "time", "samples": [[epoch, id], ...]}`` (``loaded``: when
+  the resume finished and training began, wall clock) (docs/elastic-training.md, "The
   sample record");
 - ``--hold-file FILE``: before step N+1 (after step N and its checkpoint) the job waits while FILE exists and holds a
   number <= N, collectively (a lost peer fails the job). A test holds the job at a known step this way;
 - ``--hang-at N --hang-rank R``: in an attempt that started from step 0, rank R stops making progress before step N
   (after the hold): it writes the wall-clock instant to ``<--record-samples>.hang`` and sleeps for good, while its
-  peers go on into step N's collectives. The hang tests' hung worker.
+  peers go on into step N's collectives. The hang tests' hung worker;
+- ``--freeze-file FILE``: when FILE holds ``STEP RANK``, rank RANK stops itself (SIGSTOP) inside the checkpoint save of
+  step STEP — rank 0 right before its commit, any other rank right before it writes its files — after renaming FILE
+  to ``FILE.fired`` (once). A test then freezes the rest of that node and resumes it later (fencing).
 
 :class:`DrivenTrainer` subclasses the example's ``Trainer``: the example's own loop runs, the hooks wrap its
 ``load`` and ``train_step``. Used by ``test_elastic_e2e.py`` and ``bench/elastic_recovery_bench.py``.
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -44,6 +50,7 @@ class DrivenTrainer(train_gpt.Trainer):
         p.add_argument("--hold-file", type=Path, help="before step N+1, wait while this file holds a number <= N")
         p.add_argument("--hang-at", type=int, help="rank --hang-rank sleeps for good before this step (first attempt)")
         p.add_argument("--hang-rank", type=int, default=0, help="the rank --hang-at hangs (default 0)")
+        p.add_argument("--freeze-file", type=Path, help="'STEP RANK': that rank SIGSTOPs itself in that step's save")
         return p
 
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
@@ -52,12 +59,22 @@ class DrivenTrainer(train_gpt.Trainer):
         if self.recording:
             self.loader.sampler.record = []  # (epoch, index) of every sample this rank trains on
         self.started = psutil.Process().create_time()  # this worker process's start (wall clock)
-        self.attempt, self.resumed, self.load_s = 0, 0, 0.0
+        self.attempt, self.resumed, self.load_s, self.loaded = 0, 0, 0.0, 0.0
+        if args.freeze_file is not None and self.ckpt:  # the example's Checkpointer, rebuilt with the freeze hook
+            self.ckpt.close()
+            hook, directory = self.phase, args.checkpoint_dir
+            self.ckpt = train_gpt.Checkpointer(directory, keep_last=2, async_save=args.async_save, phase_hook=hook)
+
+    def phase(self, phase: str, step: int) -> None:
+        """The checkpoint's phase hook: freeze this process where ``--freeze-file`` says (once)."""
+        where = "manifest" if self.rank == 0 else "snapshot"  # rank 0: before the commit; others: before writing
+        if phase == where and freeze_due(self.args.freeze_file, step, self.rank):
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     def load(self) -> int:
         t0 = time.perf_counter()
         self.resumed = super().load()
-        self.load_s = time.perf_counter() - t0
+        self.load_s, self.loaded = time.perf_counter() - t0, time.time()
         self.attempt = attempt_id(self.device)
         return self.resumed
 
@@ -92,7 +109,8 @@ class DrivenTrainer(train_gpt.Trainer):
         assert sampler.record is not None
         samples, sampler.record[:] = list(sampler.record), []
         fields = {"step": self.step, "rank": self.rank, "world": self.world, "attempt": self.attempt}
-        fields |= {"resumed": self.resumed, "started": self.started, "load_s": self.load_s, "time": time.time()}
+        fields |= {"resumed": self.resumed, "started": self.started, "load_s": self.load_s, "loaded": self.loaded}
+        fields["time"] = time.time()
         with self.args.record_samples.open("a") as fh:
             fh.write(json.dumps({**fields, "samples": samples}) + "\n")
 
@@ -115,6 +133,17 @@ def hold(path: Path | None, step: int, device: torch.device) -> None:
             return
         elasticzero.heartbeat()
         time.sleep(0.2)
+
+
+def freeze_due(path: Path, step: int, rank: int) -> bool:
+    """``path`` names this step and rank: claim it (rename to ``.fired``, so it fires once) and say so."""
+    try:
+        due = path.read_text().split() == [str(step), str(rank)]
+        if due:
+            os.replace(path, path.with_name(path.name + ".fired"))
+        return due
+    except FileNotFoundError:
+        return False
 
 
 def held(path: Path, step: int) -> bool:

@@ -1,0 +1,147 @@
+"""Thin I/O of peer liveness: read the rendezvous state into a :class:`~elasticzero.agent.liveness.Snapshot`.
+
+The state is torch's (``DynamicRendezvousHandler``): fetched from its backend under the handler's heartbeat lock (the
+lock torch's keep-alive thread and ``num_nodes_waiting`` hold around their reads), so it never races them; fetched
+fresh each time, not through the state holder's one-second cache, so a frozen node is seen at the peer timeout,
+not up to a second later. The read runs in a daemon thread and
+the monitor loop never waits for it: a store that does not answer (c10d: its host is frozen, and torch's keep-alive
+thread holds the lock while it waits) shows as a growing ``store_wait_s`` instead of a blocked agent.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+from elasticzero.agent.liveness import Liveness, PeerPlan, Snapshot, gone_line, judge, store_lost_line
+
+#: etcd: seconds between two reads of the state (one small range request per agent each); c10d reads every monitor
+#: tick, since the read is also the probe that keeps the tick from blocking on a store whose host froze
+READ_PERIOD_S = 0.5
+
+
+class StoreLostError(RendezvousConnectionError):
+    """The c10d store's host (a peer's agent) has not answered for the peer timeout: this node cannot go on."""
+
+
+@dataclass(frozen=True)
+class PeerChange:
+    """What the agent does about a verdict: re-form the round (``mark``: tell the others first) and why."""
+
+    why: str
+    mark: bool
+
+
+@dataclass
+class _Read:
+    """One read of the state in flight, and the heartbeats it found (``None``: the store failed)."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    beats: dict[str, float] | None = None
+    at: float = 0.0  #: POSIX time of the read
+    closed: bool = False  #: the rendezvous is closed (a node gave up, or the job finished)
+
+
+class PeerWatch:
+    """Watches the participants of one round (built after each rendezvous; :meth:`check` every monitor tick)."""
+
+    def __init__(self, handler: Any, plan: PeerPlan) -> None:
+        self._handler = handler
+        self.plan = plan
+        self.this_node = repr(handler._this_node)
+        self.round_nodes = self._participants()
+        #: the last answered read: heartbeats and when (before the first: everyone just joined, as of now)
+        self._beats: Mapping[str, float] = dict.fromkeys(self.round_nodes, time.time())
+        self._read_at = time.time()
+        self._read: _Read | None = None
+        self._unanswered_since: float | None = None  #: start of the first read since the store last answered
+        self._next_read = 0.0  #: etcd: the earliest start of the next read (monotonic)
+        #: whether the last answered read found the rendezvous closed (None: no read answered yet)
+        self.closed: bool | None = None
+
+    @classmethod
+    def for_round(cls, handler: Any, plan: PeerPlan) -> PeerWatch | None:
+        """A watch over ``handler``'s current round; ``None`` for a handler without torch's heartbeats (static)."""
+        if not all(hasattr(handler, a) for a in ("_this_node", "_state_holder", "_heartbeat_lock")):
+            return None
+        if not hasattr(handler._state_holder, "_backend"):
+            return None
+        return cls(handler, plan)
+
+    def _participants(self) -> frozenset[str]:
+        """The round's participants, as the rendezvous that just completed left them in the state holder."""
+        lock = self._handler._heartbeat_lock
+        locked = lock.acquire(timeout=self.plan.timeout_s)
+        try:
+            return frozenset(repr(n) for n in self._handler._state_holder.state.participants)
+        finally:
+            if locked:
+                lock.release()
+
+    def check(self, now: Callable[[], float] = time.monotonic) -> Liveness:
+        """Read the heartbeats (fresh from the backend) and judge them.
+
+        Where the store lives in a peer (c10d), a read starts every tick and is waited for until the store has been
+        silent for the peer timeout, so the store calls that follow in the same tick (``num_nodes_waiting``) find it
+        answering. With etcd a read starts every :data:`READ_PERIOD_S` and is never waited for.
+        """
+        if self._read is None and (self.plan.store_in_agent is not None or now() >= self._next_read):
+            self._start_read(now())
+        read, since = self._read, self._unanswered_since
+        if read is not None and since is not None and self.plan.store_in_agent is not None:
+            read.done.wait(max(0.0, since + self.plan.timeout_s - now()) + 0.05)
+        if read is not None and read.done.is_set():
+            self._read = None
+            if read.beats is not None:
+                self._beats, self._read_at, self._unanswered_since = read.beats, read.at, None
+                self.closed = read.closed
+        wait = 0.0 if self._unanswered_since is None else now() - self._unanswered_since
+        snap = Snapshot(self.this_node, self.round_nodes, self._beats, self._read_at, wait)
+        return judge(snap, self.plan.timeout_s, self.plan.store_in_agent is not None)
+
+    def _start_read(self, t: float) -> None:
+        self._read, self._next_read = _Read(), t + READ_PERIOD_S
+        if self._unanswered_since is None:
+            self._unanswered_since = t
+        args = (self._handler, self._read)
+        threading.Thread(target=_read_state, args=args, name="elasticzero-peer-read", daemon=True).start()
+
+
+def _read_state(handler: Any, read: _Read) -> None:
+    """In a daemon thread: fetch the rendezvous state from its backend and note each node's last heartbeat."""
+    try:
+        with handler._heartbeat_lock:
+            fetched = handler._state_holder._backend.get_state()
+            read.at = time.time()
+        state = pickle.loads(fetched[0]) if fetched is not None else None  # the state torch itself pickled there
+        beats = state.last_heartbeats if state is not None else {}
+        read.closed = bool(state is not None and state.closed)
+        read.beats = {repr(node): beat.timestamp() for node, beat in beats.items()}
+    except Exception:  # a store error is no answer: the store's silence keeps growing
+        pass
+    finally:
+        read.done.set()
+
+
+def peer_change(watch: PeerWatch | None) -> PeerChange | None:
+    """Check ``watch``; what to do about its verdict (``None``: nothing). Raises :class:`StoreLostError`."""
+    if watch is None:
+        return None
+    verdict = watch.check()
+    if verdict.alive:
+        return None
+    if verdict.store_silent_s is not None:
+        raise StoreLostError(store_lost_line(watch.plan, verdict.store_silent_s))
+    if verdict.self_gone:
+        why = (
+            f"this node was dropped from the rendezvous (no heartbeat for {watch.plan.timeout_s} s: it was frozen "
+            "or cut off) and the others went on without it; stopping its workers and joining again as a new node"
+        )
+        return PeerChange(why, mark=False)
+    return PeerChange(gone_line(verdict.gone, watch.plan), mark=True)

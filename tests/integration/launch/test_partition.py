@@ -1,0 +1,108 @@
+"""A real network partition during a pdsh-launched elastic job: packets between two namespace hosts are dropped (tc
+filters inside both namespaces, removed in a ``finally``), then the cut heals.
+
+Hosts 2 and 3 of the test bed (node rank 0 hosts the job's c10d store); the workers all-reduce in a loop
+(``ez_agent_worker.py loop=1``). Node 0 no longer hears node 1's heartbeat: after the peer timeout it re-forms the
+round and trains on alone. Node 1 can no longer reach the store: it says so in one line, stops its workers and exits
+(a c10d rendezvous cannot take it back). After the heal nothing of the job is left on node 1, and node 0 finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from launchkit import kill_job, leftovers, wait_for, worker_env_clean
+
+import ez_testing
+from elasticzero.agent.liveness import DEFAULT_PEER_TIMEOUT_S
+from ez_testing import REPO, Testbed, free_port, require, require_program
+
+LAUNCH = str(Path(sys.executable).parent / "elasticzero-launch")
+WORKER = str(REPO / "tests" / "integration" / "agent" / "ez_agent_worker.py")
+pytestmark = [pytest.mark.multiproc, pytest.mark.pdsh, pytest.mark.sshd, pytest.mark.timeout(180)]
+#: the issue's bound: the survivors train again within 10 s of the cut, with default settings
+RECOVERY_S = 10.0
+
+
+def tc(netns: str, *args: str) -> None:
+    """``tc`` inside a namespace host (an argv list; fails loudly)."""
+    subprocess.run(["ip", "netns", "exec", netns, "tc", *args], check=True, capture_output=True, timeout=30)
+
+
+@contextmanager
+def partition(tb: Testbed, a: int, b: int) -> Iterator[None]:
+    """Drop every packet host ``a`` sends to host ``b`` and back; heal on exit.
+
+    In each of the two namespaces: an htb root whose default class passes everything, and a class holding a zero-length
+    FIFO (every packet it gets is dropped) that a u32 filter sends the peer's packets to — no action module needed,
+    and the rest of the test bed (other hosts, the head) is not touched.
+    """
+    cut = [(tb.netns[a], tb.addrs[b]), (tb.netns[b], tb.addrs[a])]
+    try:
+        for ns, peer in cut:
+            tc(ns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "2")
+            tc(ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb", "rate", "1kbit")
+            tc(ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:2", "htb", "rate", "10gbit")
+            tc(ns, "qdisc", "add", "dev", "eth0", "parent", "1:1", "handle", "10:", "pfifo", "limit", "0")
+            tc(ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+               "match", "ip", "dst", f"{peer}/32", "flowid", "1:1")  # fmt: skip
+        yield
+    finally:
+        for ns, _ in cut:
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "eth0", "root"],
+                           capture_output=True, timeout=30, check=False)  # fmt: skip
+
+
+def reports(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in out.glob("report.*.json")]
+
+
+def test_a_partitioned_node_is_dropped_and_the_survivor_trains_on(tmp_path: Path) -> None:
+    tb = ez_testing.testbed()
+    require_program("pdsh", "tc")
+    require(len(tb.hosts) >= 3, "the partition test uses hosts 2 and 3 of the test bed (1 and 2 serve other tests)")
+    hosts = [tb.hosts[1], tb.hosts[2]]
+    out, log = tmp_path / "out", tmp_path / "launch.log"
+    out.mkdir()
+    (tmp_path / "hostfile").write_text(f"{hosts[0]} slots=1\n{hosts[1]} slots=1\n")
+    job = f"ezpart-{secrets.token_hex(4)}"
+    argv = [LAUNCH, "--hostfile", str(tmp_path / "hostfile"), "--launcher", "pdsh", "--nnodes", "1:2"]
+    argv += ["--master-port", str(free_port()), "--rdzv-id", job, WORKER, str(out), "loop=1"]
+    with log.open("w") as fh:
+        launcher = subprocess.Popen(argv, env={**worker_env_clean(), "OMP_NUM_THREADS": "1"}, cwd=tmp_path,
+                                    stdout=fh, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        wait_for(lambda: len(reports(out)) == 2 or launcher.poll() is not None, 120, "a world of 2 on both hosts")
+        assert launcher.poll() is None, log.read_text()[-3000:]
+        with partition(tb, 1, 2):
+            t_cut = time.time()
+            again = lambda: [r for r in reports(out) if r["world_size"] == 1 and r["time"] > t_cut]  # noqa: E731
+            wait_for(again, 60, "the survivor training at world 1")
+            recovery = min(r["time"] for r in again()) - t_cut
+            line = "the c10d rendezvous store at"
+            try:
+                wait_for(lambda: line in log.read_text(), 60, "the cut-off node's line")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n{log.read_text()[-6000:]}") from None
+            wait_for(lambda: hosts[1] not in leftovers(job, tb), 30, f"nothing of the job left on {hosts[1]}")
+        print(f"partition: the survivor trains again {recovery:.2f} s after the cut")
+        text = log.read_text()
+        assert f"{hosts[1]}: elasticzero-run: {line}" in text and "cannot survive its store host" in text, text
+        (out / "stop").touch()
+        launcher.wait(timeout=60)  # pdsh reports the largest exit code: the cut-off node's 1
+        assert launcher.returncode == 1, text[-3000:]
+        assert sorted(r["world_size"] for r in reports(out)) == [1, 2, 2]
+        wait_for(lambda: not leftovers(job, tb), 20, "no process of the job on any host")
+        assert recovery < RECOVERY_S, f"{recovery:.1f} s (peer timeout {DEFAULT_PEER_TIMEOUT_S} s)"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        kill_job(job)

@@ -1,0 +1,88 @@
+"""Stress: the freeze, store-host freeze and partition tests, each repeated, to show they are not races (a script, not
+collected by pytest: no ``test_`` files here).
+
+Each repetition is one real pytest run of one case (fresh agents, fresh job id, fresh etcd server), so what is
+repeated is exactly what CI runs. The failures' output is kept under ``--keep``; the timings the tests print (the
+agents' part of a recovery, when the survivor trains again, when its first step is done) are collected.
+
+    .venv/bin/python tests/stress/freeze_stress.py 10                      # every case 10 times
+    .venv/bin/python tests/stress/freeze_stress.py 10 --case c10d-freeze   # one case
+
+Prints one line per run and a summary: runs, passes, failures per case (with the failing assertion's line), the
+median and range of each timing, and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CASES = {
+    "c10d-freeze": "tests/integration/elastic/test_freeze.py::test_frozen_node_survived_fenced_and_rejoins[c10d]",
+    "etcd-freeze": "tests/integration/elastic/test_freeze.py::test_frozen_node_survived_fenced_and_rejoins[etcd]",
+    "c10d-store-host-freeze": "tests/integration/agent/test_store_host_freeze.py",
+    "partition": "tests/integration/launch/test_partition.py",
+}
+#: the lines the tests print, and the name each timing gets in the summary
+TIMINGS = {
+    "agents' part": re.compile(r"workers started ([\d.]+) s after the freeze"),
+    "trains again": re.compile(r"trains again (?:at world 1 )?([\d.]+) s after the (?:freeze|cut)"),
+    "first step": re.compile(r"first step done after ([\d.]+) s"),
+    "store line": re.compile(r"said why ([\d.]+) s after the store host froze"),
+}
+
+
+def run_once(nodeid: str, keep: Path, label: str) -> tuple[bool, str, dict[str, float]]:
+    """One pytest run of ``nodeid``: passed?, the failing line, and the timings it printed."""
+    argv = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", nodeid]
+    p = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    out = p.stdout + p.stderr
+    times = {name: float(m.group(1)) for name, rx in TIMINGS.items() if (m := rx.search(out))}
+    if p.returncode == 0:
+        return True, "", times
+    log = keep / f"{label}-{time.strftime('%H%M%S')}.log"
+    log.write_text(out)
+    lines = out.splitlines()  # pytest marks the failing source line with ">", its message with "E"
+    why = next((line[1:].strip() for line in lines if line.startswith(">")), f"exit {p.returncode}")
+    return False, f"{why[:160]} (log: {log})", times
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("n", type=int, help="repetitions per case")
+    ap.add_argument("--case", choices=sorted(CASES), action="append", help="only these cases (repeatable)")
+    ap.add_argument("--keep", type=Path, default=None, help="where failing runs' output goes (default: a temp dir)")
+    args = ap.parse_args()
+    keep = args.keep or Path(tempfile.mkdtemp(prefix="freeze-stress-"))
+    keep.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[tuple[bool, str, dict[str, float]]]] = {c: [] for c in args.case or CASES}
+    t0 = time.monotonic()
+    for i in range(args.n):
+        for case in results:
+            ok, why, times = run_once(CASES[case], keep, case)
+            results[case].append((ok, why, times))
+            shown = " ".join(f"{k}={v:.2f}s" for k, v in times.items())
+            print(f"[{i + 1}/{args.n}] {case}: {'ok' if ok else 'FAIL ' + why} {shown}", flush=True)
+    print(f"\nsummary ({time.monotonic() - t0:.0f} s, load average {os.getloadavg()[0]:.1f}):")
+    for case, runs in results.items():
+        fails = [why for ok, why, _ in runs if not ok]
+        print(f"  {case}: {len(runs)} runs, {len(runs) - len(fails)} passed, {len(fails)} failed")
+        for name in TIMINGS:
+            values = [t[name] for _, _, t in runs if name in t]
+            if values:
+                print(f"    {name}: median {statistics.median(values):.2f} s [{min(values):.2f}, {max(values):.2f}]")
+        for why in fails:
+            print(f"    failed: {why}")
+    return 0 if all(ok for runs in results.values() for ok, _, _ in runs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

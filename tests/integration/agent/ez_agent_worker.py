@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -61,6 +62,7 @@ def main() -> None:
         "cpus": allowed_cpus(),
         "grandchild": grandchild,
         "time": time.time(),
+        "started": psutil.Process().create_time(),  # this process's start: time - started is its start-up
     }
     tmp = out / f".report.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(report))

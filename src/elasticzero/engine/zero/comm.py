@@ -146,8 +146,35 @@ def _forget(_aliases: tuple[torch.Tensor, ...]) -> None:
     """The retire of a collective that needs no settling: its aliases are simply dropped."""
 
 
-AnyWork = PendingWork | ring.RingWork
-"""What an asynchronous collective of a :class:`Communicator` returns (both have ``wait()`` and ``done``)."""
+class LocalWork:
+    """A reduce-scatter or all-gather of a one-rank group: ``output`` is ``input`` (the sum over one rank, the
+    concatenation of one chunk), so it is a local copy, done when built — none at all when ``output`` is ``input``'s
+    own memory (a bucket reduced in place, a master shard that is its parameters' buffer). The backend never sees it:
+    gloo would clone the input first, NCCL would launch a kernel to copy a buffer onto itself."""
+
+    __slots__ = ()
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        if not same_memory(output, input):
+            output.copy_(input.reshape(output.shape))
+
+    @property
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        """Nothing to wait for."""
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same storage (a copy between them is a no-op)."""
+    if not (a.is_contiguous() and b.is_contiguous()):
+        return False
+    return (a.device, a.dtype, a.data_ptr(), a.numel()) == (b.device, b.dtype, b.data_ptr(), b.numel())
+
+
+AnyWork = PendingWork | ring.RingWork | LocalWork
+"""What an asynchronous collective of a :class:`Communicator` returns (all have ``wait()`` and ``done``)."""
 
 
 class Communicator:
@@ -247,6 +274,8 @@ class Communicator:
         """Sum ``input`` (``size * output.numel()`` elements) over ranks; this rank's chunk lands in ``output``."""
         pg = self.group
         self.stats.record("reduce_scatter", tag, input)
+        if self.size == 1:
+            return self._finish(LocalWork(output, input), async_op)
         if self._ring_for(input):
             work = ring.reduce_scatter(output, input, pg, self._ring_tag(), self._settling.extend)
             return self._finish(work, async_op)
@@ -258,6 +287,8 @@ class Communicator:
         """Concatenate every rank's ``input`` into ``output`` (``input`` may be this rank's chunk of ``output``)."""
         pg = self.group
         self.stats.record("all_gather", tag, output)
+        if self.size == 1:
+            return self._finish(LocalWork(output, input), async_op)
         if self._ring_for(output):
             work = ring.all_gather(output, input, pg, self._ring_tag(), self._settling.extend)
             return self._finish(work, async_op)
@@ -333,7 +364,8 @@ class Communicator:
         """The work itself when asynchronous (tracked until done); otherwise wait for it, settle, and return None."""
         if async_op:
             self._pending = [w for w in self._pending if not w.done]
-            self._pending.append(work)
+            if not work.done:
+                self._pending.append(work)
             return work
         work.wait()
         self.settle()

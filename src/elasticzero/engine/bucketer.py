@@ -61,7 +61,11 @@ class GradBucketer:
         on_reduced: called once per bucket per reduction with the reduced tensor (whole bucket or this rank's shard).
         on_ready: called when all of a bucket's parameters have their gradient (ZeRO-3 frees the parameters there).
         on_finalize: called at the end of every backward after all reductions completed.
-        keep_buffers: keep the bucket buffers allocated between steps (ZeRO-1); otherwise they are freed once reduced.
+        shard_out: where a reduce-scatter writes this rank's shard of a bucket (``shard_numel`` elements of
+            ``reduce_dtype``, e.g. a gradient shard kept between steps), or None for a new tensor. In a one-rank group
+            the bucket buffer is its own shard and is reduced in place (nothing to allocate, copy or send).
+        keep_buffers: keep the bucket buffers allocated between steps (ZeRO-1); otherwise they are freed once reduced
+            (a reduce-scatter's input is reused for the next bucket of the same backward, see :meth:`finalize`).
         max_inflight: at most this many collectives outstanding.
         launch_in_backward: launch a bucket as soon as it (and every bucket before it in flush order) is complete.
             False: launch every bucket at the end of backward. When the same process group also carries
@@ -91,6 +95,7 @@ class GradBucketer:
         on_reduced: Callable[[FlatBucket, torch.Tensor], None] | None = None,
         on_ready: Callable[[FlatBucket], None] | None = None,
         on_finalize: Callable[[], None] | None = None,
+        shard_out: Callable[[FlatBucket], torch.Tensor | None] | None = None,
         keep_buffers: bool = False,
         max_inflight: int = 2,
         comm_stats: comm.CommStats | None = None,
@@ -128,6 +133,7 @@ class GradBucketer:
         self.on_reduced = on_reduced if on_reduced is not None else self._write_mean_grads
         self.on_ready = on_ready
         self.on_finalize = on_finalize
+        self.shard_out = shard_out
         self.keep_buffers = keep_buffers
         self.max_inflight = max(1, max_inflight)
         self.launch_in_backward = launch_in_backward
@@ -137,7 +143,9 @@ class GradBucketer:
             for pos, p in enumerate(b.params):
                 self._slot[p] = (b, pos)
         self._buffers: dict[int, torch.Tensor] = {}
-        self._unwritten: dict[int, set[int]] = {}  # transient buffers: slots not yet written (uninitialised)
+        self._unwritten: dict[int, set[int]] = {}  # slots not yet written since allocated or zero_buffers()
+        self._spares: list[torch.Tensor] = []  # reduced transient buffers, reused by this backward's next buckets
+        self._bases: dict[int, torch.Tensor] = {}  # a transient buffer's whole allocation (it may view a spare)
         self._arrived: dict[int, set[int]] = {b.index: set() for b in self.buckets}
         self._ready: set[int] = set()
         self._next = 0  # position in flush_order of the next bucket to launch
@@ -207,7 +215,7 @@ class GradBucketer:
         idx, off, n = bucket.index, bucket.offsets[pos], bucket.params[pos].numel()
         buf = self._buffers.get(idx)
         if buf is None and not self.keep_buffers:
-            buf = torch.empty(bucket.padded_numel, dtype=self.reduce_dtype, device=self._devices[idx])
+            buf = self._transient(bucket)
             buf[bucket.numel :].zero_()
             self._buffers[idx] = buf
             self._unwritten[idx] = set(range(len(bucket.params)))
@@ -221,6 +229,14 @@ class GradBucketer:
             else:
                 buf[off : off + n].add_(grad.reshape(-1), alpha=1.0 / self.world_size)
 
+    def _transient(self, bucket: FlatBucket) -> torch.Tensor:
+        """An uninitialised buffer for ``bucket``: a spare of this backward large enough (on its device), else new."""
+        device, n = self._devices[bucket.index], bucket.padded_numel
+        fits = [i for i, spare in enumerate(self._spares) if spare.device == device and spare.numel() >= n]
+        base = self._spares.pop(fits[0]) if fits else torch.empty(n, dtype=self.reduce_dtype, device=device)
+        self._bases[bucket.index] = base
+        return base[:n]
+
     def _zero_unwritten(self, bucket: FlatBucket, buf: torch.Tensor) -> None:
         unwritten = self._unwritten.pop(bucket.index, None)
         for pos in unwritten or ():
@@ -229,15 +245,21 @@ class GradBucketer:
 
     def held_buffers(self) -> list[torch.Tensor]:
         """The bucket buffers currently allocated (for memory accounting)."""
-        return list(self._buffers.values())
+        return [*self._buffers.values(), *self._spares]
 
     def zero_buffers(self) -> None:
-        """Zero (``keep_buffers``) or drop every buffer, discarding gradients accumulated under :meth:`no_sync`."""
+        """Zero (``keep_buffers``) or drop every buffer, discarding gradients accumulated under :meth:`no_sync`.
+
+        A kept buffer is zeroed lazily: its slots are marked unwritten, so the next backward writes each gradient
+        instead of adding it to zeros (no zero-fill pass, no read of the buffer); :meth:`buffer` zeroes what is still
+        unwritten before anyone reads it."""
         if self.keep_buffers:
-            for buf in self._buffers.values():
-                buf.zero_()
+            for b in self.buckets:
+                if b.index in self._buffers:
+                    self._unwritten[b.index] = set(range(len(b.params)))
         else:
             self._buffers.clear()
+            self._bases.clear()
             self._unwritten.clear()
         for s in self._arrived.values():
             s.clear()
@@ -263,6 +285,7 @@ class GradBucketer:
             self._ready.clear()
             self._next = 0
             self.last_launch_order, self._launched = self._launched, []
+            self._spares.clear()  # transient memory ends with the backward that used it
         for s in self._arrived.values():
             s.clear()
         if self.on_finalize is not None:
@@ -320,17 +343,28 @@ class GradBucketer:
             work = self._communicator.all_reduce(buf, async_op=True)
             out = buf
         else:
-            out = torch.empty(bucket.shard_numel, dtype=buf.dtype, device=buf.device)
+            out = self._shard_destination(bucket, buf)
             work = self._communicator.reduce_scatter(out, buf, async_op=True)
         self._inflight.append((bucket, out, work))
+
+    def _shard_destination(self, bucket: FlatBucket, buf: torch.Tensor) -> torch.Tensor:
+        """Where this rank's shard of ``bucket`` is reduced to: the buffer itself in a one-rank group, else
+        ``shard_out``'s tensor or a new one."""
+        if self.world_size == 1:
+            return buf
+        given = self.shard_out(bucket) if self.shard_out is not None else None
+        return given if given is not None else torch.empty(bucket.shard_numel, dtype=buf.dtype, device=buf.device)
 
     def _complete_oldest(self) -> None:
         bucket, out, work = self._inflight.popleft()
         work.wait()
         self.on_reduced(bucket, out)
         if not self.keep_buffers:
-            self._buffers.pop(bucket.index, None)
+            buf = self._buffers.pop(bucket.index, None)
+            base = self._bases.pop(bucket.index, None)
             self._unwritten.pop(bucket.index, None)
+            if base is not None and self.op == "reduce_scatter" and buf is not out:  # handed to nobody: reusable
+                self._spares.append(base)
 
     def _write_mean_grads(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
         if self.op != "all_reduce":

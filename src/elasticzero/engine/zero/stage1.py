@@ -22,6 +22,7 @@ class ZeroStage1(_ReplicatedParamsZero):
     Gradients accumulate into persistent full-size bucket buffers; each backward (outside :meth:`no_sync`)
     reduce-scatters them so this rank's chunk holds the mean gradient of its shard (the master's ``.grad`` is a view
     of that chunk when reducing in fp32), and zeroes the chunks other ranks own. ``no_sync`` costs no extra memory.
+    ``zero_grad`` zeroes the buffers lazily (the next backward writes each gradient instead of adding it to zeros).
     """
 
     stage = 1
@@ -30,14 +31,4 @@ class ZeroStage1(_ReplicatedParamsZero):
         return self._reduce_scatter_bucketer(keep_buffers=True)
 
     def _on_reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
-        buf = self.bucketer.buffer(bucket)
-        lo, hi = bucket.shard_range()
-        master = self.masters[bucket.index]
-        buf.zero_()
-        if buf.dtype == torch.float32:
-            buf[lo:hi].copy_(shard)  # chunk = previous accumulated mean + this backward's mean
-            master.grad = buf[lo:hi]
-        elif master.grad is None:
-            master.grad = shard.float()
-        else:
-            master.grad.add_(shard)
+        self._reduced_into_kept_buffer(bucket, shard)

@@ -1,0 +1,25 @@
+"""ZeroStage2's step path on real gloo ranks (2 and 3): the fp32 gradient shards are allocated once and rewritten
+every step, a backward reuses the buffers of buckets already reduced (and holds none once it ends), and the result is
+bitwise ZeroStage1's on the same batches (the same reductions and the same fused AdamW, only the buffers differ)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ez_testing import run_ranks
+
+WORKER = Path(__file__).with_name("step_path_worker.py")
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_stage2_reuses_its_buffers_and_equals_stage1(world: int, tmp_path: Path) -> None:
+    for res in run_ranks(WORKER, world, tmp_path / "step"):
+        assert res["buckets"] >= 3 and res["taken_per_step"] == res["buckets"]
+        # max_inflight=1: at most the bucket in flight and the one filling are allocated; the rest reuse them
+        assert res["fresh_per_step"] <= 2 < res["buckets"]
+        assert res["shards_kept"] and res["held_after_backward"]
+        assert res["stage2_equals_stage1"] and res["unsettled"] == 0

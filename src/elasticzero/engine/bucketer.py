@@ -64,8 +64,10 @@ class GradBucketer:
         shard_out: where a reduce-scatter writes this rank's shard of a bucket (``shard_numel`` elements of
             ``reduce_dtype``, e.g. a gradient shard kept between steps), or None for a new tensor. In a one-rank group
             the bucket buffer is its own shard and is reduced in place (nothing to allocate, copy or send).
-        keep_buffers: keep the bucket buffers allocated between steps (ZeRO-1); otherwise they are freed once reduced
-            (a reduce-scatter's input is reused for the next bucket of the same backward, see :meth:`finalize`).
+        keep_buffers: keep the bucket buffers allocated between steps (ZeRO-1); otherwise a bucket's buffer is
+            let go of once reduced: a reduce-scatter's input launched during backward joins at most ``max_inflight +
+            1`` spares that later buckets, of this backward and the next, are filled in (:meth:`spare_buffers`);
+            anything else is freed.
         max_inflight: at most this many collectives outstanding.
         launch_in_backward: launch a bucket as soon as it (and every bucket before it in flush order) is complete.
             False: launch every bucket at the end of backward. When the same process group also carries
@@ -144,7 +146,7 @@ class GradBucketer:
                 self._slot[p] = (b, pos)
         self._buffers: dict[int, torch.Tensor] = {}
         self._unwritten: dict[int, set[int]] = {}  # slots not yet written since allocated or zero_buffers()
-        self._spares: list[torch.Tensor] = []  # reduced transient buffers, reused by this backward's next buckets
+        self._spares: list[torch.Tensor] = []  # reduced transient buffers, filled again by later buckets
         self._bases: dict[int, torch.Tensor] = {}  # a transient buffer's whole allocation (it may view a spare)
         self._arrived: dict[int, set[int]] = {b.index: set() for b in self.buckets}
         self._ready: set[int] = set()
@@ -230,10 +232,10 @@ class GradBucketer:
                 buf[off : off + n].add_(grad.reshape(-1), alpha=1.0 / self.world_size)
 
     def _transient(self, bucket: FlatBucket) -> torch.Tensor:
-        """An uninitialised buffer for ``bucket``: a spare of this backward large enough (on its device), else new."""
+        """An uninitialised buffer for ``bucket``: the smallest spare large enough (on its device), else a new one."""
         device, n = self._devices[bucket.index], bucket.padded_numel
-        fits = [i for i, spare in enumerate(self._spares) if spare.device == device and spare.numel() >= n]
-        base = self._spares.pop(fits[0]) if fits else torch.empty(n, dtype=self.reduce_dtype, device=device)
+        fits = [(s.numel(), i) for i, s in enumerate(self._spares) if s.device == device and s.numel() >= n]
+        base = self._spares.pop(min(fits)[1]) if fits else torch.empty(n, dtype=self.reduce_dtype, device=device)
         self._bases[bucket.index] = base
         return base[:n]
 
@@ -244,8 +246,17 @@ class GradBucketer:
             buf[off : off + bucket.params[pos].numel()].zero_()
 
     def held_buffers(self) -> list[torch.Tensor]:
-        """The bucket buffers currently allocated (for memory accounting)."""
-        return [*self._buffers.values(), *self._spares]
+        """The bucket buffers currently allocated (for memory accounting); spares not included."""
+        return list(self._buffers.values())
+
+    def spare_buffers(self) -> list[torch.Tensor]:
+        """Reduced bucket buffers kept for later buckets to be filled in (at most ``max_inflight + 1``).
+
+        Why kept across backwards: a buffer freed at the end of one backward and allocated again in the next is fresh
+        memory to the CPU allocator (glibc serves buffers this large with ``mmap`` and unmaps them on free), so every
+        4 KiB of it page-faults back in, every step: on the engine bench's 30M GPT, 2 ranks, about 30k faults and
+        the largest share of ZeroStage2's excess over DDP. On CUDA the caching allocator keeps such blocks anyway."""
+        return list(self._spares)
 
     def zero_buffers(self) -> None:
         """Zero (``keep_buffers``) or drop every buffer, discarding gradients accumulated under :meth:`no_sync`.
@@ -272,24 +283,26 @@ class GradBucketer:
         """
         self._callback_queued = False
         if self._sync:
-            with phase(self.timers, "reduce"):
-                for b in self.buckets:
-                    if b.index not in self._ready:
-                        self._add_leftover_grads(b)
-                        self._mark_ready(b)
-                self._ready.update(b.index for b in self.buckets)
-                self._launch_ready()
-                while self._inflight:
-                    self._complete_oldest()
-                self._communicator.settle()
+            self._reduce_the_rest()
             self._ready.clear()
             self._next = 0
             self.last_launch_order, self._launched = self._launched, []
-            self._spares.clear()  # transient memory ends with the backward that used it
         for s in self._arrived.values():
             s.clear()
         if self.on_finalize is not None:
             self.on_finalize()
+
+    def _reduce_the_rest(self) -> None:
+        with phase(self.timers, "reduce"):
+            for b in self.buckets:
+                if b.index not in self._ready:
+                    self._add_leftover_grads(b)
+                    self._mark_ready(b)
+            self._ready.update(b.index for b in self.buckets)
+            self._launch_ready()
+            while self._inflight:
+                self._complete_oldest()
+            self._communicator.settle()
 
     def remove(self) -> None:
         """Remove the hooks."""
@@ -363,8 +376,18 @@ class GradBucketer:
             buf = self._buffers.pop(bucket.index, None)
             base = self._bases.pop(bucket.index, None)
             self._unwritten.pop(bucket.index, None)
-            if base is not None and self.op == "reduce_scatter" and buf is not out:  # handed to nobody: reusable
+            if base is not None and self._reusable(buf, out):
                 self._spares.append(base)
+                self._spares.sort(key=lambda t: t.numel())
+                del self._spares[: -(self.max_inflight + 1)]  # the largest kept: they fit any bucket
+
+    def _reusable(self, buf: torch.Tensor | None, out: torch.Tensor) -> bool:
+        """Whether a reduced transient buffer may serve a later bucket: a reduce-scatter's input (handed to nobody;
+        an all-reduce's result went to ``on_reduced``, as does a one-rank bucket, its own shard) of a bucketer that
+        launches during backward. One that launches everything at the end of backward (ZeRO-3) holds every bucket
+        then and frees them as they complete, so the memory held falls again; it keeps none."""
+        handed = self.op != "reduce_scatter" or buf is out
+        return not handed and self.launch_in_backward
 
     def _write_mean_grads(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
         if self.op != "all_reduce":

@@ -52,12 +52,23 @@ def main(out: str) -> None:
 
     two.bucketer._transient = counting  # type: ignore[method-assign]  # observe, do not change
     shard_ptrs: list[list[int]] = []
-    train(two, rank, lambda o: shard_ptrs.append([m.grad.data_ptr() for m in o.masters]))
+    fresh_by_step: list[int] = []
+    taken_by_step: list[int] = []
+
+    def after_backward(o: Any) -> None:
+        shard_ptrs.append([m.grad.data_ptr() for m in o.masters])
+        fresh_by_step.append(sum(fresh))
+        taken_by_step.append(len(fresh))
+        fresh.clear()
+
+    train(two, rank, after_backward)
     a, b = one.full_state_dict(), two.full_state_dict()
     results = {
         "buckets": len(two.buckets),
-        "fresh_per_step": sum(fresh) / STEPS,
-        "taken_per_step": len(fresh) / STEPS,
+        "fresh_by_step": fresh_by_step,
+        "taken_by_step": taken_by_step,
+        "spares": len(two.bucketer.spare_buffers()),
+        "scratch_bytes": two.memory_report()["scratch"],
         "shards_kept": all(p == shard_ptrs[0] for p in shard_ptrs),
         "held_after_backward": two.bucketer.held_buffers() == [],
         "stage2_equals_stage1": all(torch.equal(a[k], b[k]) for k in a),

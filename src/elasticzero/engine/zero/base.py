@@ -212,6 +212,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         (stage 2: its persistent fp32 gradient shards), for :meth:`memory_report`."""
         return []
 
+    def _scratch_storage(self) -> list[torch.Tensor]:
+        """Communication buffers kept between steps for reuse, not model state (:meth:`memory_report`'s ``scratch``):
+        the bucketer's spares (stage 2); stage 1 adds its reduce-scatter outputs."""
+        return self.bucketer.spare_buffers()
+
     def _register_state_dict_hooks(self) -> None:
         """Hooks on ``module.state_dict`` / ``module.load_state_dict`` (stages 1/2: keep masters in sync; 3: refuse)."""
 
@@ -437,8 +442,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Categories: ``params`` (storages behind the module's trainable parameters; for fp32 stages 1/2 the master
         shard is a view into them and is not counted again), ``master`` (fp32 master shards), ``grads`` (gradient
         shards, persistent/outstanding bucket buffers, stray ``param.grad``), ``optim_state`` (tensors in the
-        wrapped optimizer's state), ``frozen`` (frozen parameters, not part of the total); plus ``total`` (the first
-        four), ``numel`` (Ψ, trainable elements) and ``bytes_per_param`` (``total / numel``).
+        wrapped optimizer's state), ``frozen`` (frozen parameters, not part of the total), ``scratch`` (communication
+        buffers kept for the next backward: stage 2's reduced bucket buffers, at most ``max_inflight + 1``; stage 1's
+        reduce-scatter outputs, at most ``max_inflight`` shards; not model state, not part of the total); plus
+        ``total`` (the first four), ``numel`` (Ψ, trainable elements) and ``bytes_per_param`` (``total / numel``).
 
         Gradients count only while held: call it after ``step()`` and before ``zero_grad(set_to_none=True)`` to see
         the paper's numbers (fp32 AdamW, N=2: 12 / 10 / 8 for stages 1 / 2 / 3); ZeRO-3 units count only while
@@ -461,6 +468,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     ),
                     ("optim_state", state),
                     ("frozen", frozen),
+                    ("scratch", self._scratch_storage()),
                 ]
             )
         )

@@ -90,6 +90,15 @@ def batches(cfg: GPTConfig, n: int, size: int, seq: int, device: torch.device) -
     return out
 
 
+def reference_adamw(params: Any) -> torch.optim.Optimizer:
+    """``torch.optim.AdamW`` built as the ZeRO stages build theirs (``optimizer_kwargs_for``: fused where the caller
+    chose no implementation), so the reference runs the same element-wise kernel and stages 1/2 can equal it bitwise."""
+    from elasticzero.engine.zero.base import optimizer_kwargs_for
+
+    kwargs = optimizer_kwargs_for(torch.optim.AdamW, {"lr": LR, "betas": BETAS, "weight_decay": WEIGHT_DECAY})
+    return torch.optim.AdamW(params, **kwargs)
+
+
 def zero_stage(stage: int) -> type[torch.optim.Optimizer]:
     import elasticzero
 
@@ -153,7 +162,7 @@ def _correctness(device: torch.device, quick: bool) -> dict[str, Any]:
     steps, data = 6, batches(cfg, 6, 4, 64, device)
     start = weights(gpt(cfg, device, 0))
     ref = gpt(cfg, device, 0)
-    ref_norms = train(ref, torch.optim.AdamW(ref.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY), data)
+    ref_norms = train(ref, reference_adamw(ref.parameters()), data)
     ref_w = weights(ref)
     clipped = sum(n > MAX_NORM for n in ref_norms)
     checks = [check("fp32 AdamW reference: clipping active", clipped == steps, f"{clipped}/{steps} steps clipped")]
@@ -190,7 +199,7 @@ def fp32_stage(
     if stage < 3:
         # Stages 1/2 at world size 1: the module's gradients copied into flat buckets (÷ 1), the global norm is
         # torch's (per-tensor norms, then the norm of those, in registration order), AdamW's element-wise update on
-        # the flat masters. Nothing is rounded differently: equal to the bit.
+        # the flat masters (the reference's kernel: reference_adamw). Nothing is rounded differently: equal to the bit.
         detail = f"bitwise after {len(data)} clipped steps: {same}; update off by {upd:.1e}, {seen}"
         return check(f"fp32 ZeroStage{stage} = AdamW", same, detail)
     # Stage 3 buckets by unit (blocks, then the root's own parameters), so its norm of per-tensor norms sums in
@@ -220,7 +229,7 @@ def bf16_stages(
     distance from fp32 is at most ~2·e_amp and, by the triangle inequality, its distance from the autocast reference
     at most 3·e_amp. The check is meaningful while 3·e_amp < 1 (an engine that did not step scores 1)."""
     amp_model = gpt(cfg, device, 0)
-    amp_opt = torch.optim.AdamW(amp_model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+    amp_opt = reference_adamw(amp_model.parameters())
     train(amp_model, amp_opt, data, lambda: torch.autocast(device.type, dtype=torch.bfloat16))
     amp_w = weights(amp_model)
     e_amp = update_rel(amp_w, ref_w, start)

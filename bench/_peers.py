@@ -101,11 +101,15 @@ class Peer:
 
 @dataclass(frozen=True)
 class Setting:
-    """Where and how every peer of a run trains: device (``cpu``: gloo; ``cuda``: NCCL, fused AdamW) and precision
-    (``fp32``, or ``bf16``: autocast for fp32-parameter peers, FSDP2's ``MixedPrecisionPolicy``, ZeRO's policy)."""
+    """Where and how every peer of a run trains: device (``cpu``: gloo; ``cuda``: NCCL), precision (``fp32``, or
+    ``bf16``: autocast for fp32-parameter peers, FSDP2's ``MixedPrecisionPolicy``, ZeRO's policy) and the AdamW
+    implementation every peer gets (``fused``: ``fused=True``, torch's fastest on either device, so step times compare
+    the engines and not their optimizer kernels; ``default``: the caller passes none, so plain peers get torch's
+    default — a loop of single-tensor ops on the CPU — and the ZeRO stages their own fused default)."""
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     precision: str = "fp32"
+    adamw: str = "fused"
 
     @property
     def low(self) -> torch.dtype | None:
@@ -125,12 +129,13 @@ CPU = Setting()
 
 
 def _adamw_kwargs(lr: float, setting: Setting = CPU) -> dict[str, Any]:
-    fused = {"fused": True} if setting.device.type == "cuda" else {}  # torch's fastest AdamW on a GPU
+    fused = {"fused": True} if setting.adamw == "fused" else {}
     return {"lr": lr, "betas": (0.9, 0.95), "weight_decay": 0.0, **fused}
 
 
 def build_adamw(model: nn.Module, lr: float, setting: Setting) -> Peer:
-    """``torch.optim.AdamW`` on the bare model (fused on CUDA): no wrapper, no collective."""
+    """``torch.optim.AdamW`` on the bare model (fused unless ``setting.adamw`` says otherwise): no wrapper, no
+    collective."""
     opt = torch.optim.AdamW(model.parameters(), **_adamw_kwargs(lr, setting))
     return Peer(model, opt.step, lambda: opt.zero_grad(set_to_none=True), autocast=setting.autocast())
 
@@ -207,7 +212,9 @@ def build_ez(model: nn.Module, lr: float, stage: int, bucket_mb: float, setting:
     )
 
 
-def build_ds(model: nn.Module, lr: float, stage: int, bucket_mb: float, batch_size: int) -> Peer:
+def build_ds(
+    model: nn.Module, lr: float, stage: int, bucket_mb: float, batch_size: int, setting: Setting = CPU
+) -> Peer:
     """DeepSpeed ZeRO ``stage`` on CPU (``DS_ACCELERATOR=cpu``, gloo) with a client ``torch.optim.AdamW``."""
     import deepspeed
 
@@ -225,7 +232,7 @@ def build_ds(model: nn.Module, lr: float, stage: int, bucket_mb: float, batch_si
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    opt = torch.optim.AdamW(model.parameters(), **_adamw_kwargs(lr))
+    opt = torch.optim.AdamW(model.parameters(), **_adamw_kwargs(lr, setting))
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     info = {"deepspeed": deepspeed.__version__, "zero_optimization": zero}
     return Peer(engine, engine.step, lambda: None, backward=engine.backward, info=info)
@@ -246,7 +253,7 @@ def build(name: str, model: nn.Module, lr: float, bucket_mb: float, batch_size: 
     if name.startswith("ez_stage"):
         return build_ez(model, lr, int(name[-1]), bucket_mb, setting)
     if name.startswith("ds_stage"):
-        return build_ds(model, lr, int(name[-1]), bucket_mb, batch_size)
+        return build_ds(model, lr, int(name[-1]), bucket_mb, batch_size, setting)
     raise ValueError(f"unknown peer {name!r}")
 
 

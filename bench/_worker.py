@@ -52,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--adamw", default="fused", choices=["fused", "default"], help="every peer's AdamW implementation")
     p.add_argument("--profile-dir", type=Path, default=None, help="torch.profiler over 2 more steps: table + trace")
     return p.parse_args()
 
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     """Build the peer, run every phase, return this rank's measurements."""
     rss_start = proc_status_kib("VmRSS")
     cfg = model_config(args.size, args.seq_len)
-    setting = _peers.Setting(device_of(args.device), args.precision)
+    setting = _peers.Setting(device_of(args.device), args.precision, args.adamw)
     torch.manual_seed(args.seed)
     model: torch.nn.Module
     with setting.device:  # parameters made (and initialised) on the device

@@ -55,6 +55,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=2, help="ranks per peer (default 2)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: rank r on GPU r, NCCL")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: every peer's mixed precision")
+    p.add_argument(
+        "--adamw",
+        default="fused",
+        choices=["fused", "default"],
+        help="fused: every peer's AdamW fused=True (default); default: none passed (torch's default for plain peers, "
+        "the engine's fused default for the ZeRO stages)",
+    )
     p.add_argument("--profile-dir", type=Path, default=None, help="each rank: torch.profiler over 2 extra steps here")
     p.add_argument("--rounds", type=int, default=None, help="run all peers this many times, order alternating (1)")
     p.add_argument("--ds-python", type=Path, default=DEFAULT_DS_VENV / "bin" / "python", help="DeepSpeed venv python")
@@ -98,6 +105,7 @@ def run_peer(peer: str, args: argparse.Namespace, workdir: Path) -> list[dict[st
         f"--bucket-mb={args.bucket_mb}",
         f"--device={args.device}",
         f"--precision={args.precision}",
+        f"--adamw={args.adamw}",
         *([f"--profile-dir={args.profile_dir}"] if args.profile_dir else []),
     ]
     procs, outs, logs = [], [], []
@@ -177,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         f"engine_bench: {started:%Y-%m-%d %H:%M:%S} UTC  model={args.model} size={args.size} "
         f"batch={args.batch_size} seq={args.seq_len} "
         f"ranks={args.world_size} warmup={args.warmup} steps={args.steps} comm-steps={args.comm_steps} "
-        f"rounds={args.rounds} "
+        f"rounds={args.rounds} adamw={args.adamw} "
         f"cpus={os.cpu_count()} load={os.getloadavg()[0]:.2f}",
         flush=True,
     )

@@ -11,8 +11,9 @@ Four sections, each in processes of its own (one failing prints FAIL with its re
    step, steps taken during the write, and a resume bit-exact with the parameters back on the GPU;
 4. performance — a ~370M-parameter GPT (``--quick``: ~70M), bf16, batch 8 x 1024: median step time and peak
    ``torch.cuda.max_memory_allocated`` of fused AdamW, DDP, FSDP2 and ZeroStage1/2/3, as ratios to fused AdamW
-   (``bench/engine_bench.py``'s rank worker at world size 1; ``--profile-dir`` adds a torch.profiler table and trace
-   per peer).
+   (``bench/engine_bench.py``'s rank worker at world size 1, every AdamW fused), then each stage's world-1 step-time
+   and memory ratio on a line of its own; ``--profile-dir DIR`` adds a torch.profiler operator table
+   (``DIR/<peer>.rank0.txt``, by device time) and a Chrome trace per peer.
 
 Prints a compact report and writes it as JSON (``--out``); exits 1 if a correctness section (1-3) failed.
 
@@ -198,7 +199,7 @@ def performance_section(device: str, plan: Plan, workdir: Path, profile_dir: Pat
     """Every peer of :data:`PERF_PEERS` in fresh processes at world size 1 (bf16); rows and ratios to ``adamw``."""
     flags = ["--peers", ",".join(PERF_PEERS), "--size", plan.size, "--batch-size", str(plan.batch)]
     flags += ["--seq-len", str(plan.seq), "--warmup", str(plan.warmup), "--steps", str(plan.steps)]
-    flags += ["--comm-steps", "1", "--world-size", "1", "--device", device, "--precision", "bf16"]
+    flags += ["--comm-steps", "1", "--world-size", "1", "--device", device, "--precision", "bf16", "--adamw", "fused"]
     flags += ["--timeout", str(plan.peer_timeout_s), *(["--profile-dir", str(profile_dir)] if profile_dir else [])]
     args = bench_args(flags)
     rows = {}
@@ -269,7 +270,16 @@ def perf_lines(result: dict[str, Any], device: str) -> list[str]:
         step_x, mem_x = (ratio[peer][k] for k in ("step", "memory"))
         phases = " / ".join(f"{v:.1f}" for v in r["phase_ms_median"].values())
         lines.append(f"  {peer:10s} {r['step_ms_median']:9.1f} {_x(step_x):>8s} {mem:13.2f} {_x(mem_x):>8s}  {phases}")
-    return lines
+    return [*lines, *overhead_lines(ratio)]
+
+
+def overhead_lines(ratio: dict[str, dict[str, float | None]]) -> list[str]:
+    """The world-1 overhead of each ZeRO stage over fused AdamW, said in one line each way (issue 23's figure):
+    at world size 1 there is nothing to communicate, so what a stage adds is the engine's own work."""
+    stages = [p for p in ratio if p.startswith("ez_stage")]
+    step = ", ".join(f"{p.removeprefix('ez_')} {_x(ratio[p]['step'])}x" for p in stages)
+    memory = ", ".join(f"{p.removeprefix('ez_')} {_x(ratio[p]['memory'])}x" for p in stages)
+    return [f"  world-1 step time / fused AdamW: {step}", f"  world-1 peak memory / fused AdamW: {memory}"]
 
 
 def _x(value: float | None) -> str:

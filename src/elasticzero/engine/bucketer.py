@@ -61,7 +61,13 @@ class GradBucketer:
         on_reduced: called once per bucket per reduction with the reduced tensor (whole bucket or this rank's shard).
         on_ready: called when all of a bucket's parameters have their gradient (ZeRO-3 frees the parameters there).
         on_finalize: called at the end of every backward after all reductions completed.
-        keep_buffers: keep the bucket buffers allocated between steps (ZeRO-1); otherwise they are freed once reduced.
+        shard_out: where a reduce-scatter writes this rank's shard of a bucket (``shard_numel`` elements of
+            ``reduce_dtype``, e.g. a gradient shard kept between steps), or None for a new tensor. In a one-rank group
+            the bucket buffer is its own shard and is reduced in place (nothing to allocate, copy or send).
+        keep_buffers: keep the bucket buffers allocated between steps (ZeRO-1); otherwise a bucket's buffer is
+            let go of once reduced: a reduce-scatter's input launched during backward joins at most ``max_inflight +
+            1`` spares that later buckets, of this backward and the next, are filled in (:meth:`spare_buffers`);
+            anything else is freed.
         max_inflight: at most this many collectives outstanding.
         launch_in_backward: launch a bucket as soon as it (and every bucket before it in flush order) is complete.
             False: launch every bucket at the end of backward. When the same process group also carries
@@ -91,6 +97,7 @@ class GradBucketer:
         on_reduced: Callable[[FlatBucket, torch.Tensor], None] | None = None,
         on_ready: Callable[[FlatBucket], None] | None = None,
         on_finalize: Callable[[], None] | None = None,
+        shard_out: Callable[[FlatBucket], torch.Tensor | None] | None = None,
         keep_buffers: bool = False,
         max_inflight: int = 2,
         comm_stats: comm.CommStats | None = None,
@@ -128,6 +135,7 @@ class GradBucketer:
         self.on_reduced = on_reduced if on_reduced is not None else self._write_mean_grads
         self.on_ready = on_ready
         self.on_finalize = on_finalize
+        self.shard_out = shard_out
         self.keep_buffers = keep_buffers
         self.max_inflight = max(1, max_inflight)
         self.launch_in_backward = launch_in_backward
@@ -137,7 +145,9 @@ class GradBucketer:
             for pos, p in enumerate(b.params):
                 self._slot[p] = (b, pos)
         self._buffers: dict[int, torch.Tensor] = {}
-        self._unwritten: dict[int, set[int]] = {}  # transient buffers: slots not yet written (uninitialised)
+        self._unwritten: dict[int, set[int]] = {}  # slots not yet written since allocated or zero_buffers()
+        self._spares: list[torch.Tensor] = []  # reduced transient buffers, filled again by later buckets
+        self._bases: dict[int, torch.Tensor] = {}  # a transient buffer's whole allocation (it may view a spare)
         self._arrived: dict[int, set[int]] = {b.index: set() for b in self.buckets}
         self._ready: set[int] = set()
         self._next = 0  # position in flush_order of the next bucket to launch
@@ -207,7 +217,7 @@ class GradBucketer:
         idx, off, n = bucket.index, bucket.offsets[pos], bucket.params[pos].numel()
         buf = self._buffers.get(idx)
         if buf is None and not self.keep_buffers:
-            buf = torch.empty(bucket.padded_numel, dtype=self.reduce_dtype, device=self._devices[idx])
+            buf = self._transient(bucket)
             buf[bucket.numel :].zero_()
             self._buffers[idx] = buf
             self._unwritten[idx] = set(range(len(bucket.params)))
@@ -221,6 +231,14 @@ class GradBucketer:
             else:
                 buf[off : off + n].add_(grad.reshape(-1), alpha=1.0 / self.world_size)
 
+    def _transient(self, bucket: FlatBucket) -> torch.Tensor:
+        """An uninitialised buffer for ``bucket``: the smallest spare large enough (on its device), else a new one."""
+        device, n = self._devices[bucket.index], bucket.padded_numel
+        fits = [(s.numel(), i) for i, s in enumerate(self._spares) if s.device == device and s.numel() >= n]
+        base = self._spares.pop(min(fits)[1]) if fits else torch.empty(n, dtype=self.reduce_dtype, device=device)
+        self._bases[bucket.index] = base
+        return base[:n]
+
     def _zero_unwritten(self, bucket: FlatBucket, buf: torch.Tensor) -> None:
         unwritten = self._unwritten.pop(bucket.index, None)
         for pos in unwritten or ():
@@ -228,16 +246,31 @@ class GradBucketer:
             buf[off : off + bucket.params[pos].numel()].zero_()
 
     def held_buffers(self) -> list[torch.Tensor]:
-        """The bucket buffers currently allocated (for memory accounting)."""
+        """The bucket buffers currently allocated (for memory accounting); spares not included."""
         return list(self._buffers.values())
 
+    def spare_buffers(self) -> list[torch.Tensor]:
+        """Reduced bucket buffers kept for later buckets to be filled in (at most ``max_inflight + 1``).
+
+        Why kept across backwards: a buffer freed at the end of one backward and allocated again in the next is fresh
+        memory to the CPU allocator (glibc serves buffers this large with ``mmap`` and unmaps them on free), so every
+        4 KiB of it page-faults back in, every step: on the engine bench's 30M GPT, 2 ranks, about 30k faults and
+        the largest share of ZeroStage2's excess over DDP. On CUDA the caching allocator keeps such blocks anyway."""
+        return list(self._spares)
+
     def zero_buffers(self) -> None:
-        """Zero (``keep_buffers``) or drop every buffer, discarding gradients accumulated under :meth:`no_sync`."""
+        """Zero (``keep_buffers``) or drop every buffer, discarding gradients accumulated under :meth:`no_sync`.
+
+        A kept buffer is zeroed lazily: its slots are marked unwritten, so the next backward writes each gradient
+        instead of adding it to zeros (no zero-fill pass, no read of the buffer); :meth:`buffer` zeroes what is still
+        unwritten before anyone reads it."""
         if self.keep_buffers:
-            for buf in self._buffers.values():
-                buf.zero_()
+            for b in self.buckets:
+                if b.index in self._buffers:
+                    self._unwritten[b.index] = set(range(len(b.params)))
         else:
             self._buffers.clear()
+            self._bases.clear()
             self._unwritten.clear()
         for s in self._arrived.values():
             s.clear()
@@ -250,16 +283,7 @@ class GradBucketer:
         """
         self._callback_queued = False
         if self._sync:
-            with phase(self.timers, "reduce"):
-                for b in self.buckets:
-                    if b.index not in self._ready:
-                        self._add_leftover_grads(b)
-                        self._mark_ready(b)
-                self._ready.update(b.index for b in self.buckets)
-                self._launch_ready()
-                while self._inflight:
-                    self._complete_oldest()
-                self._communicator.settle()
+            self._reduce_the_rest()
             self._ready.clear()
             self._next = 0
             self.last_launch_order, self._launched = self._launched, []
@@ -267,6 +291,18 @@ class GradBucketer:
             s.clear()
         if self.on_finalize is not None:
             self.on_finalize()
+
+    def _reduce_the_rest(self) -> None:
+        with phase(self.timers, "reduce"):
+            for b in self.buckets:
+                if b.index not in self._ready:
+                    self._add_leftover_grads(b)
+                    self._mark_ready(b)
+            self._ready.update(b.index for b in self.buckets)
+            self._launch_ready()
+            while self._inflight:
+                self._complete_oldest()
+            self._communicator.settle()
 
     def remove(self) -> None:
         """Remove the hooks."""
@@ -320,17 +356,38 @@ class GradBucketer:
             work = self._communicator.all_reduce(buf, async_op=True)
             out = buf
         else:
-            out = torch.empty(bucket.shard_numel, dtype=buf.dtype, device=buf.device)
+            out = self._shard_destination(bucket, buf)
             work = self._communicator.reduce_scatter(out, buf, async_op=True)
         self._inflight.append((bucket, out, work))
+
+    def _shard_destination(self, bucket: FlatBucket, buf: torch.Tensor) -> torch.Tensor:
+        """Where this rank's shard of ``bucket`` is reduced to: the buffer itself in a one-rank group, else
+        ``shard_out``'s tensor or a new one."""
+        if self.world_size == 1:
+            return buf
+        given = self.shard_out(bucket) if self.shard_out is not None else None
+        return given if given is not None else torch.empty(bucket.shard_numel, dtype=buf.dtype, device=buf.device)
 
     def _complete_oldest(self) -> None:
         bucket, out, work = self._inflight.popleft()
         work.wait()
         self.on_reduced(bucket, out)
         if not self.keep_buffers:
-            self._buffers.pop(bucket.index, None)
+            buf = self._buffers.pop(bucket.index, None)
+            base = self._bases.pop(bucket.index, None)
             self._unwritten.pop(bucket.index, None)
+            if base is not None and self._reusable(buf, out):
+                self._spares.append(base)
+                self._spares.sort(key=lambda t: t.numel())
+                del self._spares[: -(self.max_inflight + 1)]  # the largest kept: they fit any bucket
+
+    def _reusable(self, buf: torch.Tensor | None, out: torch.Tensor) -> bool:
+        """Whether a reduced transient buffer may serve a later bucket: a reduce-scatter's input (handed to nobody;
+        an all-reduce's result went to ``on_reduced``, as does a one-rank bucket, its own shard) of a bucketer that
+        launches during backward. One that launches everything at the end of backward (ZeRO-3) holds every bucket
+        then and frees them as they complete, so the memory held falls again; it keeps none."""
+        handed = self.op != "reduce_scatter" or buf is out
+        return not handed and self.launch_in_backward
 
     def _write_mean_grads(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
         if self.op != "all_reduce":

@@ -46,3 +46,6 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path: Path) -> None:
         assert perf["ratios"][peer]["step"] == row["step_ms_median"] / perf["rows"]["adamw"]["step_ms_median"]
     assert perf["ratios"]["adamw"] == {"step": 1.0, "memory": 1.0}
     assert "x adamw" in proc.stdout and "[PASS] correctness" in proc.stdout
+    overhead = next(line for line in proc.stdout.splitlines() if "world-1 step time / fused AdamW:" in line)
+    for stage in (1, 2, 3):  # each stage's ratio, as the table computed it
+        assert f"stage{stage} {perf['ratios'][f'ez_stage{stage}']['step']:.2f}x" in overhead

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -44,7 +45,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             compute dtype.
         grouping: how the trainable parameters form buckets (a stage's bucketing; stage 3 passes its units).
             Default: by ``bucket_bytes``, per param group, dtype and compute dtype, in registration order.
-        **optimizer_kwargs: passed to ``optimizer_class`` (``lr=...``, ``weight_decay=...``).
+        **optimizer_kwargs: passed to ``optimizer_class`` (``lr=...``, ``weight_decay=...``). Where they choose
+            neither ``fused`` nor ``foreach`` and ``optimizer_class`` takes ``fused`` (torch's Adam, AdamW, SGD,
+            Adagrad), the engine asks for ``fused=True``: one kernel per flat master shard per step (see
+            :func:`optimizer_kwargs_for`); ``fused=False`` gets torch's default implementation back.
 
     Attributes:
         layout: the :class:`~elasticzero.engine.zero.layout.ZeroLayout` (every bucket, its param group and slots;
@@ -126,7 +130,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # a group whose parameters are all frozen stays, empty, so group indices match the user's (schedulers)
             masters = [self.masters[i] for i in self.layout.group_buckets(gi)]
             inner_groups.append({**opts, "params": masters})
-        self.optim = optimizer_class(inner_groups, **optimizer_kwargs)
+        self.optim = _build_optimizer(optimizer_class, inner_groups, optimizer_kwargs)
         torch.optim.Optimizer.__init__(self, list(self.masters), dict(self.optim.defaults))
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state
@@ -202,6 +206,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _gather_params(self) -> None:
         """Bring the updated masters back into the module's parameters (stages 1/2: all-gather)."""
+
+    def _held_grad_storage(self) -> list[torch.Tensor]:
+        """Gradient storage a stage keeps between steps beyond the masters' ``.grad`` and the bucketer's buffers
+        (stage 2: its persistent fp32 gradient shards), for :meth:`memory_report`."""
+        return []
+
+    def _scratch_storage(self) -> list[torch.Tensor]:
+        """Communication buffers kept between steps for reuse, not model state (:meth:`memory_report`'s ``scratch``):
+        the bucketer's spares (stage 2); stage 1 adds its reduce-scatter outputs."""
+        return self.bucketer.spare_buffers()
 
     def _register_state_dict_hooks(self) -> None:
         """Hooks on ``module.state_dict`` / ``module.load_state_dict`` (stages 1/2: keep masters in sync; 3: refuse)."""
@@ -428,8 +442,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Categories: ``params`` (storages behind the module's trainable parameters; for fp32 stages 1/2 the master
         shard is a view into them and is not counted again), ``master`` (fp32 master shards), ``grads`` (gradient
         shards, persistent/outstanding bucket buffers, stray ``param.grad``), ``optim_state`` (tensors in the
-        wrapped optimizer's state), ``frozen`` (frozen parameters, not part of the total); plus ``total`` (the first
-        four), ``numel`` (Ψ, trainable elements) and ``bytes_per_param`` (``total / numel``).
+        wrapped optimizer's state), ``frozen`` (frozen parameters, not part of the total), ``scratch`` (communication
+        buffers kept for the next backward: stage 2's reduced bucket buffers, at most ``max_inflight + 1``; stage 1's
+        reduce-scatter outputs, at most ``max_inflight`` shards; not model state, not part of the total); plus
+        ``total`` (the first four), ``numel`` (Ψ, trainable elements) and ``bytes_per_param`` (``total / numel``).
 
         Gradients count only while held: call it after ``step()`` and before ``zero_grad(set_to_none=True)`` to see
         the paper's numbers (fp32 AdamW, N=2: 12 / 10 / 8 for stages 1 / 2 / 3); ZeRO-3 units count only while
@@ -445,10 +461,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     ("master", self.masters),
                     (
                         "grads",
-                        [m.grad for m in self.masters] + self.bucketer.held_buffers() + [p.grad for p in trainable],
+                        [m.grad for m in self.masters]
+                        + self._held_grad_storage()
+                        + self.bucketer.held_buffers()
+                        + [p.grad for p in trainable],
                     ),
                     ("optim_state", state),
                     ("frozen", frozen),
+                    ("scratch", self._scratch_storage()),
                 ]
             )
         )
@@ -483,6 +503,34 @@ class ZeroOptimizer(torch.optim.Optimizer):
             f"{type(self).__name__}({type(self.optim).__name__}, world_size={self.world_size}, "
             f"buckets={len(self.buckets)}, numel={self.numel}, precision={self.policy})"
         )
+
+
+def optimizer_kwargs_for(optimizer_class: type[torch.optim.Optimizer], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments the wrapped optimizer is built with: ``kwargs`` plus ``fused=True`` when the caller chose
+    neither ``fused`` nor ``foreach`` and ``optimizer_class`` takes ``fused``.
+
+    Why: the masters are a few large flat fp32 tensors (one per bucket), so a fused optimizer updates each in one
+    element-wise pass with no temporaries, where torch's default on the CPU (a loop of single-tensor ops) makes about
+    ten passes and allocates two master-sized temporaries per bucket and step (``sqrt``, ``div``). The update is the
+    same element-wise math (within fp32 rounding of torch's other implementations; fused on a flat master equals
+    fused on the separate parameters bitwise)."""
+    chosen = "fused" in kwargs or "foreach" in kwargs
+    takes_fused = "fused" in inspect.signature(optimizer_class).parameters
+    return dict(kwargs) if chosen or not takes_fused else {**kwargs, "fused": True}
+
+
+def _build_optimizer(
+    optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]], kwargs: Mapping[str, Any]
+) -> torch.optim.Optimizer:
+    """``optimizer_class(groups, **optimizer_kwargs_for(...))``; where torch refuses the fused default (no fused
+    kernel for this device, ``differentiable=True``), the caller's own ``kwargs`` as they are."""
+    wanted = optimizer_kwargs_for(optimizer_class, kwargs)
+    if wanted.keys() == kwargs.keys():
+        return optimizer_class(groups, **kwargs)
+    try:  # copies: torch fills each group dict with the defaults it was given, even when it then refuses them
+        return optimizer_class([dict(g) for g in groups], **wanted)
+    except RuntimeError:  # torch: "`fused=True` requires ...", "`fused` does not support `differentiable`"
+        return optimizer_class([dict(g) for g in groups], **kwargs)
 
 
 def _by_size(bucket_bytes: int, reduce_dtype: torch.dtype) -> Grouping:

@@ -159,6 +159,33 @@ def _forget(_aliases: tuple[torch.Tensor, ...]) -> None:
     """The retire of a collective that needs no settling: its aliases are simply dropped."""
 
 
+class LocalWork:
+    """A reduce-scatter or all-gather of a one-rank group: ``output`` is ``input`` (the sum over one rank, the
+    concatenation of one chunk), so it is a local copy, done when built — none at all when ``output`` is ``input``'s
+    own memory (a bucket reduced in place, a master shard that is its parameters' buffer). The backend never sees it:
+    gloo would clone the input first, NCCL would launch a kernel to copy a buffer onto itself."""
+
+    __slots__ = ()
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        if not same_memory(output, input):
+            output.copy_(input.reshape(output.shape))
+
+    @property
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        """Nothing to wait for."""
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same storage (a copy between them is a no-op)."""
+    if not (a.is_contiguous() and b.is_contiguous()):
+        return False
+    return (a.device, a.dtype, a.data_ptr(), a.numel()) == (b.device, b.dtype, b.data_ptr(), b.numel())
+
+
 Waiter = Callable[[Callable[[], None]], None]
 """How a :class:`Communicator` waits: ``waiter(work.wait)`` blocks until the work completed or raises (a bounded wait
 that gives up on a group being reconfigured: ``elasticzero.live.bounded``)."""
@@ -169,7 +196,7 @@ class WaitedWork:
 
     __slots__ = ("_inner", "_waiter")
 
-    def __init__(self, inner: PendingWork | ring.RingWork | WaitedWork, waiter: Waiter) -> None:
+    def __init__(self, inner: PendingWork | ring.RingWork | LocalWork | WaitedWork, waiter: Waiter) -> None:
         self._inner = inner
         self._waiter = waiter
 
@@ -182,7 +209,7 @@ class WaitedWork:
             self._waiter(self._inner.wait)
 
 
-AnyWork = PendingWork | ring.RingWork | WaitedWork
+AnyWork = PendingWork | ring.RingWork | LocalWork | WaitedWork
 """What an asynchronous collective of a :class:`Communicator` returns (all have ``wait()`` and ``done``)."""
 
 
@@ -293,6 +320,8 @@ class Communicator:
         """Sum ``input`` (``size * output.numel()`` elements) over ranks; this rank's chunk lands in ``output``."""
         pg = self.group
         self.stats.record("reduce_scatter", tag, input)
+        if self.size == 1:
+            return self._finish(LocalWork(output, input), async_op)
         if self._ring_for(input):
             work = ring.reduce_scatter(output, input, pg, self._ring_tag(), self._settling.extend, self._mark())
             return self._finish(work, async_op)
@@ -304,6 +333,8 @@ class Communicator:
         """Concatenate every rank's ``input`` into ``output`` (``input`` may be this rank's chunk of ``output``)."""
         pg = self.group
         self.stats.record("all_gather", tag, output)
+        if self.size == 1:
+            return self._finish(LocalWork(output, input), async_op)
         if self._ring_for(output):
             work = ring.all_gather(output, input, pg, self._ring_tag(), self._settling.extend, self._mark())
             return self._finish(work, async_op)
@@ -416,7 +447,8 @@ class Communicator:
             work = WaitedWork(work, self.waiter)
         if async_op:
             self._pending = [w for w in self._pending if not w.done]
-            self._pending.append(work)
+            if not work.done:
+                self._pending.append(work)
             return work
         work.wait()
         self.settle()

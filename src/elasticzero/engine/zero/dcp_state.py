@@ -23,6 +23,11 @@ from elasticzero.engine.zero.layout import FlatChunk, Piece
 from elasticzero.engine.zero.sharded import FORMAT, ShardedState, is_shard_state, layout_record
 from elasticzero.errors import UsageError
 
+RUN_CHOICES = frozenset({"fused", "foreach", "capturable", "differentiable"})
+"""Param-group options a load keeps from the live optimizer: how this run computes its step (its device, its torch,
+the engine's fused default), not what was trained. A checkpoint saved before the fused default (``fused=None``) would
+otherwise turn it off, and one saved fused on a GPU would ask for it where the live state lives elsewhere."""
+
 __all__ = ["FORMAT", "ZeroCheckpointState"]
 
 
@@ -105,7 +110,7 @@ class ZeroCheckpointState:
                 like, value = spec.get(k), by_name[b.names[0]]
                 inner[k] = torch.tensor(value, dtype=like.dtype, device=like.device) if torch.is_tensor(like) else value
         for group, saved in zip(opt.optim.param_groups, loaded.param_groups, strict=True):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+            group.update({k: v for k, v in saved.items() if k != "params" and k not in RUN_CHOICES})
         live = opt.module_state()
         for k, v in loaded.module.items():
             live[k].copy_(v)

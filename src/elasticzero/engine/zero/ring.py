@@ -109,7 +109,10 @@ def reduce_scatter(
     n, r, right, left = _neighbours(group)
     c = output.numel()
     chunk = [input[i * c : (i + 1) * c] for i in range(n)]
-    recv = torch.empty_like(output)
+    # the last step receives straight into ``output`` unless it shares memory with ``input`` (an in-place reduction):
+    # with two ranks that is the only step, so nothing is allocated
+    direct = output.untyped_storage().data_ptr() != input.untyped_storage().data_ptr()
+    recv = torch.empty_like(output) if n > 2 or not direct else output
     acc = [torch.empty_like(output), torch.empty_like(output)] if n > 2 else []
     state: dict[str, torch.Tensor] = {"send": chunk[(r - 1) % n]}
 
@@ -118,10 +121,14 @@ def reduce_scatter(
             target = acc[s % 2]
             torch.add(chunk[(r - s - 1) % n], recv, out=target)
             state["send"] = target
-        return _exchange(group, tag, state["send"][:], right, recv[:], left)
+        into = output if direct and s == n - 2 else recv
+        return _exchange(group, tag, state["send"][:], right, into[:], left)
 
     def finish() -> list[Any]:
-        torch.add(chunk[r], recv, out=output)
+        if direct:
+            output.add_(chunk[r])  # the received sum plus this rank's own: the same sum, addition commutes
+        else:
+            torch.add(chunk[r], recv, out=output)
         return []
 
     steps: list[Callable[[], list[Any]]] = [functools.partial(step, s) for s in range(n - 1)]

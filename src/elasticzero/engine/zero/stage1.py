@@ -9,7 +9,10 @@ fp32 buffers; the master shard is a view into them), full gradient buffers 4Ψ (
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import nn
 
 from elasticzero.engine.bucketer import GradBucketer
 from elasticzero.engine.zero.flat import FlatBucket
@@ -22,22 +25,37 @@ class ZeroStage1(_ReplicatedParamsZero):
     Gradients accumulate into persistent full-size bucket buffers; each backward (outside :meth:`no_sync`)
     reduce-scatters them so this rank's chunk holds the mean gradient of its shard (the master's ``.grad`` is a view
     of that chunk when reducing in fp32), and zeroes the chunks other ranks own. ``no_sync`` costs no extra memory.
+    ``zero_grad`` zeroes the buffers lazily (the next backward writes each gradient instead of adding it to zeros).
     """
 
     stage = 1
 
+    def __init__(self, module: nn.Module, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any) -> None:
+        super().__init__(module, optimizer_class, **kwargs)
+        self._free_scratch: list[torch.Tensor] = []  # reduce-scatter outputs, each the size of the largest shard
+        self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a scratch lent to a reduction in flight -> it
+
     def _make_bucketer(self) -> GradBucketer:
-        return self._reduce_scatter_bucketer(keep_buffers=True)
+        return self._reduce_scatter_bucketer(keep_buffers=True, shard_out=self._scratch_out)
+
+    def _scratch_out(self, bucket: FlatBucket) -> torch.Tensor:
+        """Where a bucket is reduce-scattered to: a scratch tensor kept for it, since :meth:`_on_reduced` copies the
+        shard into the kept buffer at once (at most ``max_inflight`` exist; a new tensor every bucket would be fresh
+        memory to the CPU allocator, page-faulted in every step)."""
+        largest = max(b.shard_numel for b in self.buckets)
+        scratch = (
+            self._free_scratch.pop()
+            if self._free_scratch
+            else torch.empty(largest, dtype=self.policy.reduce_dtype, device=self.device)
+        )
+        self._lent[scratch.data_ptr()] = scratch
+        return scratch[: bucket.shard_numel]
 
     def _on_reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
-        buf = self.bucketer.buffer(bucket)
-        lo, hi = bucket.shard_range()
-        master = self.masters[bucket.index]
-        buf.zero_()
-        if buf.dtype == torch.float32:
-            buf[lo:hi].copy_(shard)  # chunk = previous accumulated mean + this backward's mean
-            master.grad = buf[lo:hi]
-        elif master.grad is None:
-            master.grad = shard.float()
-        else:
-            master.grad.add_(shard)
+        self._reduced_into_kept_buffer(bucket, shard)
+        scratch = self._lent.pop(shard.data_ptr(), None)
+        if scratch is not None:
+            self._free_scratch.append(scratch)
+
+    def _scratch_storage(self) -> list[torch.Tensor]:
+        return [*self._free_scratch, *self._lent.values()]

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from elasticzero.engine.zero.base import ZeroOptimizer
+from elasticzero.engine.zero.comm import same_memory
 from elasticzero.engine.zero.flat import FlatBucket, flatten_into, view_params_into
 from elasticzero.errors import UsageError
 
@@ -32,6 +33,27 @@ class _ReplicatedParamsZero(ZeroOptimizer):
             compute = fp32.to(compute_dtype)
         view_params_into(bucket, compute)
         return master, compute
+
+    def _reduced_into_kept_buffer(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
+        """``on_reduced`` over persistent bucket buffers (stage 1; stage 2 in a one-rank group): this rank's chunk of
+        the buffer becomes the mean gradient of its shard (the previous mean plus this backward's), the chunks other
+        ranks own are zeroed (a later backward without ``zero_grad`` accumulates onto zeros there), and the master's
+        ``.grad`` views its chunk (fp32) or accumulates the shard in fp32 (a low-precision reduction)."""
+        buf = self.bucketer.buffer(bucket)
+        lo, hi = bucket.shard_range()
+        master = self.masters[bucket.index]
+        if buf.dtype != torch.float32:
+            if master.grad is None:
+                master.grad = shard.float()
+            else:
+                master.grad.add_(shard)
+            buf.zero_()  # after reading the shard: a one-rank group's shard is the buffer itself
+            return
+        buf[:lo].zero_()
+        buf[hi:].zero_()
+        if not same_memory(buf[lo:hi], shard):  # a one-rank group reduces the buffer in place
+            buf[lo:hi].copy_(shard)  # chunk = previous accumulated mean + this backward's mean
+        master.grad = buf[lo:hi]
 
     def _register_state_dict_hooks(self) -> None:
         self.module.register_load_state_dict_post_hook(self._refresh_masters)

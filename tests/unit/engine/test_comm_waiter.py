@@ -22,9 +22,12 @@ def test_a_communicator_with_a_waiter_waits_through_it(group: None) -> None:
 
     comm = Communicator(waiter=waiter)
     comm.all_reduce(torch.ones(3))
-    work = comm.all_gather(torch.empty(2), torch.ones(2), async_op=True)
+    # an all-reduce: a one-rank group's reduce-scatter and all-gather are local copies (LocalWork), never waited
+    work = comm.all_reduce(torch.ones(2), async_op=True)
     assert work is not None and len(waited) == 1
     work.wait()
     work.wait()  # done: not waited again
     assert len(waited) == 2 and work.done
+    local = comm.all_gather(torch.empty(2), torch.ones(2), async_op=True)
+    assert local is not None and local.done and len(waited) == 2  # done when issued: nothing to wait for
     comm.close()

@@ -3,6 +3,7 @@
     .venv/bin/python bench/elastic_recovery_bench.py                     # 6 kills + 6 joins per interval, K=5 and K=20
     .venv/bin/python bench/elastic_recovery_bench.py --reps 10 --save-every 5,20,50 --seed 1
     .venv/bin/python bench/elastic_recovery_bench.py --events kill,freeze,freeze-worker --reps 10 --save-every 5
+    .venv/bin/python bench/elastic_recovery_bench.py --events kill,freeze,partition --reps 10 --save-every 5
 
 The job is ``examples/train_gpt.py`` (ZeRO-2, gloo, tiny GPT, ``--async-save --save-every K``), run through its test
 driver ``tests/integration/elastic/train_driver.py`` (the example's trainer plus ``--record-samples``), under two
@@ -25,7 +26,17 @@ intervals (K=5, K=20, K=5, K=20: side by side under the same load). Each repetit
   frozen processes are SIGKILLed (the bench's cleanup, not part of the measurement) and a new agent joins. Without
   peer liveness in the agent the survivor waits for the collective timeout: the event times out (``--timeout``);
 - ``freeze-worker`` — only that node's worker is SIGSTOPped (its agent lives): its agent's hang watch kills it after
-  ``--hang-timeout`` and both nodes restart at world 2 from the newest checkpoint (no join needed).
+  ``--hang-timeout`` and both nodes restart at world 2 from the newest checkpoint (no join needed);
+- ``partition`` — every packet between the two nodes is dropped (``tc`` filters in both namespace hosts,
+  ``ez_testing.partition``: healed in a ``finally``, also on Ctrl-C). The survivor (the store's node) must notice
+  through its peer liveness check and go on at world 1; the cut-off node cannot reach the store: its agent says so in
+  one line, stops its worker and exits. The bench waits for both, checks that no process of the job (by job id) is
+  left on the cut-off host (any found is reported and killed), heals the cut and a new agent joins on that host.
+
+With ``partition`` among the events the whole job (every event of the run) runs on the real-part test bed
+(``/run/elasticzero-testbed/testbed.json``): the store's agent in one namespace host, the other node and the joiners
+in another, each entered as its sshd is (its network and UTS namespaces: its own address and host name), the
+rendezvous store on the first host's address. Without the test bed the bench says so in one line and exits 2.
 
 Everything is read afterwards from the job's own per-step record (``--record-samples``: step, world, attempt,
 resumed step, the worker's process start time, its checkpoint-load seconds, the step's completion time) and the
@@ -51,12 +62,14 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -70,17 +83,24 @@ import psutil
 from elasticzero.agent.proctree import descendants, kill_now, processes_with_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from ez_ports import free_port  # tests/ on sys.path: the one free-port rule of tests and benchmarks
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integration" / "launch"))
+# tests/ on sys.path: the test bed and its partition, the one free-port rule, a job's processes per namespace host
+from launchkit import leftovers
+
+import ez_testing
+from ez_ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = Path(sys.executable).with_name("elasticzero-run")
 DRIVER = REPO / "tests" / "integration" / "elastic" / "train_driver.py"  # examples/train_gpt.py + the record
 TIMEOUT = 240.0  # seconds to wait for any one event before giving up on the job (a hang, not a measurement)
-EVENTS = ("kill", "freeze", "freeze-worker")
+CUTOFF_WAIT = 60.0  # seconds for a cut-off node's agent to exit and its processes to end before it is reported odd
+EVENTS = ("kill", "freeze", "freeze-worker", "partition")
 TITLES = {
     "kill": "node loss (SIGKILL agent + worker)",
     "freeze": "node freeze (SIGSTOP agent + worker)",
     "freeze-worker": "worker freeze (SIGSTOP of one worker, its agent alive)",
+    "partition": "network partition (tc drop between the two namespace hosts)",
     "join": "node join (new agent)",
 }
 
@@ -128,6 +148,42 @@ class Records:
         return attempt, steps[min(steps)][0]
 
 
+@dataclass(frozen=True)
+class Hosts:
+    """The job's two "nodes" on the test bed: ``store`` hosts the first agent (and the c10d store), ``other`` the second
+    one and every joiner. An agent enters a host as its sshd did (network + UTS namespaces: what pdsh lands in)."""
+
+    tb: ez_testing.Testbed
+    store: int
+    other: int
+
+    def enter(self, host: int) -> list[str]:
+        sshd = ez_testing.TESTBED_FILE.parent / f"sshd-{self.tb.hosts[host]}.pid"
+        return ["nsenter", "--target", sshd.read_text().strip(), "--net", "--uts", "--"]
+
+
+def testbed_hosts() -> Hosts | str:
+    """The last two hosts of the running test bed, or the one line saying why there is none."""
+    if not ez_testing.TESTBED_FILE.exists():
+        return f"the partition event needs the real-part test bed ({ez_testing.TESTBED_FILE} missing: it is not up)"
+    tb = ez_testing.testbed()
+    missing = [t for t in ("tc", "nsenter", "ip") if not shutil.which(t)]
+    missing += [str(p) for h in tb.hosts[-2:] if not (p := ez_testing.TESTBED_FILE.parent / f"sshd-{h}.pid").exists()]
+    if len(tb.hosts) < 2 or missing:
+        return f"the partition event needs two test-bed hosts with sshd (has {list(tb.hosts)}), missing: {missing}"
+    return Hosts(tb, len(tb.hosts) - 2, len(tb.hosts) - 1)
+
+
+@dataclass
+class Cutoff:
+    """What became of the cut-off node after one partition: when its agent exited, whether it said why, leftovers."""
+
+    exit_s: float | None  #: its agent's exit, seconds after the cut (None: it had not exited after CUTOFF_WAIT)
+    line: bool  #: its agent printed the store line
+    left: list[int]  #: processes of the job on its host after the wait (its agent's when it had not exited; killed)
+    cut_s: float  #: seconds the tc filters took to go in (the cut is complete that long after the event's instant)
+
+
 @dataclass
 class Job:
     """One elastic job: agents (own sessions), a checkpoint interval, its record and the kill/join instants."""
@@ -139,12 +195,15 @@ class Job:
     hang_timeout: str | None = None  #: the agents' --hang-timeout (None: their default)
     timeout: float = TIMEOUT  #: seconds to wait for any one event
     job_id: str = field(default_factory=lambda: f"ezrec-{uuid.uuid4().hex[:8]}")
-    endpoint: str = field(default_factory=lambda: f"127.0.0.1:{free_port()}")
+    hosts: Hosts | None = None  #: run on the test bed (the partition event), else every agent on this machine
     agents: list[subprocess.Popen[bytes]] = field(default_factory=list)
     events: list[tuple[str, float]] = field(default_factory=list)
+    cutoffs: list[Cutoff] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.records = Records(self.tmp / "record.jsonl")
+        host = self.hosts.tb.addrs[self.hosts.store] if self.hosts else "127.0.0.1"
+        self.endpoint = f"{host}:{free_port()}"
 
     def argv(self) -> list[str]:
         agent = [str(RUN), "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
@@ -159,8 +218,14 @@ class Job:
     def start_agent(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "ELASTICZERO_JOB_ID": self.job_id}
         with (self.tmp / f"agent{len(self.agents)}.log").open("wb") as log:
-            argv = self.argv()
+            argv = self.enter() + self.argv()
             self.agents.append(subprocess.Popen(argv, stdout=log, stderr=log, env=env, start_new_session=True))
+
+    def enter(self) -> list[str]:
+        """The argv prefix that puts the next agent on its host (nothing without the test bed)."""
+        if self.hosts is None:
+            return []
+        return self.hosts.enter(self.hosts.store if not self.agents else self.hosts.other)
 
     def logs_match(self, pattern: str) -> bool:
         rx = re.compile(pattern)
@@ -196,6 +261,9 @@ class Job:
         self.reach(attempt, rec["resumed"] + self.rng.randint(1, self.save_every))
         time.sleep(self.rng.random() * step_times(self.records.poll().attempts).get(2, 0.0))
         victim = self.agents[-1]
+        if kind == "partition":
+            self.partition(victim)
+            return
         tree = psutil.Process(victim.pid).children() if kind == "freeze-worker" else descendants([victim.pid])
         t = time.time()
         self.events.append((kind, t))
@@ -209,6 +277,35 @@ class Job:
             self.current(1, t)
             kill_now(tree)
             victim.wait(timeout=30)
+
+    def partition(self, victim: subprocess.Popen[bytes]) -> None:
+        """Cut the two hosts apart until the survivor trains at world 1 and the cut-off node is gone; then heal."""
+        assert self.hosts is not None
+        exited: list[float] = []  # the instant its agent exits, taken by a thread blocked in wait()
+        watch = threading.Thread(target=_note_exit, args=(victim, exited), daemon=True)
+        watch.start()
+        t = time.time()  # the event's instant: before the first filter (as a kill's is before its first signal)
+        self.events.append(("partition", t))
+        with ez_testing.partition(self.hosts.tb, self.hosts.store, self.hosts.other):
+            cut_s = time.time() - t
+            self.current(1, t)
+            watch.join(CUTOFF_WAIT)
+            self.cutoffs.append(self.cut_off_gone(victim, exited[0] - t if exited else None, cut_s))
+
+    def cut_off_gone(self, victim: subprocess.Popen[bytes], exit_s: float | None, cut_s: float) -> Cutoff:
+        """The cut-off host's part: its agent's line, and no process of the job left there (leftovers killed)."""
+        assert self.hosts is not None
+        host = self.hosts.tb.hosts[self.hosts.other]
+        log = self.tmp / f"agent{self.agents.index(victim)}.log"
+        line = "the c10d rendezvous store at" in log.read_text(errors="replace")
+        left = leftovers(self.job_id, self.hosts.tb).get(host, [])  # by job id: its agent (not exited), workers
+        said = "printed" if line else "did NOT print"
+        gone = f"exited {exit_s:.2f} s after the cut" if exit_s is not None else f"NOT exited in {CUTOFF_WAIT:g} s"
+        odd = "ODD " if exit_s is None or left or not line else ""
+        print(f"  {odd}cut-off agent {gone}, {said} the store line; left on {host}: {left or 'nothing'}", flush=True)
+        kill_now(_processes(left))
+        victim.wait(timeout=30)
+        return Cutoff(exit_s, line, left, cut_s)
 
     def join_node(self) -> float:
         """A random 3..K+2 steps into the world-1 run, start a new agent; returns the instant."""
@@ -224,6 +321,21 @@ class Job:
         kill_now(procs)
         for a in self.agents:
             a.wait(timeout=30)
+
+
+def _processes(pids: list[int]) -> list[psutil.Process]:
+    found = []
+    for pid in pids:
+        try:
+            found.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _note_exit(proc: subprocess.Popen[bytes], into: list[float]) -> None:
+    proc.wait()
+    into.append(time.time())
 
 
 def _connects(host: str, port: int) -> bool:
@@ -328,9 +440,22 @@ def _n(rows: list[dict[str, Any]], kind: str) -> int:
     return sum(r["kind"] == kind for r in rows)
 
 
-def run_job(k: int, reps: int, rng: random.Random, args: argparse.Namespace) -> list[dict[str, Any]]:
+def report_cutoffs(cutoffs: dict[int, list[Cutoff]]) -> None:
+    """The cut-off nodes' side of the partitions: agent exit after the cut, its line, processes left behind."""
+    for k, cuts in ((k, c) for k, c in sorted(cutoffs.items()) if c):
+        exits = [c.exit_s for c in cuts if c.exit_s is not None]
+        print(f"\ncut-off node, K={k}: n = {len(cuts)}; agent exited after the cut (s): "
+              f"{_stats(exits) if exits else 'never'} ({len(exits)} of {len(cuts)} exited within {CUTOFF_WAIT:g} s); "
+              f"store line printed {sum(c.line for c in cuts)} of {len(cuts)}; "
+              f"events with processes of the job left on its host {sum(bool(c.left) for c in cuts)}; "
+              f"the cut took {_stats([c.cut_s for c in cuts])} s to go in")  # fmt: skip
+
+
+def run_job(
+    k: int, reps: int, rng: random.Random, args: argparse.Namespace, hosts: Hosts | None
+) -> tuple[list[dict[str, Any]], list[Cutoff]]:
     tmp = Path(tempfile.mkdtemp(prefix=f"ez-elastic-recovery-k{k}-"))
-    job = Job(tmp, k, rng, args.script.resolve(), args.hang_timeout, args.timeout)
+    job = Job(tmp, k, rng, args.script.resolve(), args.hang_timeout, args.timeout, hosts=hosts)
     try:
         job.start()
         t = 0.0
@@ -350,7 +475,7 @@ def run_job(k: int, reps: int, rng: random.Random, args: argparse.Namespace) -> 
     print(f"  K={k}: {len(rows)} events analysed; job directory {tmp}{'' if keep else ' (kept only with --keep)'}")
     if not keep:
         subprocess.run(["rm", "-rf", str(tmp)], check=False)
-    return rows
+    return rows, job.cutoffs
 
 
 def main() -> int:
@@ -369,18 +494,29 @@ def main() -> int:
     if not set(args.events) <= set(EVENTS):
         p.error(f"--events {','.join(args.events)}: choose from {', '.join(EVENTS)}")
 
+    hosts = testbed_hosts() if "partition" in args.events else None
+    if isinstance(hosts, str):
+        print(f"elastic_recovery_bench: {hosts}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERMed bench still stops its agents (finally)
     ks = [int(k) for k in args.save_every.split(",")]
     rng = random.Random(args.seed)
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
     print(f"start {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; cpus {os.cpu_count()}; load average {os.getloadavg()}")
+    if hosts:
+        names = hosts.tb.hosts
+        print(f"on the test bed: store node {names[hosts.store]}, other node and joiners {names[hosts.other]}")
     rows: dict[int, list[dict[str, Any]]] = {k: [] for k in ks}
+    cutoffs: dict[int, list[Cutoff]] = {k: [] for k in ks}
     for block in range(args.blocks):
         for k in ks:
             n = args.reps // args.blocks + (block < args.reps % args.blocks)
-            rows[k] += run_job(k, n, rng, args)
+            new, cuts = run_job(k, n, rng, args, hosts)
+            rows[k] += new
+            cutoffs[k] += cuts
     print(f"end {time.strftime('%H:%M:%S')}; load average {os.getloadavg()}")
     report(rows)
+    report_cutoffs(cutoffs)
     return 0
 
 

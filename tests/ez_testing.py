@@ -12,7 +12,8 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,35 @@ def testbed() -> Testbed:
         slurm_nodes=tuple(d.get("slurm_nodes", ())),
         netns=tuple(d["netns"]),
     )
+
+
+def tc(netns: str, *args: str) -> None:
+    """``tc`` inside a namespace host (an argv list; fails loudly)."""
+    subprocess.run(["ip", "netns", "exec", netns, "tc", *args], check=True, capture_output=True, timeout=30)
+
+
+@contextmanager
+def partition(tb: Testbed, a: int, b: int) -> Iterator[None]:
+    """Drop every packet host ``a`` sends to host ``b`` and back; heal on exit (also on an exception or Ctrl-C).
+
+    In each of the two namespaces: an htb root whose default class passes everything, and a class holding a zero-length
+    FIFO (every packet it gets is dropped) that a u32 filter sends the peer's packets to — no action module needed,
+    and the rest of the test bed (other hosts, the head) is not touched.
+    """
+    cut = [(tb.netns[a], tb.addrs[b]), (tb.netns[b], tb.addrs[a])]
+    try:
+        for ns, peer in cut:
+            tc(ns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "2")
+            tc(ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb", "rate", "1kbit")
+            tc(ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:2", "htb", "rate", "10gbit")
+            tc(ns, "qdisc", "add", "dev", "eth0", "parent", "1:1", "handle", "10:", "pfifo", "limit", "0")
+            tc(ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+               "match", "ip", "dst", f"{peer}/32", "flowid", "1:1")  # fmt: skip
+        yield
+    finally:
+        for ns, _ in cut:
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "eth0", "root"],
+                           capture_output=True, timeout=30, check=False)  # fmt: skip
 
 
 def run(argv: Sequence[str], timeout: float = 120, **kw: object) -> subprocess.CompletedProcess[str]:

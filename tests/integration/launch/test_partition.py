@@ -1,5 +1,5 @@
 """A real network partition during a pdsh-launched elastic job: packets between two namespace hosts are dropped (tc
-filters inside both namespaces, removed in a ``finally``), then the cut heals.
+filters inside both namespaces, removed in a ``finally``: ``ez_testing.partition``), then the cut heals.
 
 Hosts 2 and 3 of the test bed (node rank 0 hosts the job's c10d store); the workers all-reduce in a loop
 (``ez_agent_worker.py loop=1``). Node 0 no longer hears node 1's heartbeat: after the peer timeout it re-forms the
@@ -14,8 +14,6 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,42 +22,13 @@ from launchkit import kill_job, leftovers, wait_for, worker_env_clean
 import ez_testing
 from elasticzero.agent.liveness import DEFAULT_PEER_TIMEOUT_S
 from elasticzero.agent.options import RDZV_DEFAULTS
-from ez_testing import REPO, Testbed, free_port, require, require_program
+from ez_testing import REPO, free_port, partition, require, require_program
 
 LAUNCH = str(Path(sys.executable).parent / "elasticzero-launch")
 WORKER = str(REPO / "tests" / "integration" / "agent" / "ez_agent_worker.py")
 pytestmark = [pytest.mark.multiproc, pytest.mark.pdsh, pytest.mark.sshd, pytest.mark.timeout(180)]
 #: the issue's goal: the survivors train again within 10 s of the cut, with default settings (printed)
 RECOVERY_S = 10.0
-
-
-def tc(netns: str, *args: str) -> None:
-    """``tc`` inside a namespace host (an argv list; fails loudly)."""
-    subprocess.run(["ip", "netns", "exec", netns, "tc", *args], check=True, capture_output=True, timeout=30)
-
-
-@contextmanager
-def partition(tb: Testbed, a: int, b: int) -> Iterator[None]:
-    """Drop every packet host ``a`` sends to host ``b`` and back; heal on exit.
-
-    In each of the two namespaces: an htb root whose default class passes everything, and a class holding a zero-length
-    FIFO (every packet it gets is dropped) that a u32 filter sends the peer's packets to — no action module needed,
-    and the rest of the test bed (other hosts, the head) is not touched.
-    """
-    cut = [(tb.netns[a], tb.addrs[b]), (tb.netns[b], tb.addrs[a])]
-    try:
-        for ns, peer in cut:
-            tc(ns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "2")
-            tc(ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb", "rate", "1kbit")
-            tc(ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:2", "htb", "rate", "10gbit")
-            tc(ns, "qdisc", "add", "dev", "eth0", "parent", "1:1", "handle", "10:", "pfifo", "limit", "0")
-            tc(ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-               "match", "ip", "dst", f"{peer}/32", "flowid", "1:1")  # fmt: skip
-        yield
-    finally:
-        for ns, _ in cut:
-            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "eth0", "root"],
-                           capture_output=True, timeout=30, check=False)  # fmt: skip
 
 
 def reports(out: Path) -> list[dict]:

@@ -16,7 +16,7 @@ from elasticzero.data.sampler import ElasticSampler
 from elasticzero.engine.zero.reshard import Fallback, ReshardPlan
 from elasticzero.engine.zero.stage2 import ZeroStage2
 from elasticzero.errors import UsageError
-from elasticzero.live.bounded import LiveError
+from elasticzero.live.bounded import LiveError, Reconfigure
 from elasticzero.live.loop import (
     LiveTraining,
     ReshardFallback,
@@ -115,6 +115,36 @@ def test_a_world_of_one_enters_a_second_round_in_the_same_process(tmp_path: Path
         assert live.opt is not old_opt and live.groups.current is dist.group.WORLD and len(live.groups.abandoned) == 1
         carried = seen[2]  # what the new optimizer, built afresh, started round 1 from
         assert all(torch.equal(carried[k], v) for k, v in end_of_round0.items())
+    finally:
+        live.close()
+        live.groups.abandon()
+
+
+def test_a_newer_round_during_the_entry_starts_it_over_with_that_round(tmp_path: Path) -> None:
+    """Round 2 arrives while this process enters round 1 (here: while it builds; in a job, any bounded wait of the
+    entry leaves with it): the entry starts over with round 2, from the same holdings — no LiveError."""
+    path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
+    write_round(path, NodeRound(0, 1, ((0, 0),), store, "r0/"))
+    second = NodeRound(2, 1, ((0, 0),), store, "r2/")
+    calls: list[int] = []
+
+    def build_then_change(group: Any) -> ZeroStage2:
+        calls.append(len(calls))
+        if len(calls) == 2:  # entering round 1
+            write_round(path, second)
+            raise Reconfigure(second)
+        return build(group)
+
+    data = torch.randn(48, 4, generator=torch.Generator().manual_seed(1))
+    live = LiveTraining.from_agent(build_then_change, sampler=sampler(0, 1), env={ROUND_FILE_ENV: path})
+    seen: list[dict[str, torch.Tensor]] = []
+    try:
+        train(live, 1, data, seen)
+        write_round(path, NodeRound(1, 1, ((0, 0),), store, "r1/"))
+        train(live, 2, data, seen)
+        assert [(e.round.number, e.step) for e in live.events] == [(2, 1)] and live.round == second
+        assert len(calls) == 3 and len(live.groups.abandoned) == 2  # rounds 0 and 1 left
+        assert [s for s, _ in live.record] == [0, 1]
     finally:
         live.close()
         live.groups.abandon()

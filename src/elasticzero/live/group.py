@@ -6,7 +6,8 @@ is formed by whoever the round names, on ``PrefixStore(round.prefix, TCPStore(ro
 round uses), at the round's world size.
 
 :func:`group_spec` is the decision, pure over the round, this process's local rank and its :class:`Placement` (the
-one device rule, :mod:`elasticzero.device`): backend, new rank, world size, store, device, timeout.
+one device rule, :mod:`elasticzero.device`): backend, new rank, world size, store, device, timeout;
+:func:`init_args` turns it into ``init_process_group``'s arguments.
 :func:`abandon_calls` is how the previous group is left: gloo ``destroy_process_group`` (torch calls the backend's
 ``shutdown``; it returns at once even with a thread stuck in a collective, as long as the group object stays
 referenced, so its destructor never joins that thread); NCCL ``abort`` first (``ncclCommAbort`` on every
@@ -63,6 +64,19 @@ def group_spec(round_: NodeRound, local_rank: int, where: Placement, timeout: ti
     )
 
 
+def init_args(spec: GroupSpec) -> dict[str, Any]:
+    """``init_process_group``'s arguments but the store: NCCL bound to its device (``device_id``: the communicator is
+    created eagerly on it, no collective guesses a device), none on the CPU; ``timeout`` None: torch's default."""
+    device = torch.device(spec.device) if spec.device is not None else None
+    return {
+        "backend": spec.backend,
+        "rank": spec.rank,
+        "world_size": spec.world_size,
+        "timeout": spec.timeout,
+        "device_id": device,
+    }
+
+
 def abandon_calls(backend: str) -> tuple[str, ...]:
     """What leaving a group of ``backend`` calls, in order: ``"abort"`` (``ProcessGroup.abort``) for NCCL, then
     ``"destroy"`` (``destroy_process_group``) for every backend (see the module)."""
@@ -80,16 +94,7 @@ class RoundGroups:
     def form(self, spec: GroupSpec) -> Any:
         """Leave the current group, form ``spec``'s; returns the new default group."""
         self.abandon()
-        store = dist.PrefixStore(spec.prefix, self._store(spec))
-        device = torch.device(spec.device) if spec.device is not None else None
-        dist.init_process_group(
-            spec.backend,
-            store=store,
-            rank=spec.rank,
-            world_size=spec.world_size,
-            timeout=spec.timeout,
-            device_id=device,
-        )
+        dist.init_process_group(store=dist.PrefixStore(spec.prefix, self._store(spec)), **init_args(spec))
         self.current = dist.group.WORLD
         return self.current
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from elasticzero.device import Facts, placement
 from elasticzero.live.bounded import LiveError
-from elasticzero.live.group import GroupSpec, RoundGroups, abandon_calls, group_spec
+from elasticzero.live.group import GroupSpec, RoundGroups, abandon_calls, group_spec, init_args
 from elasticzero.live.rounds import NodeRound, StoreAddress
 from ez_testing import free_port
 
@@ -35,6 +35,18 @@ def test_with_cuda_it_is_nccl_bound_to_the_local_device_with_the_launchers_timeo
     spec = group_spec(round_(), 1, GPU)
     assert (spec.backend, spec.rank, spec.device, spec.timeout) == ("nccl", 0, "cuda:1", timedelta(seconds=90))
     assert group_spec(round_(), 1, GPU, timedelta(seconds=5)).timeout == timedelta(seconds=5)  # the caller's wins
+
+
+def test_init_process_group_binds_nccl_to_the_device_and_leaves_gloo_unbound() -> None:
+    nccl, gloo = init_args(group_spec(round_(), 1, GPU)), init_args(group_spec(round_(), 0, CPU))
+    assert nccl == {
+        "backend": "nccl",
+        "rank": 0,
+        "world_size": 4,
+        "timeout": timedelta(seconds=90),
+        "device_id": torch.device("cuda:1"),
+    }
+    assert (gloo["backend"], gloo["rank"], gloo["device_id"], gloo["timeout"]) == ("gloo", 2, None, None)
 
 
 def test_the_new_rank_0_hosts_the_store_only_when_the_round_says_so() -> None:

@@ -21,19 +21,15 @@ import json
 import os
 import re
 import signal
-import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ez_agentkit import ELASTICZERO_RUN, FAST_RDZV, Cluster, wait_for
 
 from elasticzero.data import ByteCorpus, epoch_order, stdlib_corpus
-from ez_testing import REPO, free_port
-
-sys.path.insert(0, str(REPO / "tests" / "integration" / "agent"))
-from ez_agentkit import ELASTICZERO_RUN, FAST_RDZV, Cluster, wait_for
+from ez_testing import free_port
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
@@ -43,15 +39,6 @@ HANG_TIMEOUT = 4.0  # seconds; a step of this job takes well under 0.5 s on a lo
 RESUME = HANG_AT - 1 - (HANG_AT - 1) % SAVE  # the newest checkpoint when step HANG_AT stalls
 CONFIG = "zero: {stage: 2}\noptimizer: {type: AdamW, params: {lr: 2.0e-3}}\ntrain_batch_size: 8\nmicro_batch_size: 2\n"
 WAIT = 120.0  # seconds to wait for any one phase before failing (a broken run, not a measurement)
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.cleanup()
 
 
 def argv(cluster: Cluster, endpoint: str, nnodes: int, nproc: int, index: int, hang: list[str]) -> list[str]:

@@ -22,20 +22,16 @@ import json
 import os
 import re
 import signal
-import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ez_agentkit import ELASTICZERO_RUN, FAST_RDZV, Cluster, wait_for
 
 from elasticzero.agent.hang import DUMP_WAIT_S
 from elasticzero.data import ByteCorpus, epoch_order, stdlib_corpus
-from ez_testing import REPO, free_port
-
-sys.path.insert(0, str(REPO / "tests" / "integration" / "agent"))
-from ez_agentkit import ELASTICZERO_RUN, FAST_RDZV, Cluster, wait_for
+from ez_testing import free_port
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
@@ -49,15 +45,6 @@ CONFIG = "zero: {stage: 2}\noptimizer: {type: AdamW, params: {lr: 2.0e-3}}\ntrai
 #: 1.3 s (quiet) to 2.6 s (load 3-4) past the timeout
 AGENTS_S = HANG_TIMEOUT + DUMP_WAIT_S + 0.1 + 1.0 + 1.5
 WAIT = 120.0  # seconds to wait for any one phase before failing (a broken run, not a measurement)
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.cleanup()
 
 
 def argv(cluster: Cluster, endpoint: str, nnodes: int, nproc: int, index: int, hang: list[str]) -> list[str]:

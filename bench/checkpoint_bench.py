@@ -179,8 +179,8 @@ def load_child(args: argparse.Namespace) -> float:
 
     load = {
         "load_dcp": dcp_load,
-        "load_ours": lambda: Checkpointer(src).load_latest(state),
-        "load_ours_nocrc": lambda: Checkpointer(src, verify_on_load=False).load_latest(state),
+        "load_ours": lambda: Checkpointer(src, read_only=True).load_latest(state),
+        "load_ours_nocrc": lambda: Checkpointer(src, verify_on_load=False, read_only=True).load_latest(state),
     }[args.load_child]
     if args.cold:
         _evict(step_dir)

@@ -43,7 +43,7 @@ def main() -> int:
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
     cfg = config_for(args.size, block_size=max(64, config_for(args.size).block_size))
-    ckpt = Checkpointer(args.directory, verify_on_load=not args.no_verify)
+    ckpt = Checkpointer(args.directory, verify_on_load=not args.no_verify, read_only=True)
     times, prof = [], cProfile.Profile()
     for i in range(args.loads):
         torch.manual_seed(1)

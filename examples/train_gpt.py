@@ -97,18 +97,20 @@ class Trainer:
         if self.rank == 0:
             print(self.describe(start), flush=True)
         autotune.measure(timers)  # under elasticzero-autotune: time its window of steps, report, stop (else no-op)
-        while self.step < args.steps:
-            self.step += 1
-            self.log(self.train_step(batches), start, t0)
-            if args.eval_every and self.step % args.eval_every == 0 and self.step < args.steps:
-                self.evaluate()
-            if self.ckpt and ((args.save_every and self.step % args.save_every == 0) or self.step == args.steps):
-                self.ckpt.save(self.step, self.state)
-            if timers.count(samples=self.loader.sampler.micro_batch_size * self.acc.steps):  # the tuner's window
-                break
-        self.evaluate()
-        if self.ckpt:
-            self.ckpt.close()
+        try:
+            while self.step < args.steps:
+                self.step += 1
+                self.log(self.train_step(batches), start, t0)
+                if args.eval_every and self.step % args.eval_every == 0 and self.step < args.steps:
+                    self.evaluate()
+                if self.ckpt and ((args.save_every and self.step % args.save_every == 0) or self.step == args.steps):
+                    self.ckpt.save(self.step, self.state)
+                if timers.count(samples=self.loader.sampler.micro_batch_size * self.acc.steps):  # the tuner's window
+                    break
+            self.evaluate()
+        finally:  # an error too: no background save is left running (close waits for it, then stops its thread)
+            if self.ckpt:
+                self.ckpt.close()
 
     def describe(self, start: int) -> str:
         """The model, the batch plan at this world size and where the job resumed."""

@@ -1,5 +1,5 @@
-"""Stress: the freeze, store-host freeze and partition tests, each repeated, to show they are not races (a script, not
-collected by pytest: no ``test_`` files here).
+"""Stress: the freeze, store-host freeze, partition and hung-worker tests, each repeated, to show they are not races
+(a script, not collected by pytest: no ``test_`` files here).
 
 Each repetition is one real pytest run of one case (fresh agents, fresh job id, fresh etcd server), so what is
 repeated is exactly what CI runs. The failures' output is kept under ``--keep``; the timings the tests print (the
@@ -25,11 +25,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+HANG = "tests/integration/elastic/test_hang.py"
 CASES = {
     "c10d-freeze": "tests/integration/elastic/test_freeze.py::test_frozen_node_survived_fenced_and_rejoins[c10d]",
     "etcd-freeze": "tests/integration/elastic/test_freeze.py::test_frozen_node_survived_fenced_and_rejoins[etcd]",
     "c10d-store-host-freeze": "tests/integration/agent/test_store_host_freeze.py",
     "partition": "tests/integration/launch/test_partition.py",
+    "c10d-store-call-window": "tests/integration/agent/test_store_call_bound.py",
+    "worker-hang": f"{HANG}::test_a_worker_that_stops_making_progress_is_named_and_the_job_trains_on",
+    "worker-stop": f"{HANG}::test_a_stopped_worker_is_named_and_the_job_trains_on",
 }
 #: the lines the tests print, and the name each timing gets in the summary
 TIMINGS = {
@@ -37,6 +41,7 @@ TIMINGS = {
     "trains again": re.compile(r"trains again (?:at world 1 )?([\d.]+) s after the (?:freeze|cut)"),
     "first step": re.compile(r"first step done after ([\d.]+) s"),
     "store line": re.compile(r"said why ([\d.]+) s after the store host froze"),
+    "hang → first step": re.compile(r"-> first step of the new attempt: ([\d.]+)s"),
 }
 
 

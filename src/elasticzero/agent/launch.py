@@ -24,7 +24,7 @@ from torch.distributed.run import run_script_path
 from torch.numa.binding import AffinityMode, NumaOptions
 
 from elasticzero.agent.agent import ElasticZeroAgent, PeerFailedError
-from elasticzero.agent.peers import StoreLostError
+from elasticzero.agent.peers import StoreLostError, bound_store_calls
 from elasticzero.agent.plan import AgentPlan, LogsPlan, RendezvousPlan
 from elasticzero.errors import UsageError
 
@@ -105,7 +105,8 @@ def launch(plan: AgentPlan) -> tuple[RunResult, ElasticZeroAgent]:
     logs_specs = build_logs_specs(plan.workers.logs)
     apply_torch_knobs(plan)
     params = rdzv_parameters(plan.rdzv)
-    spec = worker_spec(plan, rdzv_registry.get_rendezvous_handler(params), params)
+    handler = bound_store_calls(rdzv_registry.get_rendezvous_handler(params), plan.peers)
+    spec = worker_spec(plan, handler, params)
     agent = ElasticZeroAgent(
         spec,
         logs_specs,

@@ -14,10 +14,12 @@ import pickle
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousHandler, RendezvousInfo
 
 from elasticzero.agent.liveness import Liveness, PeerPlan, Snapshot, gone_line, judge, store_lost_line
 
@@ -145,3 +147,79 @@ def peer_change(watch: PeerWatch | None) -> PeerChange | None:
         )
         return PeerChange(why, mark=False)
     return PeerChange(gone_line(verdict.gone, watch.plan), mark=True)
+
+
+T = TypeVar("T")
+
+
+def bounded_call(call: Callable[[], T], timeout_s: float, on_timeout: Callable[[float], Exception]) -> T:
+    """``call()`` on a daemon thread, waited ``timeout_s`` at most: its result or exception, else ``on_timeout(s)``
+    raised (the thread is left blocked: the caller is giving up on what it waits for)."""
+    done: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(call())
+        except BaseException as exc:  # handed to the caller, who re-raises it
+            done.set_exception(exc)
+
+    start = time.monotonic()
+    threading.Thread(target=run, name="elasticzero-bounded-call", daemon=True).start()
+    try:
+        return done.result(timeout=timeout_s)
+    except FutureTimeout:
+        raise on_timeout(time.monotonic() - start) from None
+
+
+class BoundedStoreHandler(RendezvousHandler):
+    """torch's rendezvous handler, with the store call torch's monitor loop makes every healthy tick bounded.
+
+    The c10d store lives in one agent. Each tick the agent's :class:`PeerWatch` read answers (or the agent fails with
+    :class:`StoreLostError`); right after it, torch's loop calls ``num_nodes_waiting``, an unbounded store read (and
+    it waits for the heartbeat lock, which torch's keep-alive thread holds while *its* store call waits). A store host
+    lost between the two reads would block that call for torch's 60 s store timeout and end the agent with torch's
+    error; bounded here by the peer timeout, it ends with the same one line as the read. Everything else is
+    delegated unchanged (attributes too: :class:`PeerWatch` reads torch's handler through this one).
+    """
+
+    def __init__(self, handler: RendezvousHandler, plan: PeerPlan) -> None:
+        self._inner = handler
+        self._plan = plan
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def num_nodes_waiting(self) -> int:
+        return bounded_call(self._inner.num_nodes_waiting, self._plan.timeout_s, self._store_lost)
+
+    def _store_lost(self, waited_s: float) -> StoreLostError:
+        return StoreLostError(store_lost_line(self._plan, waited_s))
+
+    def get_backend(self) -> str:
+        return self._inner.get_backend()
+
+    @property
+    def use_agent_store(self) -> bool:
+        return self._inner.use_agent_store
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        return self._inner.next_rendezvous()
+
+    def is_closed(self) -> bool:
+        return self._inner.is_closed()
+
+    def set_closed(self) -> None:
+        self._inner.set_closed()
+
+    def get_run_id(self) -> str:
+        return self._inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        return self._inner.shutdown()
+
+
+def bound_store_calls(handler: RendezvousHandler, plan: PeerPlan | None) -> RendezvousHandler:
+    """``handler`` with its monitor-tick store call bounded where a peer agent hosts the store (c10d), else itself."""
+    if plan is None or plan.store_in_agent is None:
+        return handler
+    return BoundedStoreHandler(handler, plan)

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from elasticzero.checkpoint import fence
 from elasticzero.checkpoint.disk import DiskTier, PhaseHook
 from elasticzero.checkpoint.gcpause import PAUSE, gc_paused
 from elasticzero.checkpoint.snapshot import Snapshot, Stager, fresh_like
@@ -55,10 +56,13 @@ class Checkpointer:
             in the caller.
         phase_hook: ``f(phase, step)`` called at the commit protocol's phases (``"snapshot"`` and those of
             :data:`~elasticzero.checkpoint.disk.PhaseHook`).
+        read_only: only load: the directory is not claimed (see below; a job writing there is not disturbed) and
+            :meth:`save` raises a :class:`UsageError`. For tools and loaders beside a job; not with ``async_save``.
 
-    Building one is collective and makes its world the directory's writer (:mod:`~elasticzero.checkpoint.fence`):
-    a Checkpointer built earlier on the same directory — a stale world whose node was declared gone and resumed —
-    raises :class:`~elasticzero.checkpoint.fence.FencedError` at its next write, commit or deletion there.
+    Building one is collective and, unless ``read_only``, makes its world the directory's writer
+    (:mod:`~elasticzero.checkpoint.fence`): a Checkpointer built earlier on the same directory — a stale world whose
+    node was declared gone and resumed — raises :class:`~elasticzero.checkpoint.fence.FencedError` at its next write,
+    commit or deletion there.
     """
 
     def __init__(
@@ -71,13 +75,18 @@ class Checkpointer:
         verify_on_load: bool = True,
         writer_priority: int | str = "idle",
         phase_hook: PhaseHook | None = None,
+        read_only: bool = False,
     ) -> None:
         _check_priority(writer_priority)
+        if read_only and async_save:
+            raise UsageError(f"Checkpointer({directory}): read_only=True saves nothing; drop async_save=True")
         if not dist.is_initialized():
             raise UsageError("Checkpointer needs torch.distributed initialised (init_process_group)")
         group = process_group if process_group is not None else dist.new_group(backend="gloo")
         self.tier = DiskTier(directory, keep_last=keep_last, process_group=group, phase_hook=phase_hook)
-        self.tier.claim()  # this world writes here from now on; an older one still running is fenced off
+        if not read_only:
+            self.tier.claim()  # this world writes here from now on; an older one still running is fenced off
+        self.read_only = read_only
         self.async_save = async_save
         self.verify_on_load = verify_on_load
         self._hook = phase_hook or (lambda phase, step: None)
@@ -95,7 +104,10 @@ class Checkpointer:
 
     def save(self, step: int, state: Mapping[str, Any]) -> None:
         """Checkpoint ``state`` as step ``step`` (collective). With ``async_save`` it returns after the snapshot;
-        call :meth:`wait` (or the next save/load/close does) to learn that it committed."""
+        call :meth:`wait` (or the next save/load/close does) to learn that it committed. A read-only Checkpointer
+        raises a :class:`UsageError` (nothing is written)."""
+        if self.read_only:
+            raise UsageError(fence.read_only_message(self.directory, step))
         self.wait()
         PAUSE.enter()  # automatic GC off until this save committed (see gcpause): it stalls the training thread
         try:

@@ -8,6 +8,9 @@ world formed (this node was declared gone — frozen or cut off — and resumed 
 :class:`FencedError` and nothing more of the stale world reaches the directory, so there is never a second rank 0
 committing. The check and the rename are two steps: a rank frozen between them (microseconds) is not fenced — the
 window a token in a store compared at commit also leaves; see docs/checkpointing.md, "Fencing".
+
+A Checkpointer built with ``read_only=True`` (a tool or loader beside a job) claims nothing — the job writing there is
+not fenced off by it — and refuses to save (:func:`read_only_message`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,14 @@ def fenced_message(root: Path, what: str, step: int, mine: str, current: str | N
     return (
         f"{root}: {what} of step {step} refused: the checkpoint directory belongs to {owner}, not to this one "
         f"(token {mine}); this node was declared gone (frozen or cut off) and the job went on without it"
+    )
+
+
+def read_only_message(root: Path, step: int) -> str:
+    """Why a read-only Checkpointer's save of ``step`` is refused."""
+    return (
+        f"{root}: save of step {step} refused: this Checkpointer is read-only (read_only=True: it loads and does not "
+        "claim the directory, so a job writing there keeps it); build one without read_only=True to save"
     )
 
 

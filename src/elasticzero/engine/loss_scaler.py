@@ -26,13 +26,15 @@ uses them. Any other optimizer (plain ``torch.optim``, under DDP or not) has eve
 unscaled by the scaler itself.
 
 The flag's all-reduce is counted in ``scaler.comm_stats`` (tag ``"found_inf"``). It runs on the optimizer's group
-(through a communicator opened on it for the call, so it follows an optimizer whose communicator was replaced), else
-on ``scaler.communicator`` (built on ``process_group`` when one was given; assign another to move the scaler to a new
-group), else on the default group as it is at that moment.
+as it is at that call (so it follows an optimizer whose communicator was replaced), else on ``scaler.communicator``
+(built on ``process_group`` when one was given; assign another to move the scaler to a new group), else on the default
+group as it is at that moment. The scaler builds one communicator per group it agrees on, at the first agreement there,
+and reuses it; it holds the group weakly (a destroyed group's communicator goes with it).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -99,6 +101,8 @@ class LossScaler:
         self.communicator: comm.Communicator | None = None
         if process_group is not None:
             self.communicator = comm.Communicator(process_group, owner="LossScaler", stats=self.comm_stats)
+        # the communicators of the other groups it agrees on (optimizers' own, the default group), one per group
+        self._borrowed: weakref.WeakKeyDictionary[Any, comm.Communicator] = weakref.WeakKeyDictionary()
         self._scale = float(init_scale)
         self._growth_tracker = 0  # consecutive clean steps since the last overflow or growth
         self._hysteresis_left = self.hysteresis
@@ -161,12 +165,17 @@ class LossScaler:
 
     def _communicator_on(self, group: Any) -> comm.Communicator | None:
         """Where the overflow flag is agreed: on ``group`` (the optimizer's), else on :attr:`communicator`, else on
-        the default group as it is now; None without torch.distributed."""
+        the default group as it is now (the scaler's communicator for that group, built at its first agreement); None
+        without torch.distributed."""
         if group is None and self.communicator is not None:
             return self.communicator
         if group is None and not (dist.is_available() and dist.is_initialized()):
             return None
-        return comm.Communicator(group, owner="LossScaler", stats=self.comm_stats)
+        pg = group if group is not None else dist.group.WORLD
+        found = _held(self._borrowed, pg)
+        if found is None:
+            found = self._borrowed[pg] = comm.Communicator(pg, owner="LossScaler", stats=self.comm_stats)
+        return found
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """Unscale if not done yet, then ``optimizer.step(*args, **kwargs)`` unless some rank found inf/NaN.
@@ -308,6 +317,15 @@ def _unscale_grads(grads: Iterable[torch.Tensor], inv_scale: float) -> torch.Ten
                 t.mul_(inv_scale)
         found_total = torch.maximum(found_total, found.cpu())
     return found_total
+
+
+def _held(held: weakref.WeakKeyDictionary[Any, comm.Communicator], group: Any) -> comm.Communicator | None:
+    """The communicator ``held`` for ``group``; None for a new group and for what is no group at all (NON_GROUP_MEMBER:
+    building one says why)."""
+    try:
+        return held.get(group)
+    except TypeError:  # not weakly referable, so not a process group
+        return None
 
 
 def _agree(local: torch.Tensor | float | bool, communicator: comm.Communicator | None) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from typing import Any
 
 import psutil
 
-from elasticzero.agent.proctree import descendants, kill_now, processes_with_env
+from elasticzero.agent.proctree import descendants, kill_now, processes_with_env, signal_all
 
 WORKER = Path(__file__).with_name("ez_agent_worker.py")
 ELASTICZERO_RUN = Path(sys.executable).with_name("elasticzero-run")
@@ -129,6 +130,7 @@ class Cluster:
         for r in self.reports():
             if r.get("grandchild"):
                 procs += descendants([r["grandchild"]])
+        signal_all(procs, signal.SIGCONT)  # continue what a test stopped (SIGSTOP), so that nothing holds up the kill
         kill_now(procs)
         for a in self.agents:
             if a.proc.poll() is None:

@@ -15,6 +15,7 @@ from elasticzero.agent.liveness import DEFAULT_PEER_TIMEOUT_S
 from elasticzero.agent.proctree import descendants
 from ez_testing import free_port
 
+# the waits below sum to well under the timeout, so a failed wait prints the agents' logs before pytest-timeout fires
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 
 
@@ -24,7 +25,7 @@ def test_the_store_hosts_freeze_ends_the_other_agent_fast_and_clearly(cluster: C
     host = cluster.start(argv())  # default rendezvous settings: the default peer timeout
     cluster.wait_store(endpoint)
     other = cluster.start(argv())
-    wait_for(lambda: len(cluster.reports()) == 2, 120, "a world of 2", cluster.agents)
+    wait_for(lambda: len(cluster.reports()) == 2, 60, "a world of 2", cluster.agents)
     other_tree = descendants([other.proc.pid])
     frozen = descendants([host.proc.pid])
     t_freeze = time.monotonic()

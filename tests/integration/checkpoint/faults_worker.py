@@ -126,7 +126,7 @@ def bad_loads(root: Path) -> dict[str, str]:
         before = full_state(victim)
         extra = {"seen": 5}
         try:
-            Checkpointer(d).load_latest(state_of(victim, extra))
+            Checkpointer(d, read_only=True).load_latest(state_of(victim, extra))
             results[case] = "loaded"
         except UsageError as exc:
             results[case] = f"UsageError: {exc}"
@@ -168,7 +168,7 @@ def load(dirs: list[str]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for d in dirs:
         opt = build(3, "fp32", None, seed=9)
-        step = Checkpointer(Path(d + ".d")).load_latest(state_of(opt))
+        step = Checkpointer(Path(d + ".d"), read_only=True).load_latest(state_of(opt))
         ref = torch.load(f"{d}.ref{step}.pt", weights_only=True)
         results[d] = {"step": step, "mismatches": mismatches(opt, ref)}
     return results

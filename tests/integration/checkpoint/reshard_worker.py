@@ -47,7 +47,7 @@ def run_case(case: tuple[Any, ...], groups: dict[int, Any], root: Path) -> list[
     if rank < m:
         opt = build(t, prec, groups[m], seed=2)
         extra = {"tokens": 0}
-        step = Checkpointer(directory, process_group=groups[m]).load_latest(
+        step = Checkpointer(directory, process_group=groups[m], read_only=True).load_latest(
             {"zero": ZeroCheckpointState(opt), "extra": extra}
         )
         if step != 2 or extra != {"tokens": 12}:

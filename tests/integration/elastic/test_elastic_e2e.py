@@ -26,14 +26,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from elasticzero.data import ByteCorpus, epoch_order, stdlib_corpus
-from ez_testing import REPO, free_port
-
-sys.path.insert(0, str(REPO / "tests" / "integration" / "agent"))  # the agent tests' kit: start, watch, reap agents
 from ez_agentkit import ELASTICZERO_RUN, FAST_RDZV, Cluster, wait_for
 
 from cluster.etcd_server import EtcdCluster, require_etcd
+from elasticzero.data import ByteCorpus, epoch_order, stdlib_corpus
+from ez_testing import REPO, free_port
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -80,15 +77,6 @@ CASES = [
         marks=pytest.mark.etcd,
     ),
 ]
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.cleanup()
 
 
 def job(tmp: Path, case: Case, name: str) -> list[str]:

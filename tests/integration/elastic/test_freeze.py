@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -25,36 +24,21 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from elasticzero.agent.liveness import DEFAULT_PEER_TIMEOUT_S
-from elasticzero.agent.options import RDZV_DEFAULTS
-from elasticzero.agent.proctree import descendants
-from elasticzero.data import ByteCorpus, epoch_order, stdlib_corpus
-from ez_testing import REPO, free_port
-
-sys.path.insert(0, str(REPO / "tests" / "integration" / "agent"))  # the agent tests' kit: start, watch, reap agents
 from ez_agentkit import ELASTICZERO_RUN, Cluster, wait_for
 from test_elastic_e2e import CORPUS, DRIVER, GLOBAL, SEED, SEQ, STEPS, Case, committed_record, job, recorded
 
 from cluster.etcd_server import EtcdCluster, require_etcd
+from elasticzero.agent.liveness import DEFAULT_PEER_TIMEOUT_S
+from elasticzero.agent.options import RDZV_DEFAULTS
+from elasticzero.agent.proctree import descendants
+from elasticzero.data import ByteCorpus, epoch_order, stdlib_corpus
+from ez_testing import free_port
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
 FREEZE_AT, RESUME_AT, HOLD_AT = 12, 6, 8  # the save of step 12 freezes; step 6 is the newest committed before it
 #: the issue's goal: the survivors train again within 10 s of the freeze, with default settings (printed)
 RECOVERY_S = 10.0
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        for a in c.agents:  # continue what the test stopped, so that the cleanup's SIGKILL is not held up
-            for p in descendants([a.proc.pid]) if a.proc.poll() is None else []:
-                p.send_signal(signal.SIGCONT)
-        c.cleanup()
 
 
 @pytest.fixture(params=["c10d", pytest.param("etcd", marks=pytest.mark.etcd)])

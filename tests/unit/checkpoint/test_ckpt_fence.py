@@ -1,5 +1,6 @@
 """Fencing of a checkpoint directory: the newest Checkpointer's world owns it; an older one's write, commit and
-deletion there raise FencedError (two Checkpointers in one single-rank gloo world stand for a stale and a new world)."""
+deletion there raise FencedError (two Checkpointers in one single-rank gloo world stand for a stale and a new world).
+A read-only Checkpointer and the checkpoint CLI claim nothing."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elasticzero.checkpoint import Checkpointer, FencedError
+from elasticzero.checkpoint import Checkpointer, FencedError, cli
 from elasticzero.checkpoint.fence import WRITER, claim, current, fenced_message
+from elasticzero.errors import UsageError
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +71,43 @@ def test_the_commit_is_fenced_too(gloo_world: None, tmp_path: Path) -> None:
         stale.save(3, state)
     assert not (tmp_path / "step-00000003").exists() and not (tmp_path / "latest").exists()
     claims[0].close()
+
+
+def test_a_read_only_checkpointer_loads_beside_the_writer_without_fencing_it(gloo_world: None, tmp_path: Path) -> None:
+    writer = Checkpointer(tmp_path, keep_last=2)
+    writer.save(1, {"w": {"t": torch.arange(4.0)}})
+    token = current(tmp_path)
+    loaded = {"w": {"t": torch.zeros(4)}}
+    with Checkpointer(tmp_path, read_only=True) as reader:  # a tool beside the running job
+        assert reader.load_latest(loaded) == 1
+    torch.testing.assert_close(loaded["w"]["t"], torch.arange(4.0), rtol=0, atol=0)
+    assert current(tmp_path) == token  # the directory still belongs to the job ...
+    writer.save(2, {"w": {"t": torch.arange(4.0) + 1}})  # ... which goes on saving (a claim would fence it here)
+    assert writer.latest_step() == 2
+    writer.close()
+
+
+def test_a_read_only_checkpointer_refuses_to_save_and_writes_nothing(gloo_world: None, tmp_path: Path) -> None:
+    with Checkpointer(tmp_path / "ckpt", read_only=True) as reader:
+        assert reader.load_latest({"w": {"t": torch.zeros(4)}}) is None  # nothing committed: the state is untouched
+        with pytest.raises(UsageError, match=r"save of step 3 refused: this Checkpointer is read-only"):
+            reader.save(3, {"w": {"t": torch.arange(4.0)}})
+    assert not (tmp_path / "ckpt").exists()  # not even the directory or its writer file
+
+
+def test_read_only_with_async_save_is_a_usage_error(gloo_world: None, tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="read_only=True saves nothing; drop async_save"):
+        Checkpointer(tmp_path, read_only=True, async_save=True)
+
+
+def test_the_checkpoint_cli_claims_nothing(
+    gloo_world: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    writer = Checkpointer(tmp_path, keep_last=2)
+    writer.save(1, {"w": {"t": torch.arange(4.0)}})
+    token = current(tmp_path)
+    assert cli.main(["inspect", str(tmp_path)]) == 0 and cli.main(["verify", str(tmp_path)]) == 0
+    assert "step 1: OK" in capsys.readouterr().out
+    assert current(tmp_path) == token
+    writer.save(2, {"w": {"t": torch.arange(4.0)}})
+    writer.close()

@@ -45,11 +45,12 @@ class Facts:
     env: Mapping[str, str]
 
     @classmethod
-    def current(cls) -> Facts:
+    def current(cls, env: Mapping[str, str] | None = None) -> Facts:
+        """This process's facts; ``env``: the environment to read (default ``os.environ``)."""
         import torch
 
         available = torch.cuda.is_available()
-        return cls(available, torch.cuda.device_count() if available else 0, dict(os.environ))
+        return cls(available, torch.cuda.device_count() if available else 0, dict(os.environ if env is None else env))
 
 
 @dataclass(frozen=True)

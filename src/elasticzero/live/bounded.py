@@ -17,8 +17,8 @@ timed wait can only be used where the group is given up anyway. The thread waits
 Abandoning: once it raised :class:`Reconfigure` a bound refuses every later wait (:attr:`BoundedWait.abandoned`), so
 nothing issues or waits on the old group again. The helper thread (a daemon) stays blocked in the abandoned wait, and
 gloo's own worker thread in the collective, until the old group's timeout fires or the lost peer's sockets close (the
-agent kills a frozen worker: fencing); either ends the wait with an error nobody reads. The old group is never
-destroyed (``destroy_process_group`` would join those threads).
+agent kills a frozen worker: fencing); either ends the wait with an error nobody reads. The old group is left by
+:mod:`.group` (destroyed, NCCL aborted first) but stays referenced, so nothing joins those threads.
 """
 
 from __future__ import annotations
@@ -30,26 +30,26 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from elasticzero.live.rounds import Round, RoundError
+from elasticzero.live.rounds import NodeRound, RoundError
 
 
 class Reconfigure(Exception):
-    """A newer round was announced while this process waited on the old group: reform the group for ``round``."""
+    """A newer round is in the round file while this process waited on the old group: form ``round``'s group."""
 
-    def __init__(self, round_: Round) -> None:
+    def __init__(self, round_: NodeRound) -> None:
         super().__init__(f"round {round_.number} announced: {round_.world_size} member(s)")
         self.round = round_
 
 
 class LiveError(RuntimeError):
-    """Live reconfiguration cannot go on in this process (a bad round key, not a member of the new round, a failed
+    """Live reconfiguration cannot go on in this process (a bad round file, not a member of the new round, a failed
     reconfiguration): exit, and the agent's restart path takes over (disk checkpoint)."""
 
 
-Poll = Callable[[], Round | RoundError | None]
+Poll = Callable[[], NodeRound | RoundError | None]
 
 
-def leave_for(found: Round | RoundError | None) -> Reconfigure | None:
+def leave_for(found: NodeRound | RoundError | None) -> Reconfigure | None:
     """The exception a wait leaves with for what the round source said (``None``: keep waiting); a
     :class:`RoundError` is raised as :class:`LiveError`."""
     if isinstance(found, RoundError):
@@ -61,7 +61,7 @@ class BoundedWait:
     """Waits the engine's works on a helper thread, leaving when ``poll`` reports a newer round (see the module).
 
     Args:
-        poll: the round source's decision for this process's current round (:meth:`RoundSource.poll` bound to it).
+        poll: the round file's decision for this process's current round (:meth:`RoundFile.poll` bound to it).
         poll_s: how long a wait runs between two polls (the bound on leaving after an announcement).
         failure_grace_s: after a work failed, how long to wait for the agent's round before re-raising the failure.
     """
@@ -70,7 +70,7 @@ class BoundedWait:
         self.poll = poll
         self.poll_s = poll_s
         self.failure_grace_s = failure_grace_s
-        self.abandoned: Round | None = None
+        self.abandoned: NodeRound | None = None
         self._jobs: queue.SimpleQueue[tuple[Callable[[], None], Future[None]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name="ez-bounded-wait", daemon=True)
         self._thread.start()
@@ -100,7 +100,7 @@ class BoundedWait:
         """Let the helper thread end (after the wait it is in, if any)."""
         self._jobs.put(None)
 
-    def _leave_if(self, found: Round | RoundError | None) -> None:
+    def _leave_if(self, found: NodeRound | RoundError | None) -> None:
         leave = leave_for(found)
         if leave is not None:
             self.abandoned = leave.round

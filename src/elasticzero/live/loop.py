@@ -2,7 +2,7 @@
 
 ::
 
-    live = LiveTraining(build, sampler=sampler, source=RoundSource(store), first=Round(0, members, "round0/"))
+    live = LiveTraining.from_agent(build, sampler=sampler)   # under elasticzero-run's live mode: the round file
     for attempt in live.steps(total):
         with attempt:                                   # the one construct
             for idx in attempt.micro_batches:           # this rank's sample indices, micro-batch by micro-batch
@@ -11,42 +11,51 @@
             attempt.opt.zero_grad()
 
 ``build(group)`` makes the model and its ZeRO optimizer on a process group (called once per round, on a model built
-afresh: the reshard reads the old one). The attempt's ``with`` leaves on :class:`~elasticzero.live.bounded.Reconfigure`
-(any wait of the step's collectives left for a newer round), then, in the same process:
+afresh: the reshard reads the old one). Every round — the first one too — is entered the same way, by survivors and
+fresh processes alike (:meth:`LiveTraining._enter`):
 
-1. this process's holdings (its own state and its wards' copies, :meth:`Replicator.holdings`) are taken from the old
-   round, whose group is abandoned (never used again, never destroyed: see :mod:`.bounded`);
-2. the new group is formed (``dist.new_group`` of the members, with the old ranks' order kept, on the job's store);
-3. ``build(group)`` at the new world, its communicator bounded by a watch of the new round,
-   :func:`~elasticzero.engine.zero.reshard.reshard_from` fills it from the holdings; a
-   :class:`~elasticzero.engine.zero.reshard.Fallback` raises :class:`ReshardFallback` (the restart path loads the disk
-   checkpoint);
-4. a new :class:`Replicator` for the new world; the sampler rebuilt at the new rank and world from the position of the
-   reshard's step (the global batch is kept: each rank's share of it is re-cut);
-5. the loop goes on at the reshard's step: the step in flight is redone unless its commit gate had passed everywhere,
-   when it counts as done. No committed step is redone.
+1. the round's group is formed: a fresh default group on the round's store and prefix (:mod:`.group`; the previous
+   one, if any, is left and kept referenced);
+2. ``build(group)`` at the round's world, its communicator bounded by a watch of the round file;
+   :func:`~elasticzero.engine.zero.reshard.reshard_from` fills it from what the members hold (a survivor: its own
+   state and its wards' copies, :meth:`Replicator.holdings`; a fresh process: nothing);
+3. the group decides where training goes on (:func:`resume_point`, pure over the plan and the members' sampler
+   positions, all-gathered): nobody holds state → the job's first round (the state as built, or the caller's
+   ``resume``: a disk checkpoint); else the reshard's step, the sampler position from the holder of old rank 0's state
+   (a fresh process learns both from its peers); some state lost → :class:`ReshardFallback` (the restart path);
+4. a survivor whose step in flight had passed its commit gate everywhere counts it done (the reshard is one step
+   ahead); the sampler is re-cut at the new rank and world (the global batch is kept);
+5. a new :class:`Replicator` for the new world.
+
+The attempt's ``with`` leaves on :class:`~elasticzero.live.bounded.Reconfigure` (any wait of the step's collectives
+left for a newer round) and enters the new round in the same process; a newer round arriving while it does starts the
+entry over with it. No committed step is redone.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from elasticzero.data.sampler import ElasticSampler
+from elasticzero.device import Facts, Placement, placement
 from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.comm import Communicator
 from elasticzero.engine.zero.replica import Replicator
-from elasticzero.engine.zero.reshard import Fallback, reshard_from
+from elasticzero.engine.zero.reshard import Fallback, Holdings, ReshardPlan, reshard_from
 from elasticzero.errors import UsageError
 from elasticzero.live.bounded import BoundedWait, LiveError, Reconfigure
-from elasticzero.live.rounds import Round, RoundSource
+from elasticzero.live.group import RoundGroups, group_spec
+from elasticzero.live.rounds import ROUND_FILE_ENV, NodeRound, RoundError, RoundFile
 
 
 class ReshardFallback(LiveError):
@@ -62,82 +71,157 @@ class RoundEvent:
     """One reconfiguration: the round, when this process left the old group, when the new state was in place, the
     step it resumed at, and when the first step at the new world completed (``None`` until it did)."""
 
-    round: Round
+    round: NodeRound
     left_at: float
     ready_at: float
     step: int
     first_step_at: float | None = None
 
 
-def new_group_ranks(round_: Round, global_ranks: Sequence[int]) -> list[int]:
-    """The default-group ranks of the round's members in new-rank order (``global_ranks[r]``: old rank ``r``'s); a
-    :class:`LiveError` when the round reorders them (groups keep the default group's order)."""
-    ranks = [global_ranks[old] for old in round_.old_ranks() if 0 <= old < len(global_ranks)]
-    if len(ranks) != round_.world_size or ranks != sorted(ranks):
-        raise LiveError(f"round {round_.number}: members {dict(round_.members)} are not old ranks in their order")
-    return ranks
+@dataclass(frozen=True)
+class ResumeAt:
+    """Where a round's training goes on: ``step``, and the sampler ``position`` (a state dict) ``behind`` global
+    batches before it (the source's step in flight counted done by the reshard)."""
+
+    step: int
+    position: dict[str, Any]
+    behind: int
 
 
-def resampled(old: ElasticSampler, rank: int, world_size: int) -> ElasticSampler:
-    """``old``'s sampler at another rank and world size, at ``old``'s position (a global-batch boundary)."""
+#: one member's sampler position for the agreement: (its step, its sampler's state dict); None for a fresh process
+Position = tuple[int, dict[str, Any]] | None
+
+
+def resume_point(plan: ReshardPlan | Fallback, positions: Sequence[Position]) -> ResumeAt | None:
+    """The group's decision (the same on every member): ``None`` when nobody holds state (the job's first round), the
+    reshard's step with the source's sampler position otherwise; :class:`ReshardFallback` when some state is lost, a
+    :class:`LiveError` when the source's position does not lead to the reshard's step."""
+    if isinstance(plan, Fallback):
+        if plan.nothing_held:
+            return None
+        raise ReshardFallback(plan)
+    src = positions[plan.sources[0]]  # the holder of old rank 0's state: a member that held state
+    if src is None or not 0 <= plan.step - src[0] <= 1:
+        raise LiveError(f"the in-memory reshard is at step {plan.step}, its source's sampler at {src and src[0]}")
+    return ResumeAt(plan.step, src[1], plan.step - src[0])
+
+
+def recut(template: ElasticSampler, position: Mapping[str, Any], behind: int, rank: int, world: int) -> ElasticSampler:
+    """``template``'s sampler at another rank and world size, at ``position`` moved ``behind`` global batches on."""
     new = ElasticSampler(
-        old.num_samples,
-        global_batch_size=old.global_batch_size,
-        micro_batch_size=old.micro_batch_size,
+        template.num_samples,
+        global_batch_size=template.global_batch_size,
+        micro_batch_size=template.micro_batch_size,
         rank=rank,
-        world_size=world_size,
-        seed=old.seed,
-        shuffle=old.shuffle,
+        world_size=world,
+        seed=template.seed,
+        shuffle=template.shuffle,
     )
-    new.load_state_dict(old.state_dict())
+    new.load_state_dict(dict(position))
+    new.advance(behind * new.accumulation_steps)
     return new
+
+
+def local_rank_of(env: Mapping[str, str]) -> int:
+    """``LOCAL_RANK`` (0 when unset); not a number: :class:`UsageError`."""
+    raw = env.get("LOCAL_RANK", "0")
+    if not (raw.isascii() and raw.isdigit()):
+        raise UsageError(f"LOCAL_RANK={raw!r} is not a local rank; start workers with elasticzero-run")
+    return int(raw)
+
+
+def first_round(env: Mapping[str, str]) -> tuple[RoundFile, NodeRound]:
+    """The round file named by ``$ELASTICZERO_ROUND_FILE`` and the round in it; :class:`UsageError` when there is
+    none or it is not a round."""
+    path = env.get(ROUND_FILE_ENV)
+    if not path:
+        raise UsageError(
+            f"{ROUND_FILE_ENV} is not set: LiveTraining.from_agent runs under elasticzero-run in live mode"
+        )
+    rounds = RoundFile(path)
+    found = rounds.poll(-1)
+    if found is None:
+        raise UsageError(f"{path} ({ROUND_FILE_ENV}): no round file; the agent writes it before starting the workers")
+    if isinstance(found, RoundError):
+        raise UsageError(found.reason)
+    return rounds, found
 
 
 class LiveTraining:
     """A ZeRO training job that survives membership changes in its processes (see the module).
 
+    Build it with :meth:`from_agent` under the agent; the constructor takes the pieces explicitly.
+
     Args:
         build: ``build(group) -> ZeroOptimizer`` (a fresh model and its optimizer on ``group``).
-        sampler: this rank's :class:`ElasticSampler` at the first round (the loop moves it; never iterate it).
-        source: the :class:`RoundSource` the waits poll.
-        first: the round the job starts in (its members: the default group's ranks, or ``group``'s).
-        group: the first round's process group (default: the default group).
+        sampler: the job's :class:`ElasticSampler` at its start position (the loop re-cuts it for each round's rank
+            and world, and moves it; never iterate it). A process joining a running job takes the position from its
+            peers; the settings (samples, global batch, micro batch, seed) must be the job's.
+        rounds: the :class:`RoundFile` the waits poll; ``first``: the round this process starts in.
+        local_rank: this process's local rank (its entry in the round's ranks).
+        where: the device and backend (:func:`elasticzero.device.placement`); default: CPU over gloo.
         nodes: ``nodes(world_size)``, the node of every rank of a round (the buddy placement); default: gathered.
         poll_s, failure_grace_s: the bound of the waits (:class:`BoundedWait`).
-        group_timeout: the collective timeout of the groups it forms.
-        start_step: the step the job starts at (a job resumed from a checkpoint: its step; ``sampler`` at its
-            position).
+        group_timeout: the collective timeout of the groups it forms (default: the placement's, the launcher's).
+        resume: the job's first round only (nobody holds state): ``resume(opt) -> step`` loads the disk checkpoint
+            into the optimizer as built and returns its step (``sampler`` given at that step's position); default:
+            the state as built, at ``start_step``.
+        start_step: the step a fresh job starts at without ``resume``.
     """
+
+    opt: ZeroOptimizer
+    replicator: Replicator
+    bound: BoundedWait
 
     def __init__(
         self,
         build: Callable[[Any], ZeroOptimizer],
         *,
         sampler: ElasticSampler,
-        source: RoundSource,
-        first: Round,
-        group: Any = None,
+        rounds: RoundFile,
+        first: NodeRound,
+        local_rank: int = 0,
+        where: Placement | None = None,
         nodes: Callable[[int], Sequence[Hashable]] | None = None,
         poll_s: float = 0.05,
         failure_grace_s: float = 30.0,
-        group_timeout: timedelta = timedelta(minutes=5),
+        group_timeout: timedelta | None = None,
+        resume: Callable[[ZeroOptimizer], int] | None = None,
         start_step: int = 0,
     ) -> None:
-        self.build, self.source, self.nodes = build, source, nodes
+        self.build, self.rounds, self.nodes, self.resume = build, rounds, nodes, resume
+        self.local_rank, self.where = local_rank, where or Placement("cpu", "gloo", alone=False)
         self.poll_s, self.failure_grace_s, self.group_timeout = poll_s, failure_grace_s, group_timeout
-        self.round, self.sampler, self.step = first, sampler, start_step
-        self.group = group if group is not None else dist.group.WORLD
-        self.global_ranks = dist.get_process_group_ranks(self.group)
-        if first.world_size != len(self.global_ranks):
-            raise UsageError(
-                f"LiveTraining: the first round has {first.world_size} member(s) but its group {len(self.global_ranks)}"
-                " rank(s): name every rank of the group in first.members"
-            )
+        self.sampler, self.step, self.round = sampler, start_step, first
+        self.groups = RoundGroups()  # every round's group, the abandoned ones kept
         self.record: list[tuple[int, list[int]]] = []  # (step, this rank's samples) of every committed step
         self.events: list[RoundEvent] = []
-        self.bound = self._bound(first)
-        self.opt = self._bounded(build(self.group))
-        self.replicator = self._replicate(start_step)
+        self._enter_until_settled(first, Holdings())
+
+    @classmethod
+    def from_agent(
+        cls,
+        build: Callable[[Any], ZeroOptimizer],
+        *,
+        sampler: ElasticSampler,
+        env: Mapping[str, str] | None = None,
+        **options: Any,
+    ) -> LiveTraining:
+        """The job as the agent starts it: the round file at ``$ELASTICZERO_ROUND_FILE``, ``LOCAL_RANK``, the device
+        rule of :mod:`elasticzero.device` (``cuda:$LOCAL_RANK`` over NCCL with CUDA, else the CPU over gloo) and the
+        launcher's collective timeout; the first round's group is formed here (do not call ``init_process_group``
+        or ``init_distributed`` first). A process joining a running job takes its state from its peers. ``env``:
+        the environment to read (default ``os.environ``); ``options``: the constructor's."""
+        env = os.environ if env is None else env
+        if dist.is_initialized():
+            raise UsageError("LiveTraining.from_agent forms each round's process group itself: drop init_process_group")
+        rounds, first = first_round(env)
+        where = placement(Facts.current(env))
+        if where.bound_device is not None:
+            torch.cuda.set_device(torch.device(where.bound_device))
+        return cls(
+            build, sampler=sampler, rounds=rounds, first=first, local_rank=local_rank_of(env), where=where, **options
+        )
 
     @property
     def rank(self) -> int:
@@ -160,7 +244,7 @@ class LiveTraining:
             yield Attempt(self)
 
     def close(self) -> None:
-        """Stop the copies (the last round's group stays the caller's)."""
+        """Stop the copies (the last round's group stays the default group; the abandoned ones stay referenced)."""
         self.replicator.close()
         self.bound.close()
 
@@ -173,36 +257,61 @@ class LiveTraining:
         if self.events and self.events[-1].first_step_at is None:
             self.events[-1] = _first_step(self.events[-1], time.monotonic())
 
-    def reconfigure(self, round_: Round) -> None:
-        """Leave the old round for ``round_`` in this process (steps 1-5 of the module)."""
+    def reconfigure(self, round_: NodeRound) -> None:
+        """Leave the old round for ``round_`` in this process (see the module)."""
         left_at = time.monotonic()
-        new_rank = round_.new_rank(self.rank)
-        if new_rank is None:
-            raise LiveError(f"rank {self.rank} of round {self.round.number} is not a member of round {round_.number}")
-        ranks = new_group_ranks(round_, self.global_ranks)
-        holdings = self.replicator.holdings()
-        group = dist.new_group(ranks, timeout=self.group_timeout, use_local_synchronization=True)
-        self.bound = self._bound(round_)
+        entered = self._enter_until_settled(round_, self.replicator.holdings())
+        self.events.append(RoundEvent(entered, left_at, time.monotonic(), self.step))
+
+    def _enter_until_settled(self, round_: NodeRound, holdings: Holdings) -> NodeRound:
+        """:meth:`_enter` ``round_``; a newer round in the file meanwhile (a second change) starts over with it, from
+        the same holdings. Returns the round entered."""
+        while True:
+            try:
+                self._enter(round_, holdings)
+                return round_
+            except Reconfigure as again:
+                round_ = again.round
+            except RuntimeError as err:  # a member lost meanwhile: its sockets closed, the agent's round is expected
+                round_ = self._round_after(err)
+
+    def _round_after(self, err: RuntimeError) -> NodeRound:
+        if isinstance(err, LiveError):
+            raise err
+        try:
+            self.bound.after_failure(err)
+        except Reconfigure as leave:
+            return leave.round
+        raise err  # after_failure raises; for the type checker
+
+    def _enter(self, round_: NodeRound, holdings: Holdings) -> None:
+        """Form ``round_``'s group, build the optimizer at its world, fill it, position the sampler (the module's
+        steps 1-5); the same code for a survivor (``holdings`` its own) and a fresh process (``Holdings()``)."""
+        self.bound = self._bound(round_)  # first: a failure from here on waits for a round newer than this one
+        group = self.groups.form(group_spec(round_, self.local_rank, self.where, self.group_timeout))
         opt = self._bounded(self.build(group))
         plan = reshard_from(opt, holdings)
-        if isinstance(plan, Fallback):
-            raise ReshardFallback(plan)
-        self._reposition(plan.step, new_rank, round_.world_size)
-        self.round, self.group, self.global_ranks, self.opt = round_, group, ranks, opt
-        self.replicator = self._replicate(plan.step)
-        self.events.append(RoundEvent(round_, left_at, time.monotonic(), plan.step))
+        mine: Position = (self.step, self.sampler.state_dict()) if holdings.owner is not None else None
+        at = resume_point(plan, opt.communicator.all_gather_object(mine, tag="reshard"))
+        if at is None:
+            step = self.resume(opt) if self.resume is not None else self.step
+            at = ResumeAt(step, self.sampler.state_dict(), 0)
+        elif holdings.owner is not None:
+            self._catch_up(at.step)
+        self.sampler = recut(self.sampler, at.position, at.behind, opt.rank, opt.world_size)
+        self.step, self.round, self.opt = at.step, round_, opt
+        self.replicator = self._replicate(at.step)
 
-    def _reposition(self, step: int, rank: int, world_size: int) -> None:
-        """The sampler at the reshard's ``step``, for the new rank and world: the step in flight is redone, or counted
-        done when its commit gate passed everywhere (``step`` one past it)."""
+    def _catch_up(self, step: int) -> None:
+        """A survivor at the reshard's ``step``: its step in flight counted done when its commit gate passed everywhere
+        (``step`` one past it), else redone."""
         if step == self.step + 1:
             self.commit()
         if step != self.step:
             raise LiveError(f"the in-memory reshard is at step {step}, this rank was at step {self.step}")
-        self.sampler = resampled(self.sampler, rank, world_size)
 
-    def _bound(self, round_: Round) -> BoundedWait:
-        poll = functools.partial(self.source.poll, round_.number)
+    def _bound(self, round_: NodeRound) -> BoundedWait:
+        poll = functools.partial(self.rounds.poll, round_.number)
         return BoundedWait(poll, poll_s=self.poll_s, failure_grace_s=self.failure_grace_s)
 
     def _bounded(self, opt: ZeroOptimizer) -> ZeroOptimizer:
@@ -240,6 +349,11 @@ class Attempt:
     def micro_batches(self) -> list[list[int]]:
         return self.live.micro_batches
 
+    def check(self) -> None:
+        """Leave the attempt now (:class:`Reconfigure`) if a newer round is in the round file: for a body that waits
+        on something other than the engine's collectives."""
+        self.live.bound.check()
+
     def __enter__(self) -> Attempt:
         try:
             self.live.bound.check()  # a round announced between two steps
@@ -252,8 +366,8 @@ class Attempt:
             self.live.commit()
             return False
         abandoned = self.live.bound.abandoned  # set by the wait that left (autograd may wrap its Reconfigure)
-        if abandoned is None and isinstance(exc, RuntimeError):  # torch's and gloo's errors: a peer may be gone
-            try:
+        if abandoned is None and isinstance(exc, RuntimeError) and not isinstance(exc, LiveError):
+            try:  # torch's and gloo's errors: a peer may be gone
                 self.live.bound.after_failure(exc)
             except Reconfigure as leave:
                 abandoned = leave.round
@@ -261,8 +375,5 @@ class Attempt:
                 return False  # no round came: the failure is the step's own
         if abandoned is None:
             return False
-        try:
-            self.live.reconfigure(abandoned)
-        except Reconfigure as again:  # the reconfiguration is not itself bounded against a second change (yet)
-            raise LiveError(f"round {again.round.number} announced during the reconfiguration") from again
+        self.live.reconfigure(abandoned)
         return True

@@ -1,11 +1,18 @@
-"""Driver of test_live_loop: ``live_loop_worker.py OUT`` runs every case of :data:`CASES` (torch imported once, here):
-it forks 3 ranks that train the tiny GPT at ZeRO-``stage`` in :class:`~elasticzero.live.LiveTraining` and stands in
-for the agent: it hosts the store (outside the ranks), sees the victim die or stop, announces round 1 of the
-survivors and fences the victim. At step ``K`` the victim (rank 2; ranks 1 and 2 in ``KILL2``), after every rank's
-shards were gathered and saved (``OUT.<case>.at_k.pt``: the start of the reference run), sends itself the case's
-signal. The survivors write ``OUT.<case>.rank<r>.json`` (pid, sample record, reconfigurations with monotonic times);
-rank 0 the final parameters (``OUT.<case>.final.pt``); the driver ``OUT.<case>.harness.json`` (pids, exit codes,
-when it announced). A rank that ends in a :class:`~elasticzero.live.LiveError` (the restart path) writes it to
+"""Driver of test_live_loop: ``live_loop_worker.py OUT`` runs every case of :data:`CASES` (torch imported once, here).
+It forks the ranks, each a node of its own with its own round file, that train the tiny GPT at ZeRO-``stage`` in
+:meth:`LiveTraining.from_agent <elasticzero.live.LiveTraining.from_agent>`, and plays the agent: it hosts the store
+(outside the ranks), writes round 0 into every rank's round file before forking it, and at the membership change
+writes round 1 (a new world, a new prefix) into the files of the round's members:
+
+- a loss (``KILL``/``STOP``; ``KILL2``: two ranks at once): at step ``K`` the victim (rank 2; ranks 1 and 2 in
+  ``KILL2``), after every rank's shards were gathered and saved (``OUT.<case>.at_k.pt``: the start of the reference
+  run), sends itself the signal; the driver sees it die or stop, writes round 1 of the survivors and fences the victim;
+- a join (``JOIN``): two ranks train; at step ``K`` (the state saved as above) they wait in the step for a new round;
+  the driver forks a fresh third process with round 1 in its file and writes round 1 (world 3) into the two others'.
+
+Each rank writes ``OUT.<case>.rank<r>.json`` (pid, sample record, reconfigurations with monotonic times); rank 0 the
+final parameters (``OUT.<case>.final.pt``); the driver ``OUT.<case>.harness.json`` (pids, exit codes, when it wrote
+round 1). A rank that ends in a :class:`~elasticzero.live.LiveError` (the restart path) writes it to
 ``OUT.<case>.rank<r>.live_error`` and exits 3."""
 
 from __future__ import annotations
@@ -34,25 +41,28 @@ from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.stage1 import ZeroStage1
 from elasticzero.engine.zero.stage2 import ZeroStage2
 from elasticzero.engine.zero.stage3 import ZeroStage3
-from elasticzero.live import LiveError, LiveTraining, Round, RoundSource, announce
+from elasticzero.live import ROUND_FILE_ENV, LiveError, LiveTraining, NodeRound, StoreAddress, write_round
 from ez_testing import free_port
 from gpt import GPT, config_for
 
-K, TOTAL = 3, 6  # the failure comes at step K; the run ends after TOTAL committed steps
+K, TOTAL = 3, 6  # the change comes at step K; the run ends after TOTAL committed steps
 GLOBAL_BATCH, MICRO, SAMPLES, SEED = 12, 2, 96, 5
 LR, WD = 1e-2, 0.1
-WORLD, VICTIM = 3, 2  # the victim is the last rank: the survivors keep their ranks
-LIVE = [(2, "KILL"), (2, "STOP"), (1, "STOP"), (3, "KILL")]  # (ZeRO stage, signal)
-LOSE2 = (2, "KILL2")  # ranks 1 and 2 killed: rank 1's copy was on rank 2, a fallback for rank 0
-CASES = [*LIVE, LOSE2]
+WORLD, VICTIM = 3, 2  # the victim is the last rank: the survivors keep their ranks; a joiner becomes rank 2
+# (ZeRO stage, event, precision)
+LIVE = [(2, "KILL", "fp32"), (2, "STOP", "fp32"), (1, "STOP", "fp32"), (3, "KILL", "fp32"), (2, "KILL", "bf16")]
+JOIN = (2, "JOIN", "fp32")  # 2 -> 3: a fresh process gets its shards from its peers
+LOSE2 = (2, "KILL2", "fp32")  # ranks 1 and 2 killed: rank 1's copy was on rank 2, a fallback for rank 0
+CASES = [*LIVE, JOIN, LOSE2]
+WAIT_S = 60  # how long a joined rank waits in step K for round 1 before the case fails
 
 
 def victims(sig: str) -> list[int]:
-    return [1, 2] if sig == "KILL2" else [VICTIM]
+    return {"KILL2": [1, 2], "JOIN": []}.get(sig, [VICTIM])
 
 
-def case_name(stage: int, sig: str) -> str:
-    return f"zero{stage}_{sig.lower()}"
+def case_name(stage: int, sig: str, precision: str) -> str:
+    return f"zero{stage}_{sig.lower()}" + ("" if precision == "fp32" else f"_{precision}")
 
 
 def config() -> Any:
@@ -68,41 +78,60 @@ def tokens() -> torch.Tensor:
 
 def loss_of(model: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
     logits = model(rows[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), rows[:, 1:].reshape(-1))
+
+
+def sampler_at(rank: int, world: int) -> ElasticSampler:
+    return ElasticSampler(SAMPLES, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO, rank=rank, world_size=world)
 
 
 STAGES = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
 
 
-def builder(stage: int) -> Any:
+def builder(stage: int, precision: str) -> Any:
     """``build(group)``: a fresh tiny GPT and its ZeRO optimizer of ``stage`` on ``group``."""
 
     def build(group: Any) -> ZeroOptimizer:
         torch.manual_seed(0)
-        return STAGES[stage](GPT(config()), torch.optim.AdamW, lr=LR, weight_decay=WD, process_group=group)
+        opt = STAGES[stage](
+            GPT(config()), torch.optim.AdamW, lr=LR, weight_decay=WD, precision=precision, process_group=group
+        )
+        return opt
 
     return build
 
 
-def train(rank: int, world: int, port: int, out: Path, sig: str, stage: int) -> None:
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore("round0/", store), rank=rank, world_size=world)
-    sampler = ElasticSampler(
-        SAMPLES, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO, rank=rank, world_size=world
-    )
-    first = Round(0, tuple((r, r) for r in range(world)), "round0/")
-    live = LiveTraining(
-        builder(stage), sampler=sampler, source=RoundSource(store), first=first, nodes=lambda n: list(range(n))
+def round_file(out: Path, rank: int) -> str:
+    return f"{out}.round{rank}.json"
+
+
+def at_step_k(attempt: Any, live: LiveTraining, out: Path, sig: str) -> None:
+    """Step K of round 0: every rank's shards saved (collective); the victims signal themselves, or (a join) every
+    rank waits in the step until round 1 is in its file."""
+    at_k = full_state(attempt.opt)
+    if live.rank == 0:
+        torch.save(at_k, f"{out}.at_k.pt")
+    if live.rank in victims(sig):
+        os.kill(os.getpid(), getattr(signal, f"SIG{sig.rstrip('2')}"))
+    if sig == "JOIN":
+        Path(f"{out}.waiting{live.rank}").touch()
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            attempt.check()  # leaves with Reconfigure once round 1 is in the file
+            time.sleep(0.01)
+        raise TimeoutError(f"no round 1 within {WAIT_S} s")
+
+
+def train(rank: int, out: Path, sig: str, stage: int, precision: str) -> None:
+    env = {ROUND_FILE_ENV: round_file(out, rank), "LOCAL_RANK": "0"}
+    live = LiveTraining.from_agent(
+        builder(stage, precision), sampler=sampler_at(0, 1), env=env, nodes=lambda n: list(range(n))
     )
     data = tokens()
     for attempt in live.steps(TOTAL):
         with attempt:
             if attempt.step == K and live.round.number == 0:
-                at_k = full_state(attempt.opt)  # every rank's shards (collective), before the failure
-                if rank == 0:
-                    torch.save(at_k, f"{out}.at_k.pt")
-                if rank in victims(sig):
-                    os.kill(os.getpid(), getattr(signal, f"SIG{sig.rstrip('2')}"))
+                at_step_k(attempt, live, out, sig)
             batches = attempt.micro_batches
             for idx in batches:
                 (loss_of(attempt.model, data[idx]) / len(batches)).backward()
@@ -129,24 +158,37 @@ def wait_stopped(pid: int, timeout: float = 60) -> None:
         time.sleep(0.005)
 
 
+def wait_files(paths: list[Path], pids: list[int], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline:
+            kill_all(pids)
+            raise TimeoutError(f"waiting for {paths}; the case's ranks were killed")
+        time.sleep(0.01)
+
+
+def kill_all(pids: list[int]) -> None:
+    for other in pids:
+        with contextlib.suppress(ChildProcessError, ProcessLookupError):
+            os.kill(other, signal.SIGKILL)
+            os.waitpid(other, 0)
+
+
 def exit_code(pid: int, pids: list[int], timeout: float = 120) -> int:
     """``pid``'s exit code; after ``timeout`` every process of ``pids`` still there is killed (a hung case fails, its
     ranks do not outlive the driver)."""
     deadline = time.monotonic() + timeout
     while (status := os.waitpid(pid, os.WNOHANG))[0] == 0:
         if time.monotonic() > deadline:
-            for other in pids:
-                with contextlib.suppress(ChildProcessError, ProcessLookupError):
-                    os.kill(other, signal.SIGKILL)
-                    os.waitpid(other, 0)
+            kill_all(pids)
             raise TimeoutError(f"pid {pid} still running after {timeout} s; the case's ranks were killed")
         time.sleep(0.01)
     return os.waitstatus_to_exitcode(status[1])
 
 
-def child(rank: int, port: int, out: Path, sig: str, stage: int) -> int:
+def child(rank: int, out: Path, sig: str, stage: int, precision: str) -> int:
     try:
-        train(rank, WORLD, port, out, sig, stage)
+        train(rank, out, sig, stage, precision)
         return 0
     except LiveError as err:  # for the restart path: the reason, and an exit code of its own
         Path(f"{out}.rank{rank}.live_error").write_text(f"{type(err).__name__}: {err}")
@@ -156,27 +198,46 @@ def child(rank: int, port: int, out: Path, sig: str, stage: int) -> int:
         return 1
 
 
-def run_case(stage: int, sig: str, out: Path) -> None:
-    """Stand in for the agent: fork the ranks, host the store, see the victim die or stop, announce round 1 of the
-    survivors, fence the victim (killed, never resumed) once they are done; writes ``OUT.harness.json``."""
-    port, pids = free_port(), []
-    for r in range(WORLD):
-        pid = os.fork()
-        if pid == 0:
-            # the first round's group keeps a lost member and a thread in its abandoned collective: no teardown
-            # (destroy_process_group would join that thread), leave at once
-            os._exit(child(r, port, out, sig, stage))
-        pids.append(pid)
-    store = dist.TCPStore("127.0.0.1", port, WORLD, is_master=True, wait_for_workers=False)
+def fork_rank(rank: int, out: Path, case: tuple[int, str, str]) -> int:
+    stage, sig, precision = case
+    pid = os.fork()
+    if pid == 0:
+        # an abandoned group keeps a lost member and a thread in its collective: no teardown (the interpreter's
+        # exit would destroy the groups this process kept referenced), leave at once
+        os._exit(child(rank, out, sig, stage, precision))
+    return pid
+
+
+def write_rounds(out: Path, number: int, members: list[int], store: StoreAddress) -> None:
+    """Round ``number`` of ``members`` (old rank ids, in new-rank order) into each member's file (one node each)."""
+    for new, r in enumerate(members):
+        write_round(round_file(out, r), NodeRound(number, len(members), ((0, new),), store, f"round{number}/"))
+
+
+def run_case(case: tuple[int, str, str], out: Path) -> None:
+    """Play the agent for one case (see the module); writes ``OUT.harness.json``."""
+    sig = case[1]
+    port = free_port()
+    store = StoreAddress("127.0.0.1", port, rank0_hosts=False)
+    first = [0, 1] if sig == "JOIN" else list(range(WORLD))
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    write_rounds(out, 0, first, store)
+    pids = [fork_rank(r, out, case) for r in first]
     lost = victims(sig)
-    survivors = [r for r in range(WORLD) if r not in lost]
+    survivors = [r for r in first if r not in lost]
     codes = dict.fromkeys(range(WORLD), 0)
+    if sig == "JOIN":
+        wait_files([Path(f"{out}.waiting{r}") for r in first], pids)
+        survivors = [*first, VICTIM]
+        write_rounds(out, 1, survivors, store)  # the joiner's file too: it starts in round 1, as rank 2
+        pids.append(fork_rank(VICTIM, out, case))
     for r in lost:
         if sig == "STOP":
             wait_stopped(pids[r])
         else:
             codes[r] = exit_code(pids[r], pids)
-    announce(store, Round(1, tuple((r, new) for new, r in enumerate(survivors)), "round1/"))
+    if sig != "JOIN":
+        write_rounds(out, 1, survivors, store)
     announced = time.monotonic()
     codes.update({r: exit_code(pids[r], pids) for r in survivors})
     for r in lost if sig == "STOP" else []:
@@ -184,9 +245,12 @@ def run_case(stage: int, sig: str, out: Path) -> None:
         codes[r] = exit_code(pids[r], pids)
     report = {"pids": pids, "codes": [codes[r] for r in range(WORLD)], "announced": announced}
     Path(f"{out}.harness.json").write_text(json.dumps(report))
+    del server
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    only = set(sys.argv[2:])  # case names to run (default: all)
     for case in CASES:
-        run_case(*case, Path(f"{sys.argv[1]}.{case_name(*case)}"))
+        if not only or case_name(*case) in only:
+            run_case(case, Path(f"{sys.argv[1]}.{case_name(*case)}"))

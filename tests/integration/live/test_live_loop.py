@@ -1,22 +1,26 @@
-"""Live reconfiguration with real gloo ranks (``live_loop_worker.py``): 3 ranks train the tiny GPT at ZeRO-1/2/3 in
-:class:`~elasticzero.live.LiveTraining`; at step K rank 2 is SIGKILLed or SIGSTOPped. This test stands in for the
-agent: it hosts the store, sees the rank die or stop, and announces round 1 of the two survivors. Then:
+"""Live reconfiguration with real gloo ranks (``live_loop_worker.py``): each rank a node with its own round file,
+trains the tiny GPT at ZeRO-1/2/3 in :meth:`LiveTraining.from_agent <elasticzero.live.LiveTraining.from_agent>`;
+the driver plays the agent (hosts the store, writes the round files). At step K rank 2 of 3 is SIGKILLed or
+SIGSTOPped (fp32; one bf16 case), or a fresh third process joins two. Then:
 
 - the survivors are the same processes (pids unchanged) and went through one reconfiguration, resuming at step K;
-- no committed step is redone: each survivor's sample record holds every step once; from step K on, the two
-  survivors' samples are exactly the global batch of that step (the global batch kept at world 2), before it their
-  shares are disjoint parts of it;
-- the final parameters equal plain torch continued from the step-K state (gathered from all three ranks before the
-  failure) on the same global batches, within ``ez_numerics``' rule: the error against the same continuation in
-  float64 is at most 3x plain fp32 torch's own (a world-2 ZeRO run differs from plain torch by rounding only).
+  a joiner starts in round 1 at step K with its shards from its peers (no checkpoint exists);
+- no committed step is redone: each rank's sample record holds every step it trained once (a joiner's from K); the
+  samples of a step over all ranks are exactly its global batch from step K on (the global batch kept at the new
+  world), disjoint parts of it before;
+- the final parameters equal plain torch continued from the step-K state (gathered from all ranks before the change)
+  on the same global batches, within ``ez_numerics``' rule: the error against the same continuation in float64 is at
+  most 3x that of the reference in the run's precision (fp32: plain torch; bf16: each rank's micro-batches forward
+  and backward on a bf16 copy of the fp32 masters, the gradients summed in fp32 — where a bf16 ZeRO run rounds).
 
 And when ranks 1 and 2 are killed at once (rank 1's copy was on rank 2), rank 0 leaves with one clear error for the
-restart path (``ReshardFallback``). It prints the time from the announcement to the first completed step at the new
-world (the figure for the note).
+restart path (``ReshardFallback``). It prints the time from the round file's update to the first completed step at
+the new world (the figure for the note).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -31,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 from live_loop_worker import (
     GLOBAL_BATCH,
+    JOIN,
     LIVE,
     LOSE2,
     LR,
@@ -42,6 +47,7 @@ from live_loop_worker import (
     case_name,
     config,
     loss_of,
+    sampler_at,
     tokens,
 )
 
@@ -63,9 +69,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def continue_plainly(start: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Plain torch AdamW from the step-K state (masters, moments, step), steps K..TOTAL-1 on the same global batches
-    (the whole global batch's mean loss: what every world size computes), in ``dtype``."""
+def continue_plainly(start: dict[str, torch.Tensor], dtype: torch.dtype, ranks: int = 0) -> dict[str, torch.Tensor]:
+    """Plain torch AdamW from the step-K state (masters, moments, step), steps K..TOTAL-1 on the same global batches,
+    in ``dtype``: the whole global batch's mean loss (what every world size computes), or with ``ranks`` > 0 the bf16
+    rounding of a ZeRO run at that world (:func:`bf16_gradient`)."""
     model = GPT(config()).to(dtype)
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -80,17 +87,39 @@ def continue_plainly(start: dict[str, torch.Tensor], dtype: torch.dtype) -> dict
         }
     data, order = tokens(), epoch_order(SAMPLES, 0, 0)
     for step in range(K, TOTAL):
-        loss_of(model, data[order[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]]).backward()
+        if ranks:
+            for name, g in bf16_gradient(model, data, step, ranks).items():
+                params[name].grad = g
+        else:
+            loss_of(model, data[order[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]]).backward()
         opt.step()
         opt.zero_grad()
     return {n: p.detach() for n, p in params.items()}
 
 
-def record_problems(records: list[list[Any]]) -> list[str]:
-    """Every step committed once per survivor; from step K the survivors' samples are the step's global batch."""
+def bf16_gradient(model: torch.nn.Module, data: torch.Tensor, step: int, ranks: int) -> dict[str, torch.Tensor]:
+    """The gradient of ``step`` as ``ranks`` bf16 ZeRO ranks make it: each micro-batch of each rank (its sampler's)
+    runs forward and backward on a bf16 copy of the fp32 model; the gradients are summed in fp32."""
+    total: dict[str, torch.Tensor] = {}
+    work = copy.deepcopy(model).to(torch.bfloat16)
+    for r in range(ranks):
+        s = sampler_at(r, ranks)
+        s.advance(step * s.accumulation_steps)
+        for p in range(s.consumed, s.consumed + GLOBAL_BATCH, s.micro_step):
+            work.zero_grad(set_to_none=True)
+            (loss_of(work, data[s.micro_batch(s.epoch, p)]) / s.accumulation_steps).backward()
+            for name, w in work.named_parameters():
+                g = w.grad.float() / ranks  # type: ignore[union-attr]
+                total[name] = total[name] + g if name in total else g
+    return total
+
+
+def record_problems(records: list[list[Any]], first: list[int]) -> list[str]:
+    """Every step rank ``r`` trained (from ``first[r]``) committed once; from step K the samples of all ranks are the
+    step's global batch, before it disjoint parts of it."""
     order, bad = epoch_order(SAMPLES, 0, 0).tolist(), []
     for r, rec in enumerate(records):
-        if [s for s, _ in rec] != list(range(TOTAL)):
+        if [s for s, _ in rec] != list(range(first[r], TOTAL)):
             bad.append(f"rank {r} committed steps {[s for s, _ in rec]}")
     for step in range(TOTAL):
         want = order[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
@@ -101,9 +130,26 @@ def record_problems(records: list[list[Any]]) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize(("stage", "sig"), LIVE)
-def test_live_loop(runs: Path, stage: int, sig: str) -> None:
-    out = Path(f"{runs}.{case_name(stage, sig)}")
+def final_ratio(out: Path, precision: str, world: int) -> float:
+    """The error ratio (``ez_numerics``) of rank 0's final parameters against plain torch from the step-K state."""
+    start = torch.load(f"{out}.at_k.pt")
+    got = torch.load(f"{out}.final.pt")
+    truth = continue_plainly({k: v.double() for k, v in start.items()}, torch.float64)
+    ref = continue_plainly(start, torch.float32, ranks=world if precision == "bf16" else 0)
+    return error_ratio(got, ref, truth)
+
+
+def recovery(results: list[dict[str, Any]], harness: dict[str, Any]) -> tuple[float, float]:
+    """Seconds from the round file's update to the last rank leaving the old group, and to the last rank's first
+    completed step at the new world."""
+    left = max(e["left_at"] for res in results for e in res["events"]) - harness["announced"]
+    first = max(e["first_step_at"] for res in results for e in res["events"]) - harness["announced"]
+    return left, first
+
+
+@pytest.mark.parametrize(("stage", "sig", "precision"), LIVE)
+def test_live_loop(runs: Path, stage: int, sig: str, precision: str) -> None:
+    out = Path(f"{runs}.{case_name(stage, sig, precision)}")
     harness = json.loads(Path(f"{out}.harness.json").read_text())
     errors = [Path(f"{out}.rank{r}.err") for r in range(VICTIM)]
     assert harness["codes"] == [0] * VICTIM + [-signal.SIGKILL], [e.read_text() for e in errors if e.exists()]
@@ -112,19 +158,34 @@ def test_live_loop(runs: Path, stage: int, sig: str) -> None:
     assert [res["world"] for res in results] == [VICTIM] * VICTIM
     for res in results:
         assert [(e["round"], e["step"]) for e in res["events"]] == [(1, K)], res["events"]
-    assert record_problems([res["record"] for res in results]) == []
-    start = torch.load(f"{out}.at_k.pt")
-    got = torch.load(f"{out}.final.pt")
-    truth = continue_plainly({k: v.double() for k, v in start.items()}, torch.float64)
-    ref = continue_plainly(start, torch.float32)
-    ratio = error_ratio(got, ref, truth)
-    assert ratio <= 1, f"final parameters off by {ratio:.3g}x the fp32 rounding scale (ez_numerics rule)"
-    left = max(e["left_at"] for res in results for e in res["events"]) - harness["announced"]
-    first = max(e["first_step_at"] for res in results for e in res["events"]) - harness["announced"]
+    assert record_problems([res["record"] for res in results], [0] * VICTIM) == []
+    ratio = final_ratio(out, precision, VICTIM)
+    assert ratio <= 1, f"final parameters off by {ratio:.3g}x the {precision} rounding scale (ez_numerics rule)"
+    left, first = recovery(results, harness)
     print(
-        f"ZeRO-{stage} SIG{sig}: announcement -> old group left {left:.3f} s, -> first step at world 2 {first:.3f} s "
-        f"(error ratio {ratio:.3g})"
+        f"ZeRO-{stage} {precision} SIG{sig}: announcement -> old group left {left:.3f} s, -> first step at world 2 "
+        f"{first:.3f} s (error ratio {ratio:.3g})"
     )
+
+
+def test_a_fresh_process_joins_with_its_shards_from_its_peers(runs: Path) -> None:
+    """Two ranks train; at step K a fresh process joins (round 1, world 3). The two keep their processes and go
+    through one reconfiguration; the joiner (no checkpoint exists anywhere) starts at step K with the step and the
+    sampler position from its peers and its shards resharded to it; the run ends where plain torch does."""
+    stage, sig, precision = JOIN
+    out = Path(f"{runs}.{case_name(stage, sig, precision)}")
+    harness = json.loads(Path(f"{out}.harness.json").read_text())
+    errors = [Path(f"{out}.rank{r}.err") for r in range(3)]
+    assert harness["codes"] == [0, 0, 0], [e.read_text() for e in errors if e.exists()]
+    results = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)]
+    assert [res["pid"] for res in results] == harness["pids"]  # the two kept theirs; the joiner is the new one
+    assert [res["world"] for res in results] == [3, 3, 3]
+    assert [[(e["round"], e["step"]) for e in res["events"]] for res in results] == [[(1, K)], [(1, K)], []]
+    assert record_problems([res["record"] for res in results], [0, 0, K]) == []
+    ratio = final_ratio(out, precision, 3)
+    assert ratio <= 1, f"final parameters off by {ratio:.3g}x the {precision} rounding scale (ez_numerics rule)"
+    _, first = recovery(results[:2], harness)
+    print(f"ZeRO-{stage} join 2 -> 3: announcement -> first step at world 3 {first:.3f} s (error ratio {ratio:.3g})")
 
 
 def test_both_copies_lost_is_one_clear_error_for_the_restart_path(runs: Path) -> None:

@@ -1,5 +1,6 @@
 """The Replicator's pure pieces (engine/zero/replica.py) and its off path on a one-rank group: one node means no
-copies, no hooks, nothing sent, and the holdings are this rank's own live state."""
+copies, no exchange, nothing sent, and the holdings are this rank's own live state at the step it is at (the census
+counts its own steps: a live job's reshard resumes from it)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def test_one_node_replicates_nothing(group: None) -> None:
     assert not rep.plan.enabled and "one node" in rep.plan.reason and rep.copies == {}
     opt.module(torch.ones(1, 3)).sum().backward()
     opt.step()
-    assert rep.census() == {0: 5} and rep.nbytes() == 0
+    assert rep.census() == {0: 6} and rep.nbytes() == 0  # one step past the start, no copies
     assert set(rep.comm_stats.calls) == {("all_gather", "replica")}  # the node gather only: no copies, no gate
     held = rep.holdings()
     assert held.owner == 0 and set(held.states) == {0}

@@ -9,21 +9,21 @@ import time
 import pytest
 
 from elasticzero.live.bounded import BoundedWait, LiveError, Reconfigure
-from elasticzero.live.rounds import Round, RoundError
+from elasticzero.live.rounds import NodeRound, RoundError, StoreAddress
 
 pytestmark = pytest.mark.timeout(60)
-ROUND = Round(1, ((0, 0),), "round1/")
+ROUND = NodeRound(1, 1, ((0, 0),), StoreAddress("127.0.0.1", 29500, False), "round1/")
 
 
 class Source:
     """A round source that announces ``found`` once ``announced`` is set."""
 
-    def __init__(self, found: Round | RoundError = ROUND) -> None:
+    def __init__(self, found: NodeRound | RoundError = ROUND) -> None:
         self.announced = threading.Event()
         self.found = found
         self.polls = 0
 
-    def __call__(self) -> Round | RoundError | None:
+    def __call__(self) -> NodeRound | RoundError | None:
         self.polls += 1
         return self.found if self.announced.is_set() else None
 
@@ -70,8 +70,8 @@ def test_a_failure_without_a_round_is_raised_after_the_grace() -> None:
     assert bound.abandoned is None
 
 
-def test_a_broken_round_key_is_a_live_error() -> None:
-    source = Source(RoundError("elasticzero/live/round: not a round"))
+def test_a_broken_round_file_is_a_live_error() -> None:
+    source = Source(RoundError("/run/round.json: not a round"))
     source.announced.set()
     with pytest.raises(LiveError, match="not a round"):
         BoundedWait(source).check()

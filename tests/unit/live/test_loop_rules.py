@@ -1,34 +1,150 @@
-"""The loop's pure rules: the new group's ranks from a round, the sampler re-cut at another world size."""
+"""The loop's rules: where a round's training goes on (the group's decision over the reshard plan and the members'
+sampler positions), the sampler re-cut at another world size, the round file and local rank at start; and a whole
+LiveTraining in a world of one (an in-process gloo group): started from its round file, then a second round with the
+same member — a fresh default group in the same process, the state carried over, the step and samples kept."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
+import torch
+import torch.distributed as dist
 
 from elasticzero.data.sampler import ElasticSampler
-from elasticzero.live.bounded import LiveError
-from elasticzero.live.loop import new_group_ranks, resampled
-from elasticzero.live.rounds import Round
+from elasticzero.engine.zero.reshard import Fallback, ReshardPlan
+from elasticzero.engine.zero.stage2 import ZeroStage2
+from elasticzero.errors import UsageError
+from elasticzero.live.bounded import LiveError, Reconfigure
+from elasticzero.live.loop import (
+    LiveTraining,
+    ReshardFallback,
+    ResumeAt,
+    first_round,
+    local_rank_of,
+    recut,
+    resume_point,
+)
+from elasticzero.live.rounds import ROUND_FILE_ENV, NodeRound, StoreAddress, write_round
+from ez_testing import free_port
+
+pytestmark = pytest.mark.timeout(60)
 
 
-def test_the_new_group_is_the_members_default_group_ranks_in_order() -> None:
-    assert new_group_ranks(Round(1, ((0, 0), (2, 1)), "r1/"), [4, 5, 6]) == [4, 6]
-
-
-@pytest.mark.parametrize("members", [((2, 0), (0, 1)), ((0, 0), (3, 1))])
-def test_a_reordering_or_unknown_member_is_a_live_error(members: tuple[tuple[int, int], ...]) -> None:
-    with pytest.raises(LiveError, match="round 1"):
-        new_group_ranks(Round(1, members, "r1/"), [0, 1, 2])
+def sampler(rank: int, world: int) -> ElasticSampler:
+    return ElasticSampler(48, global_batch_size=12, micro_batch_size=2, rank=rank, world_size=world, seed=3)
 
 
 def test_the_resampled_world_takes_the_same_global_batches() -> None:
-    def sampler(rank: int, world: int) -> ElasticSampler:
-        return ElasticSampler(48, global_batch_size=12, micro_batch_size=2, rank=rank, world_size=world, seed=3)
-
     old = [sampler(r, 3) for r in range(3)]
     for s in old:
         s.advance(2 * s.accumulation_steps)  # two global batches committed at world 3
-    new = [resampled(old[0], r, 2) for r in range(2)]
+    new = [recut(old[0], old[0].state_dict(), 0, r, 2) for r in range(2)]
     want = [sampler(0, 1).micro_batch(0, 24 + i) for i in range(0, 12, 2)]
     got = [s.micro_batch(s.epoch, s.consumed + p) for p in range(0, 12, 4) for s in new]
     assert sorted(i for mb in got for i in mb) == sorted(i for mb in want for i in mb)
     assert all(s.consumed == 24 and s.world_size == 2 and s.accumulation_steps == 3 for s in new)
+    assert recut(old[0], old[0].state_dict(), 1, 0, 2).consumed == 36  # one global batch on
+
+
+PLAN = ReshardPlan(5, {0: 1, 1: 1}, ())
+AT4 = {"consumed_samples": 48}
+
+
+def test_nobody_holding_state_is_the_jobs_first_round() -> None:
+    assert resume_point(Fallback("no rank holds any state", nothing_held=True), [None, None]) is None
+
+
+def test_a_joiner_learns_the_step_and_position_from_the_source() -> None:
+    assert resume_point(PLAN, [None, (5, AT4)]) == ResumeAt(5, AT4, 0)
+    assert resume_point(PLAN, [None, (4, AT4)]) == ResumeAt(5, AT4, 1)  # the gate of step 4 passed everywhere
+
+
+def test_a_lost_state_is_the_restart_path_and_a_far_source_a_live_error() -> None:
+    with pytest.raises(ReshardFallback, match=r"both copies .* \[2\]"):
+        resume_point(Fallback("both copies of the state of old rank(s) [2] are lost", (2,)), [None])
+    with pytest.raises(LiveError, match="at step 5, its source's sampler at 3"):
+        resume_point(PLAN, [None, (3, AT4)])
+
+
+def test_the_round_file_and_local_rank_at_start_are_usage_errors_when_wrong(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match=f"{ROUND_FILE_ENV} is not set"):
+        first_round({})
+    path = tmp_path / "round.json"
+    with pytest.raises(UsageError, match="no round file"):
+        first_round({ROUND_FILE_ENV: str(path)})
+    path.write_text("{")
+    with pytest.raises(UsageError, match=f"{path}: not a round"):
+        first_round({ROUND_FILE_ENV: str(path)})
+    with pytest.raises(UsageError, match="LOCAL_RANK='x'"):
+        local_rank_of({"LOCAL_RANK": "x"})
+
+
+def build(group: Any) -> ZeroStage2:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    return ZeroStage2(model, torch.optim.AdamW, lr=0.01, process_group=group)
+
+
+def train(live: LiveTraining, total: int, data: torch.Tensor, seen: list[dict[str, torch.Tensor]]) -> None:
+    """``total`` steps; ``seen``: the parameters each attempt starts from."""
+    for attempt in live.steps(total):
+        with attempt:
+            seen.append({k: v.clone() for k, v in attempt.opt.full_state_dict().items()})
+            for idx in attempt.micro_batches:
+                attempt.model(data[idx]).pow(2).mean().backward()
+            attempt.opt.step()
+            attempt.opt.zero_grad()
+
+
+def test_a_world_of_one_enters_a_second_round_in_the_same_process(tmp_path: Path) -> None:
+    path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
+    write_round(path, NodeRound(0, 1, ((0, 0),), store, "r0/"))
+    data = torch.randn(48, 4, generator=torch.Generator().manual_seed(1))
+    live = LiveTraining.from_agent(build, sampler=sampler(0, 1), env={ROUND_FILE_ENV: path})
+    seen: list[dict[str, torch.Tensor]] = []
+    try:
+        train(live, 2, data, seen)
+        end_of_round0 = {k: v.clone() for k, v in live.opt.full_state_dict().items()}
+        old_opt = live.opt
+        write_round(path, NodeRound(1, 1, ((0, 0),), store, "r1/"))
+        train(live, 3, data, seen)  # the attempt of step 2 sees round 1 first: enters it, then trains step 2
+        assert [(e.round.number, e.step) for e in live.events] == [(1, 2)]
+        assert [s for s, _ in live.record] == [0, 1, 2] and live.sampler.consumed == 36
+        assert live.opt is not old_opt and live.groups.current is dist.group.WORLD and len(live.groups.abandoned) == 1
+        carried = seen[2]  # what the new optimizer, built afresh, started round 1 from
+        assert all(torch.equal(carried[k], v) for k, v in end_of_round0.items())
+    finally:
+        live.close()
+        live.groups.abandon()
+
+
+def test_a_newer_round_during_the_entry_starts_it_over_with_that_round(tmp_path: Path) -> None:
+    """Round 2 arrives while this process enters round 1 (here: while it builds; in a job, any bounded wait of the
+    entry leaves with it): the entry starts over with round 2, from the same holdings — no LiveError."""
+    path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
+    write_round(path, NodeRound(0, 1, ((0, 0),), store, "r0/"))
+    second = NodeRound(2, 1, ((0, 0),), store, "r2/")
+    calls: list[int] = []
+
+    def build_then_change(group: Any) -> ZeroStage2:
+        calls.append(len(calls))
+        if len(calls) == 2:  # entering round 1
+            write_round(path, second)
+            raise Reconfigure(second)
+        return build(group)
+
+    data = torch.randn(48, 4, generator=torch.Generator().manual_seed(1))
+    live = LiveTraining.from_agent(build_then_change, sampler=sampler(0, 1), env={ROUND_FILE_ENV: path})
+    seen: list[dict[str, torch.Tensor]] = []
+    try:
+        train(live, 1, data, seen)
+        write_round(path, NodeRound(1, 1, ((0, 0),), store, "r1/"))
+        train(live, 2, data, seen)
+        assert [(e.round.number, e.step) for e in live.events] == [(2, 1)] and live.round == second
+        assert len(calls) == 3 and len(live.groups.abandoned) == 2  # rounds 0 and 1 left
+        assert [s for s, _ in live.record] == [0, 1]
+    finally:
+        live.close()
+        live.groups.abandon()

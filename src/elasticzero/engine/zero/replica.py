@@ -142,13 +142,10 @@ class Replicator:
         self.plan: BuddyPlan = place_buddies(found, enabled=enabled, node_shift=node_shift)
         self.holder = self.plan.holder[self.rank]
         self.copies = {w: self._empty_copy(w) for w in self.plan.wards(self.rank)}
-        self._hooks: list[Any] = []
+        self._hooks: list[Any] = [opt.optim.register_step_post_hook(self._after_step)]  # counts steps, even off
         if self.plan.enabled:
             self._mirror()
-            self._hooks = [
-                opt.optim.register_step_pre_hook(self._before_step),
-                opt.optim.register_step_post_hook(self._after_step),
-            ]
+            self._hooks.append(opt.optim.register_step_pre_hook(self._before_step))
 
     # -- what this rank holds -----------------------------------------------------------------------------------------
     @property
@@ -195,12 +192,14 @@ class Replicator:
         self.communicator.all_reduce(torch.ones(1), op=dist.ReduceOp.MIN, tag="replica")  # the commit gate
 
     def _after_step(self, optim: Any, args: Any, kwargs: Any) -> None:
+        self.step += 1  # the census's step of this rank's own state, copies or not
+        if not self.copies:
+            return
         options = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.optim.param_groups]  # this step's
         if self._worker is None:
             self._apply(options)
         else:
             self._applying = self._worker.submit(self._apply, options)
-        self.step += 1
 
     def _apply(self, options: list[dict[str, Any]]) -> None:
         for c in self.copies.values():

@@ -68,10 +68,12 @@ class ReshardPlan:
 @dataclass(frozen=True)
 class Fallback:
     """No in-memory reshard: ``reason``; ``missing``: old ranks whose state no rank holds at a common step. Use the
-    disk checkpoint."""
+    disk checkpoint. ``nothing_held``: no rank of the new group holds any state — a job's first round (build fresh or
+    load the checkpoint), not a loss."""
 
     reason: str
     missing: tuple[int, ...] = ()
+    nothing_held: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,7 @@ def plan_reshard(reports: Sequence[Report], new: ZeroLayout, optimizer: str = ""
         raise UsageError(f"in-memory reshard of {other[0]} state into {optimizer}: wrap the same optimizer class")
     layouts = [r.layout for r in reports if r.layout is not None]
     if not layouts:
-        return Fallback("no rank of the new group holds any state (a new job: load the checkpoint)")
+        return Fallback("no rank of the new group holds any state (a new job: load the checkpoint)", nothing_held=True)
     if any(x != layouts[0] for x in layouts):
         return Fallback("the survivors report different old layouts")
     chosen = choose_sources(reports, layouts[0].world_size)

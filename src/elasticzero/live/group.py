@@ -1,0 +1,122 @@
+"""Forming a round's process group: every round, the first one too, is a fresh *default* group on the round's store.
+
+Why a fresh default group and not ``dist.new_group``: a joining process is not in the old default group, and torch
+names a subgroup by its members' hash, so the same members cannot form a group twice in one process. A default group
+is formed by whoever the round names, on ``PrefixStore(round.prefix, TCPStore(round.store))`` (a prefix no other
+round uses), at the round's world size.
+
+:func:`group_spec` is the decision, pure over the round, this process's local rank and its :class:`Placement` (the
+one device rule, :mod:`elasticzero.device`): backend, new rank, world size, store, device, timeout;
+:func:`init_args` turns it into ``init_process_group``'s arguments.
+:func:`abandon_calls` is how the previous group is left: gloo ``destroy_process_group`` (torch calls the backend's
+``shutdown``; it returns at once even with a thread stuck in a collective, as long as the group object stays
+referenced, so its destructor never joins that thread); NCCL ``abort`` first (``ncclCommAbort`` on every
+communicator: a kernel stuck on a lost peer is torn down, where ``shutdown`` alone would wait for it), then
+``destroy_process_group`` to drop torch's registry. :class:`RoundGroups` is the thin I/O around both; it keeps every
+abandoned group (and every store) referenced for the life of the process — the object that owns the rounds owns them,
+no module state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elasticzero.device import Placement
+from elasticzero.live.bounded import LiveError
+from elasticzero.live.rounds import NodeRound
+
+#: the store's wait bound when the round gives no timeout (torch's TCPStore default)
+_STORE_TIMEOUT = timedelta(minutes=5)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """How this process forms a round's default group: ``init_process_group(backend, store=PrefixStore(prefix,
+    TCPStore(host, port, is_master=store_master)), rank, world_size, timeout, device_id=device)``."""
+
+    backend: str
+    rank: int
+    world_size: int
+    host: str
+    port: int
+    store_master: bool
+    prefix: str
+    device: str | None
+    timeout: timedelta | None
+
+
+def group_spec(round_: NodeRound, local_rank: int, where: Placement, timeout: timedelta | None = None) -> GroupSpec:
+    """This process's part in ``round_``'s group (``timeout`` wins over the placement's, the launcher's collective
+    timeout; neither: torch's default); a :class:`LiveError` when the round does not name this local rank."""
+    rank = round_.rank_of(local_rank)
+    if rank is None:
+        raise LiveError(f"local rank {local_rank} is not in round {round_.number} (its ranks: {dict(round_.ranks)})")
+    s = round_.store
+    limit = timeout if timeout is not None else where.timeout
+    master = s.rank0_hosts and rank == 0
+    return GroupSpec(
+        where.backend, rank, round_.world_size, s.host, s.port, master, round_.prefix, where.bound_device, limit
+    )
+
+
+def init_args(spec: GroupSpec) -> dict[str, Any]:
+    """``init_process_group``'s arguments but the store: NCCL bound to its device (``device_id``: the communicator is
+    created eagerly on it, no collective guesses a device), none on the CPU; ``timeout`` None: torch's default."""
+    device = torch.device(spec.device) if spec.device is not None else None
+    return {
+        "backend": spec.backend,
+        "rank": spec.rank,
+        "world_size": spec.world_size,
+        "timeout": spec.timeout,
+        "device_id": device,
+    }
+
+
+def abandon_calls(backend: str) -> tuple[str, ...]:
+    """What leaving a group of ``backend`` calls, in order: ``"abort"`` (``ProcessGroup.abort``) for NCCL, then
+    ``"destroy"`` (``destroy_process_group``) for every backend (see the module)."""
+    return ("abort", "destroy") if backend == "nccl" else ("destroy",)
+
+
+class RoundGroups:
+    """Forms each round's default group in this process; keeps every abandoned group and every store referenced."""
+
+    def __init__(self) -> None:
+        self.current: Any = None  #: the default group this object formed last (None before the first)
+        self.abandoned: list[Any] = []  #: every group left, never released (see the module)
+        self._stores: dict[tuple[str, int], Any] = {}  #: one client (or server) per store address, reused
+
+    def form(self, spec: GroupSpec) -> Any:
+        """Leave the current group, form ``spec``'s; returns the new default group."""
+        self.abandon()
+        dist.init_process_group(store=dist.PrefixStore(spec.prefix, self._store(spec)), **init_args(spec))
+        self.current = dist.group.WORLD
+        return self.current
+
+    def abandon(self) -> None:
+        """Leave the group formed last (aborted or destroyed, kept referenced); nothing when there is none."""
+        pg, self.current = self.current, None
+        if pg is None:
+            return
+        self.abandoned.append(pg)
+        for call in abandon_calls(str(dist.get_backend(pg))):
+            if call == "abort":
+                pg.abort()
+            else:
+                dist.destroy_process_group(pg)
+
+    def _store(self, spec: GroupSpec) -> Any:
+        """The store at ``spec``'s address: the one this process already has there, else a new client (or server,
+        when the round's new rank 0 hosts it)."""
+        key = (spec.host, spec.port)
+        if key not in self._stores:
+            limit = spec.timeout if spec.timeout is not None else _STORE_TIMEOUT
+            self._stores[key] = dist.TCPStore(
+                spec.host, spec.port, is_master=spec.store_master, timeout=limit, wait_for_workers=False
+            )
+        return self._stores[key]

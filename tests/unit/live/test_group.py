@@ -1,0 +1,80 @@
+"""Forming a round's group: the decision (backend, rank, store, device, timeout; how the old group is left) is pure;
+one process forms a fresh default group twice over a real TCPStore (a world of one: the same member twice, what
+``new_group`` cannot)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elasticzero.device import Facts, placement
+from elasticzero.live.bounded import LiveError
+from elasticzero.live.group import GroupSpec, RoundGroups, abandon_calls, group_spec, init_args
+from elasticzero.live.rounds import NodeRound, StoreAddress
+from ez_testing import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+CPU = placement(Facts(False, 0, {"LOCAL_RANK": "1"}))
+GPU = placement(Facts(True, 2, {"LOCAL_RANK": "1", "ELASTICZERO_COLLECTIVE_TIMEOUT": "90"}))
+
+
+def round_(rank0_hosts: bool = False, number: int = 1) -> NodeRound:
+    return NodeRound(number, 4, ((0, 2), (1, 0)), StoreAddress("10.1.1.1", 29400, rank0_hosts), f"r{number}/")
+
+
+def test_on_the_cpu_a_round_is_a_gloo_default_group_at_the_new_rank() -> None:
+    spec = group_spec(round_(), 0, CPU)
+    assert spec == GroupSpec("gloo", 2, 4, "10.1.1.1", 29400, False, "r1/", None, None)
+
+
+def test_with_cuda_it_is_nccl_bound_to_the_local_device_with_the_launchers_timeout() -> None:
+    spec = group_spec(round_(), 1, GPU)
+    assert (spec.backend, spec.rank, spec.device, spec.timeout) == ("nccl", 0, "cuda:1", timedelta(seconds=90))
+    assert group_spec(round_(), 1, GPU, timedelta(seconds=5)).timeout == timedelta(seconds=5)  # the caller's wins
+
+
+def test_init_process_group_binds_nccl_to_the_device_and_leaves_gloo_unbound() -> None:
+    nccl, gloo = init_args(group_spec(round_(), 1, GPU)), init_args(group_spec(round_(), 0, CPU))
+    assert nccl == {
+        "backend": "nccl",
+        "rank": 0,
+        "world_size": 4,
+        "timeout": timedelta(seconds=90),
+        "device_id": torch.device("cuda:1"),
+    }
+    assert (gloo["backend"], gloo["rank"], gloo["device_id"], gloo["timeout"]) == ("gloo", 2, None, None)
+
+
+def test_the_new_rank_0_hosts_the_store_only_when_the_round_says_so() -> None:
+    assert group_spec(round_(rank0_hosts=True), 1, CPU).store_master
+    assert not group_spec(round_(rank0_hosts=True), 0, CPU).store_master  # rank 2
+    assert not group_spec(round_(rank0_hosts=False), 1, CPU).store_master  # the agent's store
+
+
+def test_a_local_rank_the_round_does_not_name_is_a_live_error() -> None:
+    with pytest.raises(LiveError, match="local rank 5 is not in round 1"):
+        group_spec(round_(), 5, CPU)
+
+
+def test_nccl_is_aborted_before_it_is_destroyed_gloo_only_destroyed() -> None:
+    assert abandon_calls("nccl") == ("abort", "destroy")
+    assert abandon_calls("gloo") == ("destroy",)
+
+
+def test_one_process_forms_a_fresh_default_group_per_round_and_keeps_the_old_ones() -> None:
+    port = free_port()
+    groups = RoundGroups()
+    specs = [GroupSpec("gloo", 0, 1, "127.0.0.1", port, True, f"r{n}/", None, timedelta(seconds=30)) for n in (0, 1)]
+    first = groups.form(specs[0])
+    assert first is dist.group.WORLD and dist.get_world_size() == 1
+    second = groups.form(specs[1])  # the same member again: the first one destroyed, a new default group
+    assert second is dist.group.WORLD and second is not first and groups.abandoned == [first]
+    dist.all_reduce(t := torch.ones(1))  # the new group works
+    assert t.item() == 1
+    assert len(groups._stores) == 1  # the store this process hosts is reused, not created again on the same port
+    groups.abandon()
+    assert not dist.is_initialized() and groups.abandoned == [first, second]

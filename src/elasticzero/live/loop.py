@@ -44,6 +44,7 @@ from types import TracebackType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from elasticzero.data.sampler import ElasticSampler
 from elasticzero.device import Facts, Placement, placement
@@ -211,8 +212,6 @@ class LiveTraining:
         launcher's collective timeout; the first round's group is formed here (do not call ``init_process_group``
         or ``init_distributed`` first). A process joining a running job takes its state from its peers. ``env``:
         the environment to read (default ``os.environ``); ``options``: the constructor's."""
-        import torch.distributed as dist
-
         env = os.environ if env is None else env
         if dist.is_initialized():
             raise UsageError("LiveTraining.from_agent forms each round's process group itself: drop init_process_group")

@@ -107,17 +107,20 @@ def trained_again(cluster: Cluster, first: dict, since: float, what: str) -> Non
     workers' start-up (interpreter, torch import, process group, model build, checkpoint load) is 3.5-4 s there and
     2-3 times that on a loaded one. So, as in test_freeze.py, the bound is the agents' part (the hang timeout, the
     stacks' wait, the kill, one monitor tick and the re-rendezvous' last call: ``AGENTS_S``) plus 1.5 x the start-up
-    the *first* attempt's workers took in this same run (the noise of one process start against another); whether
-    the issue's 10 s was met is printed.
+    the *first* attempt's workers took in this same run (the noise of one process start against another), plus what
+    the first attempt did not do: the new attempt's checkpoint load and first step; whether the issue's 10 s was met is
+    printed.
     """
     took, ready = first["time"] - since, first["attempt"] / 1e9
     restart, start = first["started"] - since, ready - first["started"]
     # the least of the first attempt's ranks: a worker started before its peer's node came also waited for it
     startup = min(r["attempt"] / 1e9 - r["started"] for r in records(cluster) if r["resumed"] == 0)
-    bound = AGENTS_S + 1.5 * startup + (first["time"] - ready)
+    # + the new attempt's own checkpoint load and first step (the first attempt loaded nothing)
+    bound = AGENTS_S + 1.5 * startup + first["load_s"] + (first["time"] - ready)
     met = "met" if took <= HANG_TIMEOUT + 10 else "NOT met (start-up bound: machine load)"
     print(f"{what} -> first step of the new attempt: {took:.1f}s = restart {restart:.1f}s + worker start {start:.1f}s"
-          f" + step {first['time'] - ready:.1f}s; bound {bound:.1f}s (first attempt's start-up {startup:.1f}s); "
+          f" + step {first['time'] - ready:.1f}s; bound {bound:.1f}s (first attempt's start-up {startup:.1f}s, "
+          f"checkpoint load {first['load_s']:.1f}s); "
           f"hang timeout + 10 s {met}")  # fmt: skip
     assert restart < AGENTS_S, restart
     assert took < bound, (took, bound)

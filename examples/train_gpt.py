@@ -4,13 +4,17 @@ Run it under ``elasticzero-launch`` / ``elasticzero-run`` / ``torchrun``, or dir
 ``elasticzero-launch --nproc-per-node 2 examples/train_gpt.py --steps 20``: on ``cuda:$LOCAL_RANK`` over NCCL where
 CUDA is available, else on the CPU over gloo. ``--config`` is a YAML file of ``examples/configs/`` or a DeepSpeed
 ``ds_config.json``; the flags override it. The global batch is the same at every world size: after losing or gaining a
-node the job resumes from its newest checkpoint at exactly the next sample.
+node the job resumes from its newest checkpoint at exactly the next sample. Under ``elasticzero-run --live-recovery``
+(:class:`LiveTrainer`) a lost, frozen or joining node does not restart the survivors: they reshard the ZeRO state in
+memory from their peers' copies and go on from the last committed step (docs/elastic-training.md, "Live recovery").
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +25,11 @@ import torch.distributed as dist
 from elasticzero import autotune, init_distributed
 from elasticzero.checkpoint import Checkpointer, RNGState
 from elasticzero.config import build_pieces, elastic_batch, load_config
-from elasticzero.data import ByteCorpus, build_loader, stdlib_corpus
+from elasticzero.data import ByteCorpus, ElasticSampler, build_loader, stdlib_corpus
+from elasticzero.device import Facts, placement
+from elasticzero.engine import GradAccumulation
+from elasticzero.errors import UsageError
+from elasticzero.live import ROUND_FILE_ENV, LiveTraining
 from gpt import GPT, config_for, lm_loss, num_params
 
 HERE = Path(__file__).resolve().parent
@@ -54,10 +62,7 @@ class Trainer:
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
         self.args, self.device, self.step = args, device, 0
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        flags = {"zero.stage": args.zero, "precision.dtype": args.precision, "micro_batch_size": args.micro_batch_size,
-                 "train_batch_size": args.global_batch_size}  # fmt: skip
-        dotlist = [f"{key}={value}" for key, value in flags.items() if value is not None]
-        self.cfg = load_config(args.config, overrides=dotlist, world_size=self.world)  # fails here if no batch plan
+        self.cfg = load_config(args.config, overrides=overrides(args), world_size=self.world)  # fails if no batch plan
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         self.model = GPT(config_for(args.size, vocab_size=256, block_size=args.seq_len)).to(device)
         self.pieces = build_pieces(self.model, self.cfg)
@@ -140,8 +145,108 @@ class Trainer:
             print(f"step {self.step:5d}  eval loss {total.item() / (micro_batches * self.world):.4f}", flush=True)
 
 
-def main(argv: list[str] | None = None, trainer: type[Trainer] = Trainer) -> int:
+class LiveTrainer(Trainer):
+    """The same job under ``elasticzero-run --live-recovery``: a membership change reconfigures the running workers.
+
+    Every round (the first too) builds the model, the engine pieces and the checkpointer afresh on the round's group
+    (:meth:`build`); :class:`~elasticzero.live.LiveTraining` fills them from the peers' in-memory copies (or, at the
+    job's start, from the newest checkpoint: :meth:`resume`) and hands out the steps. The loop's one construct is
+    ``for attempt in live.steps(n): with attempt:`` — a step left for a new round is redone there, a committed one
+    never. Checkpoints stay the fallback (both copies of a shard lost, or the whole job restarted).
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:  # nothing here depends on the world: rounds build that
+        self.args, self.step, self.ckpt = args, 0, None
+        self.device = torch.device(placement(Facts.current()).device)
+        data = (stdlib_corpus(args.cache_dir, split, max_bytes=args.corpus_bytes) for split in ("train", "eval"))
+        self.train_set, self.eval_set = (ByteCorpus(d, args.seq_len) for d in data)
+        cfg = load_config(args.config, overrides=overrides(args), world_size=1)
+        sizes = {"global_batch_size": cfg.train_batch_size, "micro_batch_size": cfg.micro_batch_size}
+        self.sampler = ElasticSampler(len(self.train_set), **sizes, rank=0, world_size=1, seed=args.seed)  # re-cut
+
+    def build(self, group: dist.ProcessGroup) -> torch.optim.Optimizer:
+        """One round's model, pieces and checkpointer on ``group`` (the live loop calls it at every round)."""
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.cfg = load_config(self.args.config, overrides=overrides(self.args), world_size=self.world)
+        if self.cfg.zero.stage == 0 or self.cfg.micro_batch_size != self.sampler.micro_batch_size:
+            why = "needs zero.stage 1-3 (DDP has no shards to reshard) and one micro_batch_size at every world size"
+            raise UsageError(f"{self.args.config}: --live-recovery {why}; set zero.stage and micro_batch_size")
+        torch.manual_seed(self.args.seed)  # the same initial weights on every rank (a reshard overwrites them)
+        self.model = GPT(config_for(self.args.size, vocab_size=256, block_size=self.args.seq_len)).to(self.device)
+        self.pieces = build_pieces(self.model, self.cfg, process_group=group)
+        self.net = self.pieces.wrap(self.model)
+        if self.ckpt:
+            self.ckpt.close()
+        # a new round claims the directory: a stale rank of an old one (a frozen node resumed) can no longer write it
+        directory = self.args.checkpoint_dir
+        self.ckpt = directory and Checkpointer(directory, keep_last=2, process_group=group)
+        return self.pieces.optimizer
+
+    @property
+    def state(self) -> dict[str, object]:  # type: ignore[override]
+        """What a checkpoint holds (the same keys as the restarting trainer's: either resumes the other's)."""
+        return {**self.pieces.stateful(self.model), "data": self.sampler, "rng": RNGState()}
+
+    def resume(self, opt: torch.optim.Optimizer) -> int:
+        """The job's first round (no peer holds state): the newest checkpoint, into the round's pieces and sampler."""
+        return (self.ckpt.load_latest(self.state) if self.ckpt else None) or 0
+
+    def train(self) -> None:
+        """Train to ``--steps`` through membership changes; checkpoint as ``--save-every`` asks."""
+        args, t0 = self.args, time.perf_counter()
+        live = LiveTraining.from_agent(self.build, sampler=self.sampler, resume=self.resume)
+        start = live.step
+        try:
+            for attempt in live.steps(args.steps):
+                with attempt:
+                    loss = self.live_step(attempt)
+                self.end_step(live, loss, start, t0)
+        finally:
+            live.close()
+            if self.ckpt:
+                self.ckpt.close()
+
+    def end_step(self, live: LiveTraining, loss: torch.Tensor, start: int, t0: float) -> None:
+        """After a committed step: log (rank 0, every 10 steps) and checkpoint as ``--save-every`` asks."""
+        args, self.sampler, self.step = self.args, live.sampler, live.step
+        if self.rank == 0 and (self.step % 10 == 0 or self.step in (start + 1, args.steps)):
+            print(f"step {self.step:5d}/{args.steps}  loss {loss.item() / self.world:.4f}  world {self.world}  "
+                  f"{(self.step - start) / (time.perf_counter() - t0):.2f} steps/s", flush=True)  # fmt: skip
+        if self.ckpt and ((args.save_every and self.step % args.save_every == 0) or self.step == args.steps):
+            self.ckpt.save(self.step, self.state)
+
+    def live_step(self, attempt: object) -> torch.Tensor:
+        """One optimizer step over the attempt's micro-batches; the loss summed over the ranks (bounded collective)."""
+        micro_batches = attempt.micro_batches  # type: ignore[attr-defined]
+        acc, total = GradAccumulation(len(micro_batches)), torch.zeros((), device=self.device)
+        for indices in micro_batches:
+            x, y = (torch.stack(t) for t in zip(*(self.train_set[i] for i in indices), strict=True))
+            with acc.no_sync(self.net, self.pieces.optimizer):
+                loss = acc.scale_loss(self.loss(x, y))
+                self.pieces.backward(loss)
+            total += loss.detach().float()
+            acc.advance()
+        self.pieces.step()
+        self.pieces.optimizer.communicator.all_reduce(total, tag="log")
+        return total
+
+
+def overrides(args: argparse.Namespace) -> list[str]:
+    """The flags that override the config file, as an omegaconf dotlist."""
+    flags = {"zero.stage": args.zero, "precision.dtype": args.precision, "micro_batch_size": args.micro_batch_size,
+             "train_batch_size": args.global_batch_size}  # fmt: skip
+    return [f"{key}={value}" for key, value in flags.items() if value is not None]
+
+
+def main(argv: list[str] | None = None, trainer: type[Trainer] = Trainer, live: type[LiveTrainer] = LiveTrainer) -> int:
     args = trainer.parser().parse_args(argv)
+    if ROUND_FILE_ENV in os.environ:  # elasticzero-run --live-recovery: each round forms its own group
+        live(args).train()
+        # a group left for a lost or frozen peer keeps a backend thread stuck in its collective until the collective
+        # timeout; the interpreter's exit would wait for it (the group's destructor joins it): leave at once instead
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     device = init_distributed()  # cuda:$LOCAL_RANK over NCCL with CUDA, else cpu over gloo; alone: a world of one
     try:
         trainer(args, device).train()

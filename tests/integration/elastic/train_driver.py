@@ -16,7 +16,9 @@ Run it as the example is run (under ``elasticzero-run``, or directly: a world of
   to ``FILE.fired`` (once). A test then freezes the rest of that node and resumes it later (fencing).
 
 :class:`DrivenTrainer` subclasses the example's ``Trainer``: the example's own loop runs, the hooks wrap its
-``load`` and ``train_step``. Used by ``test_elastic_e2e.py`` and ``bench/elastic_recovery_bench.py``.
+``load`` and ``train_step``. Under ``elasticzero-run --live-recovery`` :class:`DrivenLiveTrainer` does the same for
+the example's ``LiveTrainer`` (the record and the hold; its lines name the worker's ``pid`` instead of an attempt).
+Used by ``test_elastic_e2e.py``, ``test_live_e2e.py`` and ``bench/elastic_recovery_bench.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -115,6 +118,33 @@ class DrivenTrainer(train_gpt.Trainer):
             fh.write(json.dumps({**fields, "samples": samples}) + "\n")
 
 
+class DrivenLiveTrainer(train_gpt.LiveTrainer):
+    """The example's live trainer (``elasticzero-run --live-recovery``) with the record and the hold of
+    :class:`DrivenTrainer`: each committed step one JSON line per rank (``pid``: a survivor keeps its process), and
+    the hold waits polling the round file (``attempt.check()``), so a membership change during it is taken at once."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        self.started, self.samples = psutil.Process().create_time(), []
+
+    def live_step(self, attempt: Any) -> torch.Tensor:
+        while self.args.hold_file is not None and held(self.args.hold_file, attempt.step):
+            attempt.check()  # a new round: leave the hold for it
+            elasticzero.heartbeat()
+            time.sleep(0.05)
+        epoch = attempt.live.sampler.epoch
+        self.samples = [[epoch, i] for mb in attempt.micro_batches for i in mb]
+        return super().live_step(attempt)
+
+    def end_step(self, live: Any, loss: torch.Tensor, start: int, t0: float) -> None:
+        if self.args.record_samples is not None:  # the step committed: its samples, once
+            fields = {"step": live.step, "rank": self.rank, "world": self.world, "pid": os.getpid()}
+            fields |= {"started": self.started, "time": time.time(), "samples": self.samples}
+            with self.args.record_samples.open("a") as fh:
+                fh.write(json.dumps(fields) + "\n")
+        super().end_step(live, loss, start, t0)
+
+
 def attempt_id(device: torch.device) -> int:
     """One id per (re)start of the job, the same on every rank and larger at each restart (rank 0's clock); the
     broadcast runs on the worker's device (NCCL has no CPU tensors)."""
@@ -155,4 +185,4 @@ def held(path: Path, step: int) -> bool:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)  # the ranks of a test share this machine's cores
-    raise SystemExit(train_gpt.main(trainer=DrivenTrainer))
+    raise SystemExit(train_gpt.main(trainer=DrivenTrainer, live=DrivenLiveTrainer))

@@ -58,7 +58,16 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 from elasticzero.agent.binding import AGENT_PID_ENV
-from elasticzero.agent.handoff import ChangeAction, LivePlan, RoundFacts, RoundKeeper, change_action, handoff_line
+from elasticzero.agent.handoff import (
+    ChangeAction,
+    LivePlan,
+    RoundAgreementError,
+    RoundFacts,
+    RoundKeeper,
+    change_action,
+    handoff_line,
+    retry_agreement,
+)
 from elasticzero.agent.hang import HangWatch
 from elasticzero.agent.health import HealthFile
 from elasticzero.agent.liveness import PeerPlan
@@ -180,10 +189,24 @@ class ElasticZeroAgent(LocalElasticAgent):
         worker_env.update(extra)
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        """torch's rendezvous; in live mode, then this node's round file for the round just formed (every start)."""
-        super()._rendezvous(worker_group)
-        if self._rounds is not None:
-            self._rounds.publish(self._store, round_facts(worker_group))
+        """torch's rendezvous; in live mode, then this node's round file for the round just formed (every start).
+
+        A node lost between the rendezvous and the round-number agreement fails the agreement on every node alike:
+        each rendezvouses again (:func:`~elasticzero.agent.handoff.retry_agreement`), and the next round drops it.
+        """
+        tries = 0
+        while True:
+            super()._rendezvous(worker_group)
+            if self._rounds is None:
+                return
+            tries += 1
+            try:
+                self._rounds.publish(self._store, round_facts(worker_group))
+                return
+            except RoundAgreementError as exc:
+                if not retry_agreement(tries):
+                    raise
+                print(f"elasticzero-run: {exc}; joining the rendezvous again", file=sys.stderr, flush=True)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._hang.start()

@@ -36,9 +36,12 @@ LAST_ROUND_KEY = "elasticzero/live/last_round/"
 NO_ROUND = "none"
 #: the prefix of each round's keys in the store its workers meet on (``<prefix><number>/``)
 ROUND_PREFIX = "elasticzero/live/"
-#: the agreement waits at most this many peer timeouts for every agent's number (a node lost in between: the
-#: rendezvous that just completed is stale, the agent fails with one line)
-AGREE_TIMEOUTS = 3
+#: the agreement waits at most this many peer timeouts for every agent's number. An agent missing after that was
+#: lost between the rendezvous and the agreement: its heartbeat is older than the timeout by then, so every agent,
+#: having waited for the same missing key, rendezvouses again and the next round drops it (:func:`retry_agreement`)
+AGREE_TIMEOUTS = 2
+#: rendezvous attempts per round change whose agreement may fail so (then the agent fails with one line)
+AGREE_TRIES = 3
 
 
 class RoundAgreementError(RuntimeError):
@@ -94,6 +97,11 @@ def change_action(live: bool, this_node_dropped: bool) -> ChangeAction:
     """A peer gone or nodes waiting to join: hand off in live mode. This node itself dropped (it was frozen or cut
     off, the others went on): its workers are stale either way — restart, they join the new round fresh."""
     return ChangeAction.HAND_OFF if live and not this_node_dropped else ChangeAction.RESTART
+
+
+def retry_agreement(tries_done: int) -> bool:
+    """After a failed agreement: rendezvous again (a node was lost meanwhile), unless :data:`AGREE_TRIES` are spent."""
+    return tries_done < AGREE_TRIES
 
 
 def next_round_number(lasts: Sequence[int | None]) -> int:

@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from elasticzero.agent.cli import build_parser
 from elasticzero.agent.handoff import (
+    AGREE_TIMEOUTS,
+    AGREE_TRIES,
     ChangeAction,
     LivePlan,
     RoundAgreementError,
@@ -26,6 +28,7 @@ from elasticzero.agent.handoff import (
     live_plan,
     next_round_number,
     node_round,
+    retry_agreement,
     round_prefix,
 )
 from elasticzero.agent.liveness import peer_plan
@@ -77,7 +80,8 @@ def test_no_peer_liveness_is_refused() -> None:
         live_plan(True, "c10d", None, {}, "j1", 1)
     plan = peer_plan("6", {}, torch_defaults=False)
     live = live_plan(True, "elasticzero", plan, {}, "j1", 1)
-    assert live is not None and live.agree_timeout_s == 3 * plan.timeout_s and live.round_dir.startswith("/tmp/")
+    assert live is not None and live.agree_timeout_s == AGREE_TIMEOUTS * plan.timeout_s
+    assert live.round_dir.startswith("/tmp/")  # no TMPDIR
     assert live_plan(False, "static", None, {}, "j1", 1) is None  # off: nothing checked
 
 
@@ -103,6 +107,12 @@ def test_the_launcher_passes_the_flag_to_every_agent_and_refuses_static(tmp_path
 )
 def test_change_action(live: bool, dropped: bool, action: ChangeAction) -> None:
     assert change_action(live, dropped) is action
+
+
+def test_a_failed_agreement_rendezvouses_again_a_bounded_number_of_times() -> None:
+    assert AGREE_TIMEOUTS >= 2  # a node missing after 2 peer timeouts is stale: the next rendezvous drops it
+    tries = [t for t in range(1, 10) if retry_agreement(t)]
+    assert tries == list(range(1, AGREE_TRIES))
 
 
 # -- the round number and the file ----------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ node (dropped while frozen) stops its stale workers and joins again as a new nod
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -138,6 +140,7 @@ def assert_handed_off(
         assert view is not None and sorted(view["round"]["ranks"].values()) == sorted(a.state()["ranks"])
         for pid in before[a.proc.pid]:
             late = first_seen(cluster, pid, number) - t0
+            print(f"round {number}: worker {pid} saw it {late:.2f} s after the event (bound {within} s)")
             assert late < within, f"worker {pid} saw round {number} {late:.1f} s after the event (bound {within} s)"
 
 
@@ -191,3 +194,10 @@ def test_survivors_keep_their_workers_through_kill_join_and_freeze(
     for a in (a0, a1, a3):
         assert a.proc.wait(timeout=30) == 0, a.output()[-3000:]
     assert not cluster.leftovers()
+    assert [d.name for d in round_dirs(cluster)] == [f"elasticzero-round-{cluster.job_id}-{a2.proc.pid}"]  # SIGKILLed
+    shutil.rmtree(round_dirs(cluster)[0])
+
+
+def round_dirs(cluster: Cluster) -> list[Path]:
+    """The job's round-file directories left on this machine (an agent that ends removes its own)."""
+    return sorted(Path(os.environ.get("TMPDIR") or "/tmp").glob(f"elasticzero-round-{cluster.job_id}-*"))

@@ -6,6 +6,9 @@ public API; ``tests/unit/agent/test_exit_barrier.py`` checks torch still calls `
 * ``_set_local_rank_env`` — torch's (``LOCAL_RANK``), then what the agent was built with for that local rank
   (``worker_env``: job id, agent pid, devices, cores; see :meth:`~elasticzero.agent.plan.WorkersPlan.worker_env`):
   the workers' environment is handed over where torch builds it, never through the agent's ``os.environ``;
+* ``_rendezvous`` — torch's; with ``--live-recovery`` (:mod:`~elasticzero.agent.handoff`) then this node's round file
+  for the round just formed (the round number agreed with the other agents over the round's store), before any
+  worker starts or is handed the round;
 * ``_start_workers`` — a fresh hang watch (:mod:`elasticzero.agent.hang`), torch's, then the health file says
   ``running`` with this round's ranks and pids;
 * ``_monitor_workers`` — torch's; on a failure, the root-cause rank and its error file are reported once — unless
@@ -17,7 +20,9 @@ public API; ``tests/unit/agent/test_exit_barrier.py`` checks torch still calls `
   stacks, so the next tick sees it fail (a real failure);
 * ``_restart_workers`` / ``_invoke_run`` — before this node stops its workers for a membership change (torch's loop
   restarts healthy workers only for nodes waiting to join) or leaves on a signal, it marks the round as changing
-  (:data:`ROUND_CHANGE_KEY`), so a peer whose workers die of it does not count a failure;
+  (:data:`ROUND_CHANGE_KEY`), so a peer whose workers die of it does not count a failure. With
+  ``--live-recovery`` a peer gone or nodes waiting to join stop nothing: the agent marks the round, re-rendezvouses
+  around its running workers and hands them the new round (:meth:`ElasticZeroAgent._hand_off`, no restart spent);
 * ``_exit_barrier`` — torch's terminal-state barrier (same keys, same success condition), polled: a node whose
   workers succeeded stops waiting as soon as another node marks the job failed (:meth:`announce_failure`) or
   closes the rendezvous without completing the barrier, and fails instead of sitting out ``exit_barrier_timeout``;

@@ -1,5 +1,5 @@
-"""Stress: the freeze, store-host freeze and partition tests, each repeated, to show they are not races (a script, not
-collected by pytest: no ``test_`` files here).
+"""Stress: the freeze, store-host freeze, partition and live hand-off tests, each repeated, to show they are not races
+(a script, not collected by pytest: no ``test_`` files here).
 
 Each repetition is one real pytest run of one case (fresh agents, fresh job id, fresh etcd server), so what is
 repeated is exactly what CI runs. The failures' output is kept under ``--keep``; the timings the tests print (the
@@ -25,11 +25,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+LIVE = "tests/integration/agent/test_live_handoff.py::test_survivors_keep_their_workers_through_kill_join_and_freeze"
 CASES = {
     "c10d-freeze": "tests/integration/elastic/test_freeze.py::test_frozen_node_survived_fenced_and_rejoins[c10d]",
     "etcd-freeze": "tests/integration/elastic/test_freeze.py::test_frozen_node_survived_fenced_and_rejoins[etcd]",
     "c10d-store-host-freeze": "tests/integration/agent/test_store_host_freeze.py",
     "partition": "tests/integration/launch/test_partition.py",
+    "c10d-live-handoff": f"{LIVE}[c10d]",
+    "etcd-live-handoff": f"{LIVE}[etcd]",
 }
 #: the lines the tests print, and the name each timing gets in the summary
 TIMINGS = {
@@ -37,6 +40,7 @@ TIMINGS = {
     "trains again": re.compile(r"trains again (?:at world 1 )?([\d.]+) s after the (?:freeze|cut)"),
     "first step": re.compile(r"first step done after ([\d.]+) s"),
     "store line": re.compile(r"said why ([\d.]+) s after the store host froze"),
+    "live hand-off (kill)": re.compile(r"saw it ([\d.]+) s after the event"),
 }
 
 

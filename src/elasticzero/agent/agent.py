@@ -238,7 +238,8 @@ class ElasticZeroAgent(LocalElasticAgent):
         """Live recovery: re-rendezvous around the running workers and write them the new round (no restart).
 
         torch's ``_rendezvous`` replaces the group's workers (new ranks); they are the same processes, so each keeps
-        its id (torch's monitor compares the group's ids with its process context's pids).
+        its id (torch's monitor compares the group's ids with its process context's pids). The hang watch goes on
+        as it is: its records are per local rank and pid (a fresh one would unlink the files the workers write).
         """
         ids = {w.local_rank: w.id for w in worker_group.workers}
         self._peers = None

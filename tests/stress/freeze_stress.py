@@ -1,5 +1,5 @@
-"""Stress: the freeze, store-host freeze, partition and hung-worker tests, each repeated, to show they are not races
-(a script, not collected by pytest: no ``test_`` files here).
+"""Stress: the freeze, store-host freeze, partition, hung-worker and live hand-off tests, each repeated, to show
+they are not races (a script, not collected by pytest: no ``test_`` files here).
 
 Each repetition is one real pytest run of one case (fresh agents, fresh job id, fresh etcd server), so what is
 repeated is exactly what CI runs. The failures' output is kept under ``--keep``; the timings the tests print (the
@@ -26,6 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 HANG = "tests/integration/elastic/test_hang.py"
+LIVE = "tests/integration/agent/test_live_handoff.py::test_survivors_keep_their_workers_through_kill_join_and_freeze"
 CASES = {
     "c10d-freeze": "tests/integration/elastic/test_freeze.py::test_frozen_node_survived_fenced_and_rejoins[c10d]",
     "etcd-freeze": "tests/integration/elastic/test_freeze.py::test_frozen_node_survived_fenced_and_rejoins[etcd]",
@@ -34,6 +35,8 @@ CASES = {
     "c10d-store-call-window": "tests/integration/agent/test_store_call_bound.py",
     "worker-hang": f"{HANG}::test_a_worker_that_stops_making_progress_is_named_and_the_job_trains_on",
     "worker-stop": f"{HANG}::test_a_stopped_worker_is_named_and_the_job_trains_on",
+    "c10d-live-handoff": f"{LIVE}[c10d]",
+    "etcd-live-handoff": f"{LIVE}[etcd]",
 }
 #: the lines the tests print, and the name each timing gets in the summary
 TIMINGS = {
@@ -42,6 +45,7 @@ TIMINGS = {
     "first step": re.compile(r"first step done after ([\d.]+) s"),
     "store line": re.compile(r"said why ([\d.]+) s after the store host froze"),
     "hang → first step": re.compile(r"-> first step of the new attempt: ([\d.]+)s"),
+    "live hand-off (kill)": re.compile(r"saw it ([\d.]+) s after the event"),
 }
 
 

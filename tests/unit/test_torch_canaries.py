@@ -146,6 +146,24 @@ def _called_per_worker(func: Any) -> str | None:
     return None if call in _source(LocalElasticAgent._start_workers) else f"_start_workers no longer calls {call}"
 
 
+def _rendezvous_fills_the_group(func: Any) -> str | None:
+    """``_rendezvous(worker_group)`` sets the group's new workers, ranks and master address, and the agent's store;
+    the workers it assigns carry no id (the hand-off carries the running processes' ids over) and torch's monitor
+    matches the group's worker ids against its process context's pids."""
+    problem = _params(WG)(func)
+    if problem is not None:
+        return problem
+    body = _source(func)
+    sets = ("worker_group.workers =", "worker_group.group_rank =", "worker_group.master_port =", "self._store =")
+    missing = [s for s in sets if s not in body]
+    if missing:
+        return f"no longer does {missing}"
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monitor = _source(LocalElasticAgent._monitor_workers)
+    return None if "w.id" in monitor or "worker.id" in monitor else "_monitor_workers no longer matches worker ids"
+
+
 def _source(obj: Any) -> str:
     try:
         return inspect.getsource(obj)
@@ -167,6 +185,7 @@ CANARIES = [
     Canary(f"{LOCAL_AGENT}._set_local_rank_env", AGENT_PY, _called_per_worker),
     Canary(f"{LOCAL_AGENT}._monitor_workers", AGENT_PY, _params(WG)),
     Canary(f"{AGENT}._restart_workers", AGENT_PY, _params(WG)),
+    Canary(f"{AGENT}._rendezvous", AGENT_PY, _rendezvous_fills_the_group),
     Canary(f"{LOCAL_AGENT}._stop_workers", AGENT_PY, _params(WG)),
     Canary(f"{LOCAL_AGENT}._shutdown", AGENT_PY, _params("death_sig")),  # `timeout` since 2.12: torchcompat
     Canary(f"{AGENT}._exit_barrier", AGENT_PY, _params()),

@@ -6,6 +6,9 @@ public API; ``tests/unit/agent/test_exit_barrier.py`` checks torch still calls `
 * ``_set_local_rank_env`` — torch's (``LOCAL_RANK``), then what the agent was built with for that local rank
   (``worker_env``: job id, agent pid, devices, cores; see :meth:`~elasticzero.agent.plan.WorkersPlan.worker_env`):
   the workers' environment is handed over where torch builds it, never through the agent's ``os.environ``;
+* ``_rendezvous`` — torch's; with ``--live-recovery`` (:mod:`~elasticzero.agent.handoff`) then this node's round file
+  for the round just formed (the round number agreed with the other agents over the round's store), before any
+  worker starts or is handed the round;
 * ``_start_workers`` — a fresh hang watch (:mod:`elasticzero.agent.hang`), torch's, then the health file says
   ``running`` with this round's ranks and pids;
 * ``_monitor_workers`` — torch's; on a failure, the root-cause rank and its error file are reported once — unless
@@ -17,7 +20,9 @@ public API; ``tests/unit/agent/test_exit_barrier.py`` checks torch still calls `
   stacks, so the next tick sees it fail (a real failure);
 * ``_restart_workers`` / ``_invoke_run`` — before this node stops its workers for a membership change (torch's loop
   restarts healthy workers only for nodes waiting to join) or leaves on a signal, it marks the round as changing
-  (:data:`ROUND_CHANGE_KEY`), so a peer whose workers die of it does not count a failure;
+  (:data:`ROUND_CHANGE_KEY`), so a peer whose workers die of it does not count a failure. With
+  ``--live-recovery`` a peer gone or nodes waiting to join stop nothing: the agent marks the round, re-rendezvouses
+  around its running workers and hands them the new round (:meth:`ElasticZeroAgent._hand_off`, no restart spent);
 * ``_exit_barrier`` — torch's terminal-state barrier (same keys, same success condition), polled: a node whose
   workers succeeded stops waiting as soon as another node marks the job failed (:meth:`announce_failure`) or
   closes the rendezvous without completing the barrier, and fails instead of sitting out ``exit_barrier_timeout``;
@@ -58,6 +63,16 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 from elasticzero.agent.binding import AGENT_PID_ENV
+from elasticzero.agent.handoff import (
+    ChangeAction,
+    LivePlan,
+    RoundAgreementError,
+    RoundFacts,
+    RoundKeeper,
+    change_action,
+    handoff_line,
+    retry_agreement,
+)
 from elasticzero.agent.hang import HangWatch
 from elasticzero.agent.health import HealthFile
 from elasticzero.agent.liveness import PeerPlan
@@ -141,6 +156,7 @@ class ElasticZeroAgent(LocalElasticAgent):
         shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT,
         hang: HangPlan | None = None,
         peers: PeerPlan | None = None,
+        live: LivePlan | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(spec, logs_specs, **kwargs, **agent_shutdown_kwargs(shutdown_timeout))
@@ -153,12 +169,15 @@ class ElasticZeroAgent(LocalElasticAgent):
         self._hang = HangWatch(hang or NO_HANG)
         self._peer_plan = peers
         self._peers: PeerWatch | None = None  #: watches the current round's participants (peer liveness)
+        self._rounds = RoundKeeper(live) if live is not None else None  #: live recovery: this node's round file
         self.last_failure: tuple[int, ProcessFailure] | None = None
 
     def remove_health_file(self) -> None:
         """Delete the health file and the workers' progress records (called once the agent is done)."""
         self._health.remove()
         self._hang.close()
+        if self._rounds is not None:
+            self._rounds.remove()
 
     def _set_local_rank_env(self, worker_env: dict[str, str | None], local_rank: int, spec: WorkerSpec) -> None:
         """torch's ``LOCAL_RANK`` (and virtual-rank devices), then ours for ``local_rank`` (ours win).
@@ -174,10 +193,35 @@ class ElasticZeroAgent(LocalElasticAgent):
             super()._set_local_rank_env(worker_env, local_rank, spec)
         worker_env.update(extra)
 
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        """torch's rendezvous; in live mode, then this node's round file for the round just formed (every start).
+
+        A node lost between the rendezvous and the round-number agreement fails the agreement on every node alike:
+        each rendezvouses again (:func:`~elasticzero.agent.handoff.retry_agreement`), and the next round drops it.
+        """
+        tries = 0
+        while True:
+            super()._rendezvous(worker_group)
+            if self._rounds is None:
+                return
+            tries += 1
+            try:
+                self._rounds.publish(self._store, round_facts(worker_group))
+                return
+            except RoundAgreementError as exc:
+                if not retry_agreement(tries):
+                    raise
+                print(f"elasticzero-run: {exc}; joining the rendezvous again", file=sys.stderr, flush=True)
+
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._hang.start()
         pids = super()._start_workers(worker_group)
         self._worker_pids = [int(p) for p in pids.values()]
+        self._watch_round(worker_group)
+        return pids
+
+    def _watch_round(self, worker_group: WorkerGroup) -> None:
+        """A peer watch over the round just formed, and the health file: this round's ranks, the running pids."""
         if self._peer_plan is not None:
             self._peers = PeerWatch.for_round(worker_group.spec.rdzv_handler, self._peer_plan)
         self._health.write(
@@ -189,7 +233,23 @@ class ElasticZeroAgent(LocalElasticAgent):
             world_size=worker_group.workers[0].world_size if worker_group.workers else 0,
             restart_count=worker_group.spec.max_restarts - self._remaining_restarts,
         )
-        return pids
+
+    def _hand_off(self, worker_group: WorkerGroup, why: str) -> None:
+        """Live recovery: re-rendezvous around the running workers and write them the new round (no restart).
+
+        torch's ``_rendezvous`` replaces the group's workers (new ranks); they are the same processes, so each keeps
+        its id (torch's monitor compares the group's ids with its process context's pids). The hang watch goes on
+        as it is: its records are per local rank and pid (a fresh one would unlink the files the workers write).
+        """
+        ids = {w.local_rank: w.id for w in worker_group.workers}
+        self._peers = None
+        self._rendezvous(worker_group)
+        for w in worker_group.workers:
+            w.id = ids.get(w.local_rank)
+        self._watch_round(worker_group)
+        world = worker_group.workers[0].world_size if worker_group.workers else 0
+        number = self._rounds.last if self._rounds is not None else None
+        print(handoff_line(number, world, why), file=sys.stderr, flush=True)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._hold_for_test()
@@ -231,6 +291,9 @@ class ElasticZeroAgent(LocalElasticAgent):
             return None
         if change.mark:
             self._mark_round_changing(change.why)
+        if change_action(self._rounds is not None, not change.mark) is ChangeAction.HAND_OFF:
+            self._hand_off(worker_group, change.reason)
+            return RunResult(state=WorkerState.HEALTHY)
         print(f"elasticzero-run: {change.why}; re-forming the round, no restart spent", file=sys.stderr, flush=True)
         self._peers = None
         super()._restart_workers(worker_group)  # not ours: no "nodes waiting to join" mark
@@ -250,6 +313,9 @@ class ElasticZeroAgent(LocalElasticAgent):
         # torch's loop sets the group's state before it restarts: HEALTHY only when nodes wait to join
         if worker_group.state == WorkerState.HEALTHY:
             self._mark_round_changing(MEMBERSHIP_RESTART)
+            if change_action(self._rounds is not None, this_node_dropped=False) is ChangeAction.HAND_OFF:
+                self._hand_off(worker_group, "nodes are waiting to join")
+                return
             print(f"elasticzero-run: {MEMBERSHIP_RESTART}; no restart spent", file=sys.stderr, flush=True)
         super()._restart_workers(worker_group)
 
@@ -410,6 +476,20 @@ class ElasticZeroAgent(LocalElasticAgent):
             kill_now(leftovers)
         self._worker_pids = []
         self._health.write("stopped")
+
+
+def round_facts(worker_group: WorkerGroup) -> RoundFacts:
+    """What the rendezvous just completed gave this node, as plain values (:mod:`~elasticzero.agent.handoff`)."""
+    workers = worker_group.workers
+    return RoundFacts(
+        ranks=tuple((w.local_rank, w.global_rank) for w in workers),
+        world_size=workers[0].world_size if workers else 0,
+        master_addr=str(worker_group.master_addr),
+        master_port=int(worker_group.master_port or 0),
+        agent_store=bool(worker_group.spec.rdzv_handler.use_agent_store),
+        group_rank=worker_group.group_rank or 0,
+        group_world_size=worker_group.group_world_size or 1,
+    )
 
 
 def _get_if_set(store: Any, key: str) -> str | None:

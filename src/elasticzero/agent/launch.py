@@ -119,6 +119,7 @@ def launch(plan: AgentPlan) -> tuple[RunResult, ElasticZeroAgent]:
         shutdown_timeout=plan.shutdown_timeout,
         hang=plan.workers.hang,
         peers=plan.peers,
+        live=plan.workers.live,
     )
     close_rendezvous = True
     failed = False

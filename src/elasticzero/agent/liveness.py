@@ -163,13 +163,18 @@ def node_host(node: str) -> str:
     return node.rsplit("_", 2)[0]
 
 
-def gone_line(gone: tuple[str, ...], plan: PeerPlan) -> str:
+def gone_reason(gone: tuple[str, ...], plan: PeerPlan) -> str:
     """Why the round changes: which participants torch dropped."""
     names = ", ".join(f"{node_host(n)} ({n})" for n in gone)
     return (
         f"peer node(s) {names} silent for more than the peer timeout ({plan.timeout_s} s, {plan.source}) or gone "
-        "from the rendezvous; stopping this node's workers"
+        "from the rendezvous"
     )
+
+
+def gone_line(gone: tuple[str, ...], plan: PeerPlan) -> str:
+    """:func:`gone_reason`, and what the agent does about it (without live recovery)."""
+    return f"{gone_reason(gone, plan)}; stopping this node's workers"
 
 
 def store_lost_line(plan: PeerPlan, silent_s: float) -> str:

@@ -96,6 +96,13 @@ def add_agent_flags(parser: argparse.ArgumentParser) -> None:
         "what --rdzv-conf keep_alive_interval * keep_alive_max_attempt gives; torch's 15 with --torch-rdzv-defaults)",
     )
     g.add_argument(
+        "--live-recovery",
+        "--live_recovery",
+        action="store_true",
+        help="on a membership change (a peer gone, nodes joining) keep the workers running and hand them the new "
+        "round in a file (ELASTICZERO_ROUND_FILE) instead of restarting them; needs a dynamic rendezvous",
+    )
+    g.add_argument(
         "--torch-rdzv-defaults",
         action="store_true",
         help="use torch's rendezvous timeouts instead of elasticzero's faster defaults",

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousHandler, RendezvousInfo
 
-from elasticzero.agent.liveness import Liveness, PeerPlan, Snapshot, gone_line, judge, store_lost_line
+from elasticzero.agent.liveness import Liveness, PeerPlan, Snapshot, gone_line, gone_reason, judge, store_lost_line
 
 #: etcd: seconds between two reads of the state (one small range request per agent each); c10d reads every monitor
 #: tick, since the read is also the probe that keeps the tick from blocking on a store whose host froze
@@ -34,10 +34,12 @@ class StoreLostError(RendezvousConnectionError):
 
 @dataclass(frozen=True)
 class PeerChange:
-    """What the agent does about a verdict: re-form the round (``mark``: tell the others first) and why."""
+    """What the agent does about a verdict: re-form the round (``mark``: tell the others first) and why (``reason``:
+    the cause alone, for a hand-off that stops nothing)."""
 
     why: str
     mark: bool
+    reason: str = ""
 
 
 @dataclass
@@ -146,7 +148,7 @@ def peer_change(watch: PeerWatch | None) -> PeerChange | None:
             "or cut off) and the others went on without it; stopping its workers and joining again as a new node"
         )
         return PeerChange(why, mark=False)
-    return PeerChange(gone_line(verdict.gone, watch.plan), mark=True)
+    return PeerChange(gone_line(verdict.gone, watch.plan), mark=True, reason=gone_reason(verdict.gone, watch.plan))
 
 
 T = TypeVar("T")

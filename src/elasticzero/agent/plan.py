@@ -24,6 +24,7 @@ from typing import Any
 
 from elasticzero.agent.binding import SHIM_STUB, node_env, split_cores, worker_env
 from elasticzero.agent.collective import CollectivePlan, collective_plan
+from elasticzero.agent.handoff import LivePlan, live_plan
 from elasticzero.agent.liveness import PeerPlan, peer_plan
 from elasticzero.agent.nodetable import (
     HostFacts,
@@ -121,11 +122,14 @@ class WorkersPlan:
     logs: LogsPlan
     #: the hang watch the workers report progress to (each local rank's record file, in its environment)
     hang: HangPlan = NO_HANG
+    #: ``--live-recovery``: this node's round file (in every worker's environment); None: off
+    live: LivePlan | None = None
 
     def worker_env(self, local_rank: int) -> dict[str, str]:
         """What local rank ``local_rank`` gets on top of torch's variables (the agent's start hook adds it)."""
         env = worker_env(self.env, local_rank, self.devices, self.cpus, self.virtual_local_rank)
-        return {**env, **self.hang.worker_env(local_rank)}
+        live = self.live.worker_env() if self.live is not None else {}
+        return {**env, **self.hang.worker_env(local_rank), **live}
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,7 @@ class AgentPlan:
             "collective": {**_plain(self.collective), "env": dict(self.collective.env)},
             "hang": _plain(w.hang),
             "peers": None if self.peers is None else _plain(self.peers),
+            "live_recovery": None if w.live is None else {**_plain(w.live), "round_file": w.live.round_file},
             "health_file": self.health_file,
             "elastic_config": self.elastic_config,
         }
@@ -400,6 +405,7 @@ def _workers(
     job_id: str,
     node: NodeRow | None,
     collective: CollectivePlan,
+    live: LivePlan | None = None,
 ) -> WorkersPlan:
     nproc = _nproc(args, environ, facts, node)
     entrypoint, entry_args = _command(args, environ, facts)
@@ -422,6 +428,7 @@ def _workers(
         log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
         logs=LogsPlan(args.logs_specs, args.log_dir, args.redirects, args.tee, _ranks_filter(args.local_ranks_filter)),
         hang=hang_plan(args.hang_timeout, environ, job_id, facts.pid),
+        live=live,
     )
 
 
@@ -456,12 +463,13 @@ def plan_agent(args: argparse.Namespace, environ: Mapping[str, str], facts: Agen
         peers=peers,
     )
     collective = collective_plan(args.collective_timeout, environ)
+    live = live_plan(args.live_recovery, backend, peers, environ, job_id, facts.pid)
     return AgentPlan(
         job_id=job_id,
         node_rank=node_rank,
         node=node,
         rdzv=RendezvousPlan(backend, endpoint, run_id, min_nodes, max_nodes, args.local_addr, _frozen(config)),
-        workers=_workers(args, environ, facts, job_id, node, collective),
+        workers=_workers(args, environ, facts, job_id, node, collective, live),
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,
         shutdown_timeout=_shutdown_timeout(args.shutdown_timeout, environ, facts.shutdown_timeout_settable),

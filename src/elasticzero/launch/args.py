@@ -160,6 +160,13 @@ def build_parser(prog: str = PROG, usage: str | None = None) -> argparse.Argumen
         metavar="SECONDS",
         help="a node silent this long is gone; the others re-form without it (elasticzero-run --peer-timeout)",
     )
+    a.add_argument(
+        "--live-recovery",
+        "--live_recovery",
+        action="store_true",
+        help="hand running workers the new round on a membership change instead of restarting them "
+        "(elasticzero-run --live-recovery)",
+    )
     a.add_argument("--log-dir", "--log_dir", "--enable_each_rank_log", dest="log_dir", metavar="DIR")
     a.add_argument("--redirects", metavar="SPEC", help="torchrun --redirects")
     a.add_argument("--tee", metavar="SPEC", help="torchrun --tee")

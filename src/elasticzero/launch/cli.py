@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from elasticzero.agent.handoff import check_live_recovery
 from elasticzero.agent.liveness import parse_peer_timeout
 from elasticzero.errors import UsageError, cli_main
 from elasticzero.launch import backend as backend_mod
@@ -284,6 +285,13 @@ def _plan(
     return plan, cls, sources
 
 
+def _live_recovery(args: argparse.Namespace) -> bool:
+    """``--live-recovery``, checked against the backend every agent will get (one line, nothing launched)."""
+    if args.live_recovery:
+        check_live_recovery(args.rdzv_backend or AgentOptions.rdzv_backend)
+    return bool(args.live_recovery)
+
+
 def _agent_options(args: argparse.Namespace, nnodes: str, cwd: str) -> AgentOptions:
     return AgentOptions(
         nnodes=nnodes,
@@ -292,6 +300,7 @@ def _agent_options(args: argparse.Namespace, nnodes: str, cwd: str) -> AgentOpti
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,
         peer_timeout=None if args.peer_timeout is None else parse_peer_timeout(args.peer_timeout),
+        live_recovery=_live_recovery(args),
         log_dir=os.path.join(cwd, args.log_dir) if args.log_dir else None,
         redirects=args.redirects,
         tee=args.tee,

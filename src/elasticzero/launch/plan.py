@@ -62,6 +62,7 @@ class AgentOptions:
     max_restarts: int = 0
     monitor_interval: float | None = None
     peer_timeout: int | None = None  #: ``--peer-timeout`` (elasticzero.agent.liveness); None: the agent's default
+    live_recovery: bool = False  #: ``--live-recovery`` (elasticzero.agent.handoff)
     log_dir: str | None = None
     redirects: str | None = None
     tee: str | None = None
@@ -122,6 +123,8 @@ class LaunchPlan:
             argv += ["--monitor-interval", str(a.monitor_interval)]
         if a.peer_timeout is not None:
             argv += ["--peer-timeout", str(a.peer_timeout)]
+        if a.live_recovery:
+            argv += ["--live-recovery"]
         if a.log_dir:
             argv += ["--log-dir", a.log_dir]
         if a.redirects:

@@ -1,0 +1,179 @@
+"""Live recovery, the agent's side: hand the running workers the new round instead of restarting them.
+
+With ``--live-recovery`` every rendezvous this agent completes (the job's first round, a restart after a real
+failure, this node rejoining, a membership change) ends in a round file for this node's workers
+(:data:`~elasticzero.live.rounds.ROUND_FILE_ENV`, format :class:`~elasticzero.live.rounds.NodeRound`): their new
+global ranks, the world size, the store every member forms the round's default group on, and a prefix no other round
+of the job uses. On a membership change the agent keeps its workers running (:func:`change_action`); they read the
+file and reconfigure in place (:mod:`elasticzero.live`).
+
+The round number is agreed over the new rendezvous round's store: each agent sets the number of the last round it
+handed out (a joiner: none) under its group rank, reads all of them, and takes the highest plus one
+(:func:`next_round_number`) — the same number on every node, above any round a running worker has seen.
+
+Pure decisions here (:func:`live_plan`, :func:`change_action`, :func:`next_round_number`, :func:`node_round`);
+:class:`RoundKeeper` is the thin I/O (the store exchange and the file).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import Enum
+from typing import Any
+
+from elasticzero.agent.liveness import PeerPlan
+from elasticzero.agent.options import DYNAMIC_BACKENDS
+from elasticzero.errors import UsageError
+from elasticzero.live.rounds import ROUND_FILE_ENV, NodeRound, StoreAddress, write_round
+
+#: store key prefix (in the new rendezvous round's store) under which each agent sets its last round number
+LAST_ROUND_KEY = "elasticzero/live/last_round/"
+#: what an agent that never handed out a round sets (a fresh joiner)
+NO_ROUND = "none"
+#: the prefix of each round's keys in the store its workers meet on (``<prefix><number>/``)
+ROUND_PREFIX = "elasticzero/live/"
+#: the agreement waits at most this many peer timeouts for every agent's number. An agent missing after that was
+#: lost between the rendezvous and the agreement: its heartbeat is older than the timeout by then, so every agent,
+#: having waited for the same missing key, rendezvouses again and the next round drops it (:func:`retry_agreement`)
+AGREE_TIMEOUTS = 2
+#: rendezvous attempts per round change whose agreement may fail so (then the agent fails with one line)
+AGREE_TRIES = 3
+
+
+class RoundAgreementError(RuntimeError):
+    """The agents of a new round did not all publish their last round number in time."""
+
+
+@dataclass(frozen=True)
+class LivePlan:
+    """``--live-recovery``: where this node's round file lives (one per agent and job)."""
+
+    round_dir: str  #: the agent's private directory (created at the first round, removed when the agent ends)
+    agree_timeout_s: float  #: how long the round-number agreement waits for the other agents
+
+    @property
+    def round_file(self) -> str:
+        return os.path.join(self.round_dir, "round.json")
+
+    def worker_env(self) -> dict[str, str]:
+        """What every local worker gets: the path of this node's round file."""
+        return {ROUND_FILE_ENV: self.round_file}
+
+
+def live_plan(
+    enabled: bool, backend: str, peers: PeerPlan | None, environ: Mapping[str, str], job_id: str, agent_pid: int
+) -> LivePlan | None:
+    """``--live-recovery`` checked against the rendezvous: it needs a dynamic one with peer liveness."""
+    if not enabled:
+        return None
+    check_live_recovery(backend)
+    if peers is None:
+        raise UsageError(f"--live-recovery needs peer liveness, which --rdzv-backend {backend} does not offer")
+    root = environ.get("TMPDIR") or "/tmp"
+    return LivePlan(os.path.join(root, f"elasticzero-round-{job_id}-{agent_pid}"), AGREE_TIMEOUTS * peers.timeout_s)
+
+
+def check_live_recovery(backend: str) -> None:
+    """``--live-recovery`` with ``--rdzv-backend backend`` (the launcher checks it with this too)."""
+    if backend not in DYNAMIC_BACKENDS:
+        raise UsageError(
+            f"--live-recovery needs a dynamic rendezvous (--rdzv-backend {' or '.join(sorted(DYNAMIC_BACKENDS))}, not "
+            f"{backend}): a static one cannot re-form a round around running workers"
+        )
+
+
+class ChangeAction(Enum):
+    """What an agent does with its running workers when the round's membership changes."""
+
+    HAND_OFF = "hand_off"  #: keep them: re-rendezvous and write them the new round (no restart spent)
+    RESTART = "restart"  #: stop them, re-rendezvous, start fresh ones (no restart spent)
+
+
+def change_action(live: bool, this_node_dropped: bool) -> ChangeAction:
+    """A peer gone or nodes waiting to join: hand off in live mode. This node itself dropped (it was frozen or cut
+    off, the others went on): its workers are stale either way — restart, they join the new round fresh."""
+    return ChangeAction.HAND_OFF if live and not this_node_dropped else ChangeAction.RESTART
+
+
+def retry_agreement(tries_done: int) -> bool:
+    """After a failed agreement: rendezvous again (a node was lost meanwhile), unless :data:`AGREE_TRIES` are spent."""
+    return tries_done < AGREE_TRIES
+
+
+def next_round_number(lasts: Sequence[int | None]) -> int:
+    """The round every agent agrees on: one above the highest round any of them handed out (0 for the first)."""
+    known = [n for n in lasts if n is not None]
+    return max(known) + 1 if known else 0
+
+
+def parse_last(raw: bytes) -> int | None:
+    """An agent's published last round (:data:`NO_ROUND`: none)."""
+    text = raw.decode(errors="replace")
+    return None if text == NO_ROUND else int(text)
+
+
+def round_prefix(number: int) -> str:
+    """The store prefix of round ``number`` (unique per round within the job's store)."""
+    return f"{ROUND_PREFIX}{number}/"
+
+
+@dataclass(frozen=True)
+class RoundFacts:
+    """What the rendezvous just completed gave this node (torch's worker group, read into plain values)."""
+
+    ranks: tuple[tuple[int, int], ...]  #: ``(local_rank, global_rank)`` of this node's workers, any order
+    world_size: int
+    master_addr: str
+    master_port: int
+    agent_store: bool  #: torch's ``use_agent_store``: the store is the agents' shared one, else rank 0 creates it
+    group_rank: int = 0  #: this node's rank among the round's agents
+    group_world_size: int = 1  #: the round's agents
+
+
+def node_round(number: int, facts: RoundFacts) -> NodeRound:
+    """The round file's content for round ``number``."""
+    store = StoreAddress(facts.master_addr, facts.master_port, rank0_hosts=not facts.agent_store)
+    return NodeRound(number, facts.world_size, tuple(sorted(facts.ranks)), store, round_prefix(number))
+
+
+def handoff_line(number: int | None, world_size: int, why: str) -> str:
+    """The one stderr line of a hand-off."""
+    return f"elasticzero-run: {why}; handing the workers round {number} at world {world_size}, no restart"
+
+
+# -- thin I/O ---------------------------------------------------------------------------------------------------------
+class RoundKeeper:
+    """This agent's round file and the last round it handed out."""
+
+    def __init__(self, plan: LivePlan) -> None:
+        self.plan = plan
+        self.last: int | None = None
+
+    def publish(self, store: Any, facts: RoundFacts) -> NodeRound:
+        """Agree on the round number with the other agents of the round, then write this node's round file."""
+        number = self._agree(store, facts.group_rank, facts.group_world_size)
+        round_ = node_round(number, facts)
+        os.makedirs(self.plan.round_dir, mode=0o700, exist_ok=True)
+        write_round(self.plan.round_file, round_)
+        self.last = number
+        return round_
+
+    def _agree(self, store: Any, group_rank: int, group_world_size: int) -> int:
+        keys = [f"{LAST_ROUND_KEY}{r}" for r in range(group_world_size)]
+        store.set(keys[group_rank], NO_ROUND if self.last is None else str(self.last))
+        try:
+            store.wait(keys, timedelta(seconds=self.plan.agree_timeout_s))
+        except Exception as exc:
+            raise RoundAgreementError(
+                f"the agents of the new round did not all publish their last round number within "
+                f"{self.plan.agree_timeout_s:.0f} s ({exc}); a node was lost while the round formed"
+            ) from exc
+        return next_round_number([parse_last(raw) for raw in store.multi_get(keys)])
+
+    def remove(self) -> None:
+        """Remove the round file's directory (the agent is done)."""
+        shutil.rmtree(self.plan.round_dir, ignore_errors=True)

@@ -200,7 +200,8 @@ class LiveTrainer(Trainer):
             for attempt in live.steps(args.steps):
                 with attempt:
                     loss = self.live_step(attempt)
-                self.end_step(live, loss, start, t0)
+                if attempt.committed:  # else the step was left for a new round: the next attempt redoes it
+                    self.end_step(live, loss, start, t0)
         finally:
             live.close()
             if self.ckpt:

@@ -9,6 +9,8 @@
                 loss_of(attempt.model, data[idx]).backward()
             attempt.opt.step()
             attempt.opt.zero_grad()
+        if attempt.committed:                           # the with swallowed a round change: count only commits
+            log_and_checkpoint(live.step)
 
 ``build(group)`` makes the model and its ZeRO optimizer on a process group (called once per round, on a model built
 afresh: the reshard reads the old one). Every round — the first one too — is entered the same way, by survivors and
@@ -332,6 +334,9 @@ class Attempt:
 
     def __init__(self, live: LiveTraining) -> None:
         self.live = live
+        #: after the ``with``: whether the step committed (False: it was left for a new round and is attempted again —
+        #: the ``with`` swallowed that, so code after it must look here before it counts the step)
+        self.committed = False
 
     @property
     def step(self) -> int:
@@ -364,6 +369,7 @@ class Attempt:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
         if exc is None:
             self.live.commit()
+            self.committed = True
             return False
         abandoned = self.live.bound.abandoned  # set by the wait that left (autograd may wrap its Reconfigure)
         if abandoned is None and isinstance(exc, RuntimeError) and not isinstance(exc, LiveError):

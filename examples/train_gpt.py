@@ -192,8 +192,10 @@ class LiveTrainer(Trainer):
         return (self.ckpt.load_latest(self.state) if self.ckpt else None) or 0
 
     def train(self) -> None:
-        """Train to ``--steps`` through membership changes; checkpoint as ``--save-every`` asks."""
+        """Train to ``--steps`` through membership changes; checkpoint as ``--save-every`` asks; evaluate at the end."""
         args, t0 = self.args, time.perf_counter()
+        if args.eval_every:  # its collectives are not bounded: a peer lost there would wait out the collective timeout
+            raise UsageError("--eval-every: not under --live-recovery (the job evaluates once, at the end)")
         live = LiveTraining.from_agent(self.build, sampler=self.sampler, resume=self.resume)
         start = live.step
         try:
@@ -202,6 +204,7 @@ class LiveTrainer(Trainer):
                     loss = self.live_step(attempt)
                 if attempt.committed:  # else the step was left for a new round: the next attempt redoes it
                     self.end_step(live, loss, start, t0)
+            self.evaluate()
         finally:
             live.close()
             if self.ckpt:

@@ -163,6 +163,7 @@ class LiveTrainer(Trainer):
         cfg = load_config(args.config, overrides=overrides(args), world_size=1)
         sizes = {"global_batch_size": cfg.train_batch_size, "micro_batch_size": cfg.micro_batch_size}
         self.sampler = ElasticSampler(len(self.train_set), **sizes, rank=0, world_size=1, seed=args.seed)  # re-cut
+        self.replicas = cfg.zero.replicas  # the buddy copies (zero.replicas: enabled, node_shift, overlap)
 
     def build(self, group: dist.ProcessGroup) -> torch.optim.Optimizer:
         """One round's model, pieces and checkpointer on ``group`` (the live loop calls it at every round)."""
@@ -196,7 +197,9 @@ class LiveTrainer(Trainer):
         args, t0 = self.args, time.perf_counter()
         if args.eval_every:  # its collectives are not bounded: a peer lost there would wait out the collective timeout
             raise UsageError("--eval-every: not under --live-recovery (the job evaluates once, at the end)")
-        live = LiveTraining.from_agent(self.build, sampler=self.sampler, resume=self.resume)
+        r = self.replicas
+        copies = {"replicate": r.enabled, "node_shift": r.node_shift, "overlap": r.overlap}
+        live = LiveTraining.from_agent(self.build, sampler=self.sampler, resume=self.resume, **copies)
         start = live.step
         try:
             for attempt in live.steps(args.steps):

@@ -216,6 +216,7 @@ def validate(cfg: EngineConfig, *, source: str = "<config>", world_size: int | N
     z = cfg.zero
     need(z.stage in (0, 1, 2, 3), "zero.stage", "must be 0, 1, 2 or 3", z.stage)
     need(z.bucket_bytes is None or z.bucket_bytes > 0, "zero.bucket_bytes", "must be > 0 (or null)", z.bucket_bytes)
+    need(z.replicas.node_shift >= 1, "zero.replicas.node_shift", "must be >= 1", z.replicas.node_shift)
     ls = cfg.precision.loss_scale
     need(ls.init_scale > 0, "precision.loss_scale.init_scale", "must be > 0", ls.init_scale)
     need(ls.growth_factor > 1, "precision.loss_scale.growth_factor", "must be > 1", ls.growth_factor)

@@ -41,6 +41,16 @@ class Precision(Enum):
 
 
 @dataclass
+class ReplicaConfig:
+    """Live recovery's buddy copies (:class:`~elasticzero.engine.zero.replica.Replicator`), used under
+    ``elasticzero-run --live-recovery``: every rank's ZeRO state copied to a rank of another node."""
+
+    enabled: bool = True  # off: a lost node's shards come from the disk checkpoint (one node: always off)
+    node_shift: int = 1  # copies go this many nodes further along the ring of nodes
+    overlap: bool = True  # step the copies on a background thread, overlapping the next forward/backward
+
+
+@dataclass
 class ZeroConfig:
     """Which ZeRO stage shards what, and how communication is bucketed (``None``: the stage's default)."""
 
@@ -50,6 +60,7 @@ class ZeroConfig:
     bucket_bytes: int | None = None
     prefetch: bool | None = None  # stage 3: all-gather the next unit while the current one computes
     reshard_after_forward: bool | None = None  # stage 3: free each unit after its forward (3Ψ) or keep it (2Ψ)
+    replicas: ReplicaConfig = field(default_factory=ReplicaConfig)  # live recovery's in-memory copies
 
 
 @dataclass

@@ -30,6 +30,7 @@ def test_yaml_file_maps_onto_the_schema(tmp_path: Path) -> None:
     cfg = load_config(f, world_size=2)
     assert isinstance(cfg, EngineConfig)
     assert (cfg.zero.stage, cfg.zero.bucket_bytes, cfg.zero.prefetch) == (2, 1048576, None)
+    assert (cfg.zero.replicas.enabled, cfg.zero.replicas.node_shift, cfg.zero.replicas.overlap) == (True, 1, True)
     assert cfg.precision.dtype is Precision.fp16
     assert (cfg.precision.loss_scale.init_scale, cfg.precision.loss_scale.hysteresis) == (1024.0, 1)
     assert cfg.precision.loss_scale.growth_interval == 1000  # default kept
@@ -80,6 +81,8 @@ def test_json_file_and_overrides(tmp_path: Path) -> None:
         ({"precision": {"dtype": "fp8"}}, r"wrong type for 'precision\.dtype': Invalid value 'fp8', expected one of"),
         ({"zero": {"stage": 4}}, r"zero\.stage must be 0, 1, 2 or 3, got 4"),
         ({"zero": {"bucket_bytes": 0}}, r"zero\.bucket_bytes must be > 0"),
+        ({"zero": {"replicas": {"node_shift": 0}}}, r"zero\.replicas\.node_shift must be >= 1, got 0"),
+        ({"zero": {"replicas": {"enabld": False}}}, r"'zero\.replicas\.enabld'"),
         ({"accumulation_steps": 0}, r"accumulation_steps must be >= 1, got 0"),
         ({"micro_batch_size": -1}, r"micro_batch_size must be >= 1"),
         ({"clip_grad_norm": -1.0}, r"clip_grad_norm must be >= 0"),

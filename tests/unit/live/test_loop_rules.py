@@ -148,3 +148,30 @@ def test_a_newer_round_during_the_entry_starts_it_over_with_that_round(tmp_path:
     finally:
         live.close()
         live.groups.abandon()
+
+
+def test_the_copies_options_reach_the_replicator_and_committed_says_which_attempts_counted(tmp_path: Path) -> None:
+    """``replicate=False`` (a config's ``zero.replicas.enabled``) turns the copies off in every round; ``committed``
+    is True after a step that completed and False after one left for a new round (the ``with`` swallowed that)."""
+    path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
+    write_round(path, NodeRound(0, 1, ((0, 0),), store, "r0/"))
+    data = torch.randn(48, 4, generator=torch.Generator().manual_seed(1))
+    live = LiveTraining.from_agent(build, sampler=sampler(0, 1), env={ROUND_FILE_ENV: path}, replicate=False)
+    outcomes: list[bool] = []
+    try:
+        assert live.replicator.plan.reason == "replication is off"
+        for attempt in live.steps(2):
+            with attempt:
+                if attempt.step == 1 and live.round.number == 0:  # a new round arrives inside the step
+                    write_round(path, NodeRound(1, 1, ((0, 0),), store, "r1/"))
+                    attempt.check()
+                for idx in attempt.micro_batches:
+                    attempt.model(data[idx]).pow(2).mean().backward()
+                attempt.opt.step()
+                attempt.opt.zero_grad()
+            outcomes.append(attempt.committed)
+        assert outcomes == [True, False, True] and [s for s, _ in live.record] == [0, 1]
+        assert live.round.number == 1 and live.replicator.plan.reason == "replication is off"
+    finally:
+        live.close()
+        live.groups.abandon()

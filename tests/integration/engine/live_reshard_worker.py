@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from ckpt_model import PlainState, build, continue_plainly, full_state, mismatches, train
 
+from elasticzero.engine.zero.comm import Communicator, wire_for
 from elasticzero.engine.zero.replica import Replicator
 from elasticzero.engine.zero.reshard import Fallback, Holdings, ReshardPlan, reshard_from
 from ez_numerics import error_ratio
@@ -77,6 +78,38 @@ def continuation(opt: Any, saved: dict[str, torch.Tensor], frozen: torch.Tensor,
     return [] if ratio <= 1 else [f"continued state off by {ratio:.3g}x the rounding scale of {prec}"]
 
 
+class Recording(Communicator):
+    """The real communicator (real gloo), noting the device of every tensor handed to it: each must be on the wire
+    (``comm.wire_for``), or an NCCL group would be handed a host tensor."""
+
+    def __init__(self, group: Any) -> None:
+        super().__init__(group, owner="Recording")
+        self.devices: list[tuple[str, torch.device]] = []
+
+    def exchange(self, sends: Any, recvs: Any, **kw: Any) -> Any:
+        self.devices += [("exchange", t.device) for t, _ in (*sends, *recvs)]
+        return super().exchange(sends, recvs, **kw)
+
+    def all_reduce(self, tensor: torch.Tensor, **kw: Any) -> Any:
+        self.devices.append(("all_reduce", tensor.device))
+        return super().all_reduce(tensor, **kw)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, **kw: Any) -> Any:
+        self.devices += [("all_gather", output.device), ("all_gather", input.device)]
+        return super().all_gather(output, input, **kw)
+
+    def broadcast(self, tensor: torch.Tensor, src_group_rank: int, **kw: Any) -> None:
+        self.devices.append(("broadcast", tensor.device))
+        super().broadcast(tensor, src_group_rank, **kw)
+
+
+def off_wire(what: str, rec: Recording, wire: torch.device, ops: set[str]) -> list[str]:
+    """Problems: a tensor ``rec`` was handed off ``wire``, or none of ``ops`` seen (the check would be empty)."""
+    seen = {op for op, _ in rec.devices}
+    off = sorted({f"{op} on {d}" for op, d in rec.devices if d != wire})
+    return [f"{what}: off the wire {wire}: {o}" for o in off] + [f"{what}: no {op}" for op in sorted(ops - seen)]
+
+
 def wait_for(paths: list[Path], timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not all(p.exists() for p in paths):
@@ -89,10 +122,13 @@ def drop(case: tuple[Any, ...], rank: int, work: Path) -> list[str]:
     s, prec, scenario, s_new = case
     opt = build(s, prec, None, seed=1)
     rep = Replicator(opt, nodes=[0, 1, 2], overlap=s != 1)  # stage 1: the copies step inside opt.step()
+    rep.communicator.close()
+    rep.communicator = recorded = Recording(opt.process_group)  # the step's messages: on the wire
     train(opt, range(K))
     saved = full_state(opt)
     frozen = opt.full_state_dict()["frozen.weight"]
     problems = copies_problems(rep, saved)
+    problems += off_wire("copies", recorded, rep.wire, {"exchange", "all_reduce"})
     (work / f"ready{rank}").touch()
     dead = [2] if scenario == "drop" else [1, 2]
     if rank in dead:
@@ -103,6 +139,7 @@ def drop(case: tuple[Any, ...], rank: int, work: Path) -> list[str]:
     group = dist.new_group(survivors, use_local_synchronization=True)
     fresh = build(s_new, prec, group, seed=2)
     before = full_state(fresh)
+    fresh.communicator = moved = Recording(group)  # the reshard's messages: on the wire
     plan = reshard_from(fresh, rep.holdings())
     if scenario == "lose2":
         want = Fallback("both copies of the state of old rank(s) [1] are lost", (1,))
@@ -111,6 +148,7 @@ def drop(case: tuple[Any, ...], rank: int, work: Path) -> list[str]:
     if not isinstance(plan, ReshardPlan) or plan.step != K:
         return problems + [f"reshard: {plan}"]
     problems += [f"not bit-exact after the reshard: {k}" for k in mismatches(fresh, saved)]
+    problems += off_wire("reshard", moved, wire_for(moved.backend, fresh.device), {"exchange", "broadcast"})
     again = Replicator(fresh, nodes=survivors, step=plan.step)  # copies for the new world, mirrored with moments
     problems += continuation(fresh, saved, frozen, prec)
     problems += [f"new world: {p}" for p in copies_problems(again, full_state(fresh))]

@@ -155,6 +155,20 @@ def settles(backend: str, device_type: str) -> bool:
     return per_device.get(device_type, backend.lower()) == "gloo"
 
 
+#: backends whose groups send and receive host tensors (torch's per-device form names one per device type instead)
+_HOST_BACKENDS = ("gloo", "mpi")
+
+
+def wire_for(backend: str, device: torch.device) -> torch.device:
+    """The device the messages of a group of ``backend`` travel on, for an engine object computing on ``device``: the
+    host when the group takes host tensors (gloo, MPI, or a per-device ``"cpu:gloo,cuda:nccl"`` group that names a
+    backend for ``cpu``), else ``device`` itself (NCCL sends CUDA tensors only). The one rule for every buffer the
+    buddy copies and the in-memory reshard send or receive (docs/engine.md, "On CUDA")."""
+    per_device = dict(part.split(":", 1) for part in backend.lower().split(",") if ":" in part)
+    takes_host = "cpu" in per_device if per_device else backend.lower() in _HOST_BACKENDS
+    return torch.device("cpu") if takes_host or device.type == "cpu" else device
+
+
 def _forget(_aliases: tuple[torch.Tensor, ...]) -> None:
     """The retire of a collective that needs no settling: its aliases are simply dropped."""
 

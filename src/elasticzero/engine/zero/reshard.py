@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorPr
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from elasticzero.engine.zero.base import ZeroOptimizer
+from elasticzero.engine.zero.comm import wire_for
 from elasticzero.engine.zero.dcp_state import ZeroCheckpointState
 from elasticzero.engine.zero.layout import Piece, ZeroLayout
 from elasticzero.engine.zero.sharded import ShardedState
@@ -205,8 +206,9 @@ def reshard_from(opt: ZeroOptimizer, holdings: Holdings) -> ReshardPlan | Fallba
     keys = src_report.keys
     state = ZeroCheckpointState(opt)
     template = state.load_template()
-    _fill(opt, plan, holdings.states, template, keys)
-    _fill_replicated(opt, plan.sources[0], template, src_report, holdings.states.get(0))
+    wire = wire_for(opt.communicator.backend, opt.device)  # the device every message travels on
+    _fill(opt, plan, holdings.states, template, keys, wire)
+    _fill_replicated(opt, plan.sources[0], template, src_report, holdings.states.get(0), wire)
     state.load_state_dict(template)
     return plan
 
@@ -224,9 +226,11 @@ def _fill(
     held: Mapping[int, ShardedState],
     template: Mapping[str, Any],
     keys: Sequence[str],
+    wire: torch.device,
 ) -> None:
     """Run this rank's transfers into ``template``: local ones as copies, the others one packed message per peer and
-    state key (every rank posts them in the same order: keys, then peer pairs)."""
+    state key (every rank posts them in the same order: keys, then peer pairs), sent and received on the wire
+    (:func:`~elasticzero.engine.zero.comm.wire_for`) and unpacked into ``template`` wherever it lives."""
     me, sends, recvs = opt.rank, [], []
     trees = {r: st.state_dict() for r, st in held.items()}
     peers = sorted({(t.src, t.dst) for t in plan.transfers if me in (t.src, t.dst)})
@@ -236,18 +240,30 @@ def _fill(
             if src == dst:
                 _copy_local(template, trees, ts, key)
             elif src == me:
-                sends.append((_pack(trees, ts, key), dst))
+                sends.append((_pack(trees, ts, key, wire), dst))
             else:
                 dtype = _chunk(template, ts[0].name, key).dtype
-                recvs.append((torch.empty(sum(t.end - t.start for t in ts), dtype=dtype), src, ts, key))
+                recvs.append((torch.empty(_length(ts), dtype=dtype, device=wire), src, ts, key))
     opt.communicator.exchange(sends, [(buf, src) for buf, src, _, _ in recvs], tag="reshard")
     for buf, _, ts, key in recvs:
         _unpack(template, buf, ts, key)
 
 
-def _pack(trees: Mapping[int, Mapping[str, Any]], ts: Sequence[Transfer], key: str) -> torch.Tensor:
-    """The elements of transfers ``ts`` of state ``key``, from the held states' trees, back to back."""
-    return torch.cat([_slice(_chunk(trees[t.old_rank], t.name, key), t.src_offset, t) for t in ts])
+def _pack(trees: Mapping[int, Mapping[str, Any]], ts: Sequence[Transfer], key: str, wire: torch.device) -> torch.Tensor:
+    """The elements of transfers ``ts`` of state ``key``, from the held states' trees (this rank's own state on its
+    device, its wards' copies on the host), back to back in one buffer on the ``wire``."""
+    parts = [_slice(_chunk(trees[t.old_rank], t.name, key), t.src_offset, t) for t in ts]
+    out = torch.empty(_length(ts), dtype=parts[0].dtype, device=wire)
+    at = 0
+    for part in parts:
+        out[at : at + part.numel()].copy_(part)
+        at += part.numel()
+    return out
+
+
+def _length(ts: Sequence[Transfer]) -> int:
+    """Elements of transfers ``ts`` back to back (a packed message's length)."""
+    return sum(t.end - t.start for t in ts)
 
 
 def _copy_local(
@@ -273,18 +289,27 @@ def _slice(t: torch.Tensor, offset: int, tr: Transfer) -> torch.Tensor:
 
 
 def _fill_replicated(
-    opt: ZeroOptimizer, src: int, template: dict[str, Any], report: Report, old_rank0: ShardedState | None
+    opt: ZeroOptimizer,
+    src: int,
+    template: dict[str, Any],
+    report: Report,
+    old_rank0: ShardedState | None,
+    wire: torch.device,
 ) -> None:
     """The values every rank holds alike: scalars and hyper-parameters (from the agreement), the frozen parameters
-    and buffers (the old module's, broadcast from ``src``, which holds old rank 0's state ``old_rank0``); optimizer
-    state keys the old state did not have (it never stepped) are left out, so the load makes them fresh."""
+    and buffers (the old module's, broadcast on the ``wire`` from ``src``, which holds old rank 0's state
+    ``old_rank0``); optimizer state keys the old state did not have (it never stepped) are left out, so the load makes
+    them fresh."""
     assert report.scalars is not None and report.param_groups is not None
     template["optim"]["scalars"] = {k: [[n, v] for n, v in by.items()] for k, by in report.scalars.items()}
     template["optim"]["param_groups"] = {str(i): dict(g) for i, g in enumerate(report.param_groups)}
     for name, st in template["optim"]["state"].items():
         template["optim"]["state"][name] = {k: v for k, v in st.items() if k in report.keys}
     for k, t in template["module"].items():
+        buf = t if t.device == wire else torch.empty_like(t, device=wire)  # the broadcast on the wire
         if opt.rank == src:
             assert old_rank0 is not None  # the plan's source of old rank 0 holds its state
-            t.copy_(old_rank0.module[k])
-        opt.communicator.broadcast(t, src, tag="reshard")
+            buf.copy_(old_rank0.module[k])
+        opt.communicator.broadcast(buf, src, tag="reshard")
+        if buf is not t:
+            t.copy_(buf)

@@ -125,9 +125,6 @@ def on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.detach() if t.device == device else t.detach().to(device)
 
 
-_HOST = torch.device("cpu")
-
-
 class Replicator:
     """Keeps a copy of every rank's ZeRO state on its buddy, current at the last committed step (see the module).
 
@@ -274,7 +271,7 @@ class Replicator:
         pin = self.wire.type == "cuda"
         grads = [torch.empty(m.shape, dtype=m.dtype, pin_memory=pin) for m in masters]
         present = torch.empty(len(masters), dtype=torch.uint8, pin_memory=pin)
-        if self.wire == _HOST:
+        if self.wire.type == "cpu":
             return WardCopy(ward, masters, shadow, grads, present, self.step, grads, present)
         inbox = [torch.empty_like(g, device=self.wire) for g in grads]
         return WardCopy(
@@ -311,7 +308,8 @@ class Replicator:
             st = self.opt.optim.state.get(mine, {})
             if st:
                 copy.optim.state[m] = {
-                    k: on(next(it), _HOST).reshape(v.shape) if torch.is_tensor(v) else v for k, v in sorted(st.items())
+                    k: on(next(it), torch.device("cpu")).reshape(v.shape) if torch.is_tensor(v) else v
+                    for k, v in sorted(st.items())
                 }
 
     def _state_of(self, copy: WardCopy) -> ShardedState:

@@ -7,8 +7,13 @@ store in-process: no port), and writes one JSON result: ``checks`` (name, ok, de
 - ``checkpoint``: the ``Checkpointer``'s async save of a stage-2 and a stage-3 state on the device: the stall it puts
   on the training loop against a step, the steps taken while it writes, and a resume into fresh objects that is
   bit-exact with the saved state and has the parameters back on the device.
+- ``live``: a world of one ``LiveTraining`` (live recovery's loop) on the device through two rounds written by the
+  section (a round file, as the agent writes it): the round's group formed twice in one process (NCCL: the old one
+  aborted, then destroyed), the state carried into an optimizer built afresh bitwise, training going on. It forms its
+  own groups (no world opened for it). One GPU cannot run two NCCL ranks: the buddy copies and the reshard's transfers
+  between ranks are not run here (one node: no copies; the reshard is local).
 
-Only torch, the package and ``examples/gpt.py``.
+Only torch, the package, ``examples/gpt.py`` and the tests' free-port rule.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import itertools
 import json
 import math
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -30,13 +36,14 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "examples"), str(HERE.parent / "src")]
+sys.path[:0] = [str(HERE), str(HERE.parent / "examples"), str(HERE.parent / "src"), str(HERE.parent / "tests")]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from _measure import StepClock  # noqa: E402
 from _peers import GPU_SIZES  # noqa: E402
+from ez_ports import free_port  # noqa: E402
 from gpt import GPT, GPTConfig, config_for, lm_loss, synthetic_batch  # noqa: E402
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -396,10 +403,137 @@ def first_difference(a: Any, b: Any, path: str = "") -> str | None:
     return None if type(a) is type(b) and a == b else f"{path}: {a!r} != {b!r}"
 
 
+# -- live ------------------------------------------------------------------------------------------------------------
+LIVE_STEPS = (2, 4)  # steps committed in round 0, then in all
+
+
+def live(device: torch.device, quick: bool) -> dict[str, Any]:
+    """``LiveTraining`` at world 1 on ``device`` through rounds 0 and 1 (one round file, this process its member):
+    the group formed twice (NCCL on a GPU), every step committed once, the state the new optimizer (built afresh, other
+    weights) starts round 1 from equal to the bit to the state round 0 ended with, on the device."""
+    from elasticzero.live import LiveTraining
+    from elasticzero.live.rounds import NodeRound, RoundFile, StoreAddress, write_round
+
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_live-"))
+    path, store = str(work / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
+    write_round(path, NodeRound(0, 1, ((0, 0),), store, "live0/"))
+    rounds = RoundFile(path)
+    first = rounds.poll(-1)
+    assert isinstance(first, NodeRound)
+    cfg, built = config_for("tiny"), itertools.count()
+    data = torch.cat([torch.cat(b, dim=1) for b in batches(cfg, 12, 1, 32, device)])  # 12 samples: input | target
+
+    def build(group: Any) -> Any:
+        return zero_stage(2)(gpt(cfg, device, seed=next(built)), torch.optim.AdamW, lr=LR, process_group=group)
+
+    where = live_placement(device)
+    if where.bound_device is not None:
+        torch.cuda.set_device(torch.device(where.bound_device))
+    job = LiveTraining(build, sampler=live_sampler(len(data)), rounds=rounds, first=first, local_rank=0, where=where)
+    try:
+        return live_rounds(job, data, path, store, device)
+    finally:
+        job.close()
+        job.groups.abandon()  # NCCL: ProcessGroup.abort, then destroy
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def live_placement(device: torch.device) -> Any:
+    """The device rule of ``elasticzero.device`` over this section's facts (the device asked for, local rank 0)."""
+    from elasticzero.device import Facts, placement
+
+    cuda = device.type == "cuda"
+    return placement(Facts(cuda, torch.cuda.device_count() if cuda else 0, {"LOCAL_RANK": "0"}))
+
+
+def live_sampler(n: int) -> Any:
+    from elasticzero.data.sampler import ElasticSampler
+
+    return ElasticSampler(n, global_batch_size=2, micro_batch_size=1, rank=0, world_size=1, seed=0)
+
+
+def live_rounds(job: Any, data: torch.Tensor, path: str, store: Any, device: torch.device) -> dict[str, Any]:
+    """Train round 0, write round 1, train on; the checks."""
+    from elasticzero.live.rounds import NodeRound, write_round
+
+    env = environment(device)  # the first round's group is the default group now
+
+    starts: list[tuple[int, dict[str, Any]]] = []  # (round, the optimizer's state) at the start of each attempt
+    live_train(job, LIVE_STEPS[0], data, starts)
+    ended = clone_state(job.opt)
+    backend0, first_opt = dist.get_backend(), job.opt
+    write_round(path, NodeRound(1, 1, ((0, 0),), store, "live1/"))
+    live_train(job, LIVE_STEPS[1], data, starts)
+    entered = next((st for r, st in starts if r == 1), None)
+    diff = "no attempt in round 1" if entered is None else first_difference(entered, ended, "state")
+    events = [(e.round.number, e.step) for e in job.events]
+    steps = [s for s, _ in job.record]
+    on_device = {str(p.device) for p in job.model.parameters()} == {str(device)}
+    return {
+        "environment": env,
+        "checks": [
+            check(
+                "live: round 0 -> round 1 in one process",
+                events == [(1, LIVE_STEPS[0])] and len(job.groups.abandoned) == 1 and job.opt is not first_opt,
+                f"rounds entered at steps {events} (want [(1, {LIVE_STEPS[0]})]); groups left "
+                f"{len(job.groups.abandoned)} (want 1); backend {backend0} then {dist.get_backend()}",
+            ),
+            check(
+                "live: state carried bitwise into the new optimizer",
+                diff is None,
+                diff or "masters and AdamW moments/steps equal to the bit, on the device",
+            ),
+            check(
+                "live: every step committed once, the model on the device",
+                steps == list(range(LIVE_STEPS[1])) and on_device,
+                f"committed steps {steps}; parameters on {sorted({str(p.device) for p in job.model.parameters()})}",
+            ),
+        ],
+        "data": {
+            "events": events,
+            "seconds_to_first_step": [e.first_step_at - e.left_at for e in job.events if e.first_step_at is not None],
+            "copies": "none: one rank is one node (copies and transfers between ranks need two GPUs)",
+        },
+    }
+
+
+def live_train(job: Any, total: int, data: torch.Tensor, starts: list[tuple[int, dict[str, Any]]]) -> None:
+    """The user's loop: one ``with attempt`` per step."""
+    half = data.shape[1] // 2
+    for attempt in job.steps(total):
+        with attempt:
+            starts.append((job.round.number, clone_state(attempt.opt)))
+            for idx in attempt.micro_batches:
+                batch = data[idx]
+                lm_loss(attempt.model(batch[:, :half]), batch[:, half:]).backward()
+            attempt.opt.step()
+            attempt.opt.zero_grad()
+
+
+def clone_state(opt: Any) -> dict[str, Any]:
+    """The optimizer's fp32 masters and wrapped-optimizer state, cloned (tensors stay on their device)."""
+    inner = copy.deepcopy(opt.optim.state_dict())
+    return {"masters": [m.detach().clone() for m in opt.masters], "optim": inner}
+
+
 SECTIONS: dict[str, Callable[[torch.device, bool], dict[str, Any]]] = {
     "correctness": correctness,
     "checkpoint": checkpoint,
+    "live": live,
 }
+OWN_WORLD = {"live"}  # sections that form their process groups themselves
+
+
+CPU = torch.device("cpu")
+
+
+def in_world_of_one(section: str, kind: str, quick: bool) -> dict[str, Any]:
+    """``section`` in a world of one opened for it (:func:`open_world`), destroyed after."""
+    device = open_world(kind)
+    try:
+        return {"environment": environment(device), **SECTIONS[section](device, quick)}
+    finally:
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -411,11 +545,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     result: dict[str, Any]
     try:
-        device = open_world(args.device)
-        try:
-            result = {"environment": environment(device), **SECTIONS[args.section](device, args.quick)}
-        finally:
-            dist.destroy_process_group()
+        if args.section in OWN_WORLD:
+            result = SECTIONS[args.section](torch.device("cuda", 0) if args.device == "cuda" else CPU, args.quick)
+        else:
+            result = in_world_of_one(args.section, args.device, args.quick)
     except Exception as exc:  # the driver prints it as this section's FAIL line; the traceback goes to the log
         traceback.print_exc()
         result = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
-SECTIONS = {"correctness", "example", "checkpoint", "performance"}
+SECTIONS = {"correctness", "example", "checkpoint", "live", "performance"}
 PEERS = {"adamw", "ddp", "fsdp2", "ez_stage1", "ez_stage2", "ez_stage3"}
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(420)]
@@ -28,7 +28,7 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path: Path) -> None:
     assert doc["device"] == "cpu" and doc["ran_on_gpu"] is False and doc["passed"] is True
     sections = doc["sections"]
     assert set(sections) == SECTIONS
-    for name in ("correctness", "example", "checkpoint"):
+    for name in ("correctness", "example", "checkpoint", "live"):
         section = sections[name]
         assert section["status"] == "PASS", section
         assert section["checks"] and all(c["ok"] for c in section["checks"]), section["checks"]
@@ -38,6 +38,7 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path: Path) -> None:
     assert sections["correctness"]["data"]["fp32_stage1"]["bitwise"] is True
     assert sections["correctness"]["data"]["fp32_stage2"]["bitwise"] is True
     assert sections["checkpoint"]["environment"]["backend"] == "gloo"
+    assert sections["live"]["environment"]["backend"] == "gloo" and sections["live"]["data"]["events"] == [[1, 2]]
     perf = sections["performance"]
     assert perf["status"] == "DONE" and perf["failed"] == []
     assert set(perf["rows"]) == PEERS

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from elasticzero import ZeroStage2
-from elasticzero.engine.zero.comm import wire_for
+from elasticzero.engine.zero.comm import p2p_batched, wire_for
 from elasticzero.engine.zero.replica import Replicator, WardCopy, grad_message, mirror_inbox, on
 from elasticzero.engine.zero.reshard import Transfer, _pack
 
@@ -37,6 +37,11 @@ CPU, META = torch.device("cpu"), torch.device("meta")
 )
 def test_wire_rule(backend: str, device: str, want: str) -> None:
     assert wire_for(backend, torch.device(device)) == torch.device(want)
+
+
+def test_exchanges_are_one_batch_wherever_gloo_does_not_serve_them() -> None:
+    assert p2p_batched("nccl", "cuda") and p2p_batched("cpu:gloo,cuda:nccl", "cuda")
+    assert not p2p_batched("gloo", "cpu") and not p2p_batched("cpu:gloo,cuda:nccl", "cpu")
 
 
 def test_grad_message_is_built_on_the_wire() -> None:

@@ -169,6 +169,14 @@ def wire_for(backend: str, device: torch.device) -> torch.device:
     return torch.device("cpu") if takes_host or device.type == "cpu" else device
 
 
+def p2p_batched(backend: str, device_type: str) -> bool:
+    """Whether :meth:`Communicator.exchange` posts its sends and receives as one ``batch_isend_irecv`` (one NCCL
+    group): wherever gloo does not serve the tensors. Two NCCL ranks that each send to and receive from the other,
+    posted one by one on the pair's stream, wait for each other once a message exceeds NCCL's buffer; in one group
+    they progress together. gloo keeps one ``isend``/``irecv`` per tensor (each work settled, :meth:`settle`)."""
+    return not settles(backend, device_type)
+
+
 def _forget(_aliases: tuple[torch.Tensor, ...]) -> None:
     """The retire of a collective that needs no settling: its aliases are simply dropped."""
 
@@ -386,15 +394,20 @@ class Communicator:
     ) -> AnyWork | None:
         """Point-to-point: send each ``(tensor, group_rank)`` of ``sends`` and receive into each of ``recvs`` (every
         peer posts the matching calls in the same order; messages between two ranks match in posting order). Counted
-        as ``send:<tag>`` / ``recv:<tag>``."""
+        as ``send:<tag>`` / ``recv:<tag>``. Where gloo serves the tensors, each is its own ``isend``/``irecv``;
+        elsewhere (NCCL) they are posted as one batch (:func:`p2p_batched`)."""
         pg = self.group
         ops = [(dist.isend, t, r) for t, r in sends] + [(dist.irecv, t, r) for t, r in recvs]
         for fn, t, _ in ops:
             self.stats.record("send" if fn is dist.isend else "recv", tag, t)
-        retire = self._settling.extend if ops and settles(self.backend, ops[0][1].device.type) else _forget
+        gloo = bool(ops) and settles(self.backend, ops[0][1].device.type)
+        retire = self._settling.extend if gloo else _forget
 
         def post() -> list[Any]:  # fresh aliases, known only to the work (see settle)
             aliased = [(fn, t.detach(), dist.get_global_rank(pg, r)) for fn, t, r in ops]
+            if aliased and p2p_batched(self.backend, aliased[0][1].device.type):
+                p2p = [dist.P2POp(fn, a, peer, group=pg, tag=_P2P_TAG) for fn, a, peer in aliased]
+                return [(work, aliased[0][1]) for work in dist.batch_isend_irecv(p2p)]
             return [(fn(a, peer, group=pg, tag=_P2P_TAG), a) for fn, a, peer in aliased]
 
         return self._finish(ring.RingWork([post], retire), async_op)

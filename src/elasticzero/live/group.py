@@ -19,6 +19,9 @@ no module state.
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -77,10 +80,49 @@ def init_args(spec: GroupSpec) -> dict[str, Any]:
     }
 
 
-def abandon_calls(backend: str) -> tuple[str, ...]:
-    """What leaving a group of ``backend`` calls, in order: ``"abort"`` (``ProcessGroup.abort``) for NCCL, then
-    ``"destroy"`` (``destroy_process_group``) for every backend (see the module)."""
-    return ("abort", "destroy") if backend == "nccl" else ("destroy",)
+def abandon_calls(backend: str, *, aborted: bool = False) -> tuple[str, ...]:
+    """What leaving a group of ``backend`` calls, in order: ``"abort"`` (``ProcessGroup.abort``) for NCCL unless a
+    :class:`RoundWatch` ``aborted`` it already, then ``"destroy"`` (``destroy_process_group``) for every backend (see
+    the module)."""
+    return ("abort", "destroy") if backend == "nccl" and not aborted else ("destroy",)
+
+
+def aborts_on_announce(backend: str) -> bool:
+    """Whether a group of ``backend`` is aborted from a watch thread as soon as a newer round is announced: NCCL,
+    whose ``work.wait()`` only makes the stream wait (``TORCH_NCCL_BLOCKING_WAIT`` off), so a
+    :class:`~elasticzero.live.bounded.BoundedWait` returns at once and a collective stuck on a lost peer blocks the
+    next host-device sync (a loss's ``.item()``) unbounded; the abort tears the kernel down and that sync raises,
+    which the attempt takes to the new round. gloo's waits block the host: the bound leaves them."""
+    return backend == "nccl"
+
+
+class RoundWatch:
+    """Polls ``poll`` (the round file's decision for the current round) every ``poll_s`` on a daemon thread; at the
+    first answer that is not ``None`` (a newer round, or a file that is not a round) calls ``on_announce()`` once and
+    ends. :meth:`close` ends it earlier; once it returned, :attr:`fired` is final (the two never interleave)."""
+
+    def __init__(self, poll: Callable[[], object], on_announce: Callable[[], None], poll_s: float = 0.05) -> None:
+        self._poll, self._on_announce, self._poll_s = poll, on_announce, poll_s
+        self._lock = threading.Lock()
+        self._stopped = False
+        self.fired = False
+        threading.Thread(target=self._run, name="ez-round-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self._poll_s)
+            announced = self._poll() is not None
+            with self._lock:
+                if self._stopped:
+                    return
+                if announced:
+                    self.fired = True
+                    self._on_announce()
+                    return
+
+    def close(self) -> None:
+        with self._lock:
+            self._stopped = True
 
 
 class RoundGroups:
@@ -91,20 +133,22 @@ class RoundGroups:
         self.abandoned: list[Any] = []  #: every group left, never released (see the module)
         self._stores: dict[tuple[str, int], Any] = {}  #: one client (or server) per store address, reused
 
-    def form(self, spec: GroupSpec) -> Any:
-        """Leave the current group, form ``spec``'s; returns the new default group."""
-        self.abandon()
+    def form(self, spec: GroupSpec, *, aborted: bool = False) -> Any:
+        """Leave the current group (``aborted``: a :class:`RoundWatch` already aborted it), form ``spec``'s; returns
+        the new default group."""
+        self.abandon(aborted=aborted)
         dist.init_process_group(store=dist.PrefixStore(spec.prefix, self._store(spec)), **init_args(spec))
         self.current = dist.group.WORLD
         return self.current
 
-    def abandon(self) -> None:
-        """Leave the group formed last (aborted or destroyed, kept referenced); nothing when there is none."""
+    def abandon(self, *, aborted: bool = False) -> None:
+        """Leave the group formed last (aborted — unless ``aborted`` already — and destroyed, kept referenced);
+        nothing when there is none."""
         pg, self.current = self.current, None
         if pg is None:
             return
         self.abandoned.append(pg)
-        for call in abandon_calls(str(dist.get_backend(pg))):
+        for call in abandon_calls(str(dist.get_backend(pg)), aborted=aborted):
             if call == "abort":
                 pg.abort()
             else:

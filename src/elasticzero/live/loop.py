@@ -56,7 +56,7 @@ from elasticzero.engine.zero.replica import Replicator
 from elasticzero.engine.zero.reshard import Fallback, Holdings, ReshardPlan, reshard_from
 from elasticzero.errors import UsageError
 from elasticzero.live.bounded import BoundedWait, LiveError, Reconfigure
-from elasticzero.live.group import RoundGroups, group_spec
+from elasticzero.live.group import RoundGroups, RoundWatch, aborts_on_announce, group_spec
 from elasticzero.live.rounds import ROUND_FILE_ENV, NodeRound, RoundError, RoundFile
 
 
@@ -203,6 +203,7 @@ class LiveTraining:
         self.poll_s, self.failure_grace_s, self.group_timeout = poll_s, failure_grace_s, group_timeout
         self.sampler, self.step, self.round = sampler, start_step, first
         self.groups = RoundGroups()  # every round's group, the abandoned ones kept
+        self.watch: RoundWatch | None = None  # NCCL: aborts the round's group when a newer one is announced
         self.record: list[tuple[int, list[int]]] = []  # (step, this rank's samples) of every committed step
         self.events: list[RoundEvent] = []
         self._enter_until_settled(first, Holdings())
@@ -256,6 +257,8 @@ class LiveTraining:
         """Stop the copies (the last round's group stays the default group; the abandoned ones stay referenced)."""
         self.replicator.close()
         self.bound.close()
+        if self.watch is not None:
+            self.watch.close()
 
     # -- commit and reconfigure ---------------------------------------------------------------------------------------
     def commit(self) -> None:
@@ -297,7 +300,11 @@ class LiveTraining:
         """Form ``round_``'s group, build the optimizer at its world, fill it, position the sampler (the module's
         steps 1-5); the same code for a survivor (``holdings`` its own) and a fresh process (``Holdings()``)."""
         self.bound = self._bound(round_)  # first: a failure from here on waits for a round newer than this one
-        group = self.groups.form(group_spec(round_, self.local_rank, self.where, self.group_timeout))
+        if self.watch is not None:
+            self.watch.close()
+        aborted = self.watch is not None and self.watch.fired  # NCCL: the watch aborted the old group (final now)
+        group = self.groups.form(group_spec(round_, self.local_rank, self.where, self.group_timeout), aborted=aborted)
+        self._watch(round_, group)
         opt = self._bounded(self.build(group))
         plan = reshard_from(opt, holdings)
         mine: Position = (self.step, self.sampler.state_dict()) if holdings.owner is not None else None
@@ -318,6 +325,13 @@ class LiveTraining:
             self.commit()
         if step != self.step:
             raise LiveError(f"the in-memory reshard is at step {step}, this rank was at step {self.step}")
+
+    def _watch(self, round_: NodeRound, group: Any) -> None:
+        """Under NCCL (:func:`aborts_on_announce`), a watch that aborts ``group`` once a newer round is announced."""
+        self.watch = None
+        if aborts_on_announce(str(dist.get_backend(group))):
+            poll = functools.partial(self.rounds.poll, round_.number)
+            self.watch = RoundWatch(poll, group.abort, self.poll_s)
 
     def _bound(self, round_: NodeRound) -> BoundedWait:
         poll = functools.partial(self.rounds.poll, round_.number)

@@ -4,7 +4,9 @@ one process forms a fresh default group twice over a real TCPStore (a world of o
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +14,16 @@ import torch.distributed as dist
 
 from elasticzero.device import Facts, placement
 from elasticzero.live.bounded import LiveError
-from elasticzero.live.group import GroupSpec, RoundGroups, abandon_calls, group_spec, init_args
-from elasticzero.live.rounds import NodeRound, StoreAddress
+from elasticzero.live.group import (
+    GroupSpec,
+    RoundGroups,
+    RoundWatch,
+    abandon_calls,
+    aborts_on_announce,
+    group_spec,
+    init_args,
+)
+from elasticzero.live.rounds import NodeRound, RoundFile, StoreAddress, write_round
 from ez_testing import free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -63,6 +73,37 @@ def test_a_local_rank_the_round_does_not_name_is_a_live_error() -> None:
 def test_nccl_is_aborted_before_it_is_destroyed_gloo_only_destroyed() -> None:
     assert abandon_calls("nccl") == ("abort", "destroy")
     assert abandon_calls("gloo") == ("destroy",)
+    assert abandon_calls("nccl", aborted=True) == ("destroy",)  # the round watch aborted it already
+
+
+def test_only_nccl_is_aborted_by_a_watch_at_the_announcement() -> None:
+    """NCCL's waits return before the device is done (a stuck kernel blocks a later sync, unbounded): its group is
+    aborted as the round is announced; gloo's waits block the host and the bound leaves them."""
+    assert aborts_on_announce("nccl") and not aborts_on_announce("gloo")
+
+
+def test_the_round_watch_fires_once_at_the_announcement_and_not_after_close(tmp_path: Path) -> None:
+    path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", 1234, True)
+    write_round(path, NodeRound(3, 2, ((0, 0),), store, "r3/"))
+    rounds, calls = RoundFile(path), []
+    watch = RoundWatch(lambda: rounds.poll(3), lambda: calls.append(time.monotonic()), poll_s=0.01)
+    time.sleep(0.1)
+    assert calls == [] and not watch.fired  # the current round is not news
+    announced = time.monotonic()
+    write_round(path, NodeRound(4, 1, ((0, 0),), store, "r4/"))
+    deadline = time.monotonic() + 5
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    watch.close()
+    assert watch.fired and len(calls) == 1 and calls[0] - announced < 1.0  # a poll or two (10 ms), scheduling
+    write_round(path, NodeRound(5, 1, ((0, 0),), store, "r5/"))
+    time.sleep(0.1)
+    assert len(calls) == 1  # once
+    quiet = RoundWatch(lambda: rounds.poll(5), lambda: calls.append(0.0), poll_s=0.01)
+    quiet.close()
+    write_round(path, NodeRound(6, 1, ((0, 0),), store, "r6/"))
+    time.sleep(0.1)
+    assert not quiet.fired and len(calls) == 1  # closed first: never fires
 
 
 def test_one_process_forms_a_fresh_default_group_per_round_and_keeps_the_old_ones() -> None:

@@ -235,7 +235,7 @@ class LiveTrainer(Trainer):
             acc.advance()
         self.pieces.step()
         self.pieces.optimizer.communicator.all_reduce(total, tag="log")
-        return total
+        return total.cpu()  # synchronised inside the attempt: on NCCL a peer lost in this reduce raises here
 
 
 def overrides(args: argparse.Namespace) -> list[str]:

@@ -216,7 +216,10 @@ class Replicator:
         sends = [(t, self.holder) for t in grad_message(self.opt.masters, wire)] if self.holder is not None else []
         recvs = [(t, w) for w, c in self.copies.items() for t in c.inbox()]
         self.communicator.exchange(sends, recvs)
-        self.communicator.all_reduce(torch.ones(1, device=wire), op=dist.ReduceOp.MIN, tag="replica")  # the gate
+        gate = torch.ones(1, device=wire)
+        self.communicator.all_reduce(gate, op=dist.ReduceOp.MIN, tag="replica")  # the commit gate
+        if wire.type != "cpu":  # NCCL's wait only orders the stream: the step counts as committed once the host saw
+            gate.item()  # the gate complete (a peer lost there: the round watch aborts the group, and this raises)
         self._landed = self._land()
 
     def _land(self) -> Any:

@@ -16,6 +16,16 @@ def test_node_key_prefers_torchelastic_node_rank() -> None:
     assert node_key({}, "host-a") == node_key({"GROUP_RANK": ""}, "host-a") != node_key({}, "host-b")
 
 
+def test_under_an_agent_the_node_is_the_agent_not_the_round_it_started_in() -> None:
+    """A live job's survivor keeps its start round's GROUP_RANK; a joiner may get the same one later: the agent's
+    identity (host, pid) tells their nodes apart, and the workers of one agent share it."""
+    survivor = {"GROUP_RANK": "1", "ELASTICZERO_AGENT_PID": "4242"}
+    joiner = {"GROUP_RANK": "1", "ELASTICZERO_AGENT_PID": "5353"}
+    assert node_key(survivor, "host-a") != node_key(joiner, "host-a")
+    assert node_key(survivor, "host-a") == node_key({**survivor, "GROUP_RANK": "0"}, "host-a")
+    assert node_key(survivor, "host-a") != node_key(survivor, "host-b")
+
+
 def test_grad_message_marks_missing_gradients_and_sends_zeros() -> None:
     a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
     a.grad = torch.tensor([1.0, 2.0, 3.0])

@@ -47,6 +47,7 @@ from elasticzero.engine.zero.buddy import BuddyPlan, place_buddies
 from elasticzero.engine.zero.comm import Communicator, Waiter, wire_for
 from elasticzero.engine.zero.reshard import Holdings
 from elasticzero.engine.zero.sharded import ShardedState
+from elasticzero.proc import AGENT_PID_ENV
 
 
 @dataclass
@@ -97,8 +98,13 @@ class WardCopy:
 
 
 def node_key(environ: Mapping[str, str], hostname: str) -> int:
-    """This process's node as an integer: torchelastic's node rank (``GROUP_RANK``) when set, else a hash of the host
-    name (ranks on one host share it)."""
+    """This process's node as an integer: under an elasticzero agent, a hash of the host name and the agent's pid
+    (one agent per node, the same for the worker's whole life — a live job's survivor keeps the ``GROUP_RANK`` of the
+    round it started in, which a later round may give another node); else torchelastic's node rank
+    (``GROUP_RANK``); else a hash of the host name (ranks on one host share it)."""
+    agent = environ.get(AGENT_PID_ENV, "")
+    if agent:
+        return zlib.crc32(f"{hostname}/{agent}".encode())
     group_rank = environ.get("GROUP_RANK", "")
     return int(group_rank) if group_rank.isdigit() else zlib.crc32(hostname.encode())
 

@@ -12,12 +12,14 @@ memory from their peers' copies and go on from the last committed step (docs/ela
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -157,6 +159,7 @@ class LiveTrainer(Trainer):
 
     def __init__(self, args: argparse.Namespace) -> None:  # nothing here depends on the world: rounds build that
         self.args, self.step, self.ckpt = args, 0, None
+        self.due: int | None = None  # a committed step whose checkpoint is yet to be taken
         self.device = torch.device(placement(Facts.current()).device)
         data = (stdlib_corpus(args.cache_dir, split, max_bytes=args.corpus_bytes) for split in ("train", "eval"))
         self.train_set, self.eval_set = (ByteCorpus(d, args.seq_len) for d in data)
@@ -204,9 +207,12 @@ class LiveTrainer(Trainer):
         try:
             for attempt in live.steps(args.steps):
                 with attempt:
+                    self.save_due(attempt)  # the last commit's checkpoint, in the attempt: a lost peer leaves it too
                     loss = self.live_step(attempt)
                 if attempt.committed:  # else the step was left for a new round: the next attempt redoes it
                     self.end_step(live, loss, start, t0)
+            if self.due is not None and self.ckpt:  # the last step's (the job's end: nothing left to redo it in)
+                self.ckpt.save(self.due, self.state)
             self.evaluate()
         finally:
             live.close()
@@ -220,7 +226,15 @@ class LiveTrainer(Trainer):
             print(f"step {self.step:5d}/{args.steps}  loss {loss.item() / self.world:.4f}  world {self.world}  "
                   f"{(self.step - start) / (time.perf_counter() - t0):.2f} steps/s", flush=True)  # fmt: skip
         if self.ckpt and ((args.save_every and self.step % args.save_every == 0) or self.step == args.steps):
-            self.ckpt.save(self.step, self.state)
+            self.due = self.step  # saved at the start of the next attempt (:meth:`save_due`), or after the loop
+
+    def save_due(self, attempt: Any) -> None:
+        """The checkpoint a committed step asked for, bounded like a step (DCP's collectives run on the round's group:
+        a peer lost or frozen in them would otherwise stop this worker); left for a new round, it is taken there."""
+        if self.due is not None and self.ckpt:
+            self.sampler = attempt.live.sampler  # the committed step's position, re-cut if a round began meanwhile
+            attempt.bounded(functools.partial(self.ckpt.save, self.due, self.state))
+        self.due = None
 
     def live_step(self, attempt: object) -> torch.Tensor:
         """One optimizer step over the attempt's micro-batches; the loss summed over the ranks (bounded collective)."""

@@ -383,6 +383,13 @@ class Attempt:
         on something other than the engine's collectives."""
         self.live.bound.check()
 
+    def bounded(self, work: Callable[[], None]) -> None:
+        """Run ``work`` — collectives of the round's group outside the engine, e.g. a checkpoint save — bounded like
+        the engine's waits: on the bound's helper thread, left with :class:`Reconfigure` when a newer round is
+        announced (the thread stays in the abandoned work; a save left so is fenced out of the directory by the new
+        round's checkpointer)."""
+        self.live.bound(work)
+
     def __enter__(self) -> Attempt:
         try:
             self.live.bound.check()  # a round announced between two steps

@@ -79,6 +79,7 @@ class Case:
     rdzv: str  # "c10d" (agent 0 hosts the TCPStore: it is never the one killed or frozen) or "etcd" (a real server)
     zero: int
     precision: str
+    batch: int = GLOBAL  # sequences per step (a multiple of micro batch 2 x every world size the job passes through)
 
     @property
     def backend(self) -> str:
@@ -89,7 +90,7 @@ CASES = [
     pytest.param(Case("c10d", 2, "fp32"), id="c10d-zero2-fp32"),
     pytest.param(Case("etcd", 3, "bf16"), id="etcd-zero3-bf16", marks=pytest.mark.etcd),
 ]
-TWO_LOST = Case("c10d", 1, "fp32")
+TWO_LOST = Case("c10d", 1, "fp32", batch=12)  # worlds 3 and 1
 
 
 @pytest.fixture
@@ -109,6 +110,7 @@ def job(tmp: Path, case: Case, name: str, steps: int) -> list[str]:
     """The example's flags (its corpus cached in ``tmp``), checkpointing into ``tmp/<name>-ckpt``."""
     (tmp / "job.yaml").write_text(CONFIG)
     args = ["--config", str(tmp / "job.yaml"), "--zero", str(case.zero), "--precision", case.precision]
+    args += ["--global-batch-size", str(case.batch)]
     args += ["--size", "tiny", "--seq-len", str(SEQ), "--steps", str(steps), "--seed", str(SEED)]
     args += ["--corpus-bytes", str(CORPUS), "--cache-dir", str(tmp / "corpus")]
     return [*args, "--save-every", str(SAVE), "--checkpoint-dir", str(tmp / f"{name}-ckpt")]
@@ -187,12 +189,12 @@ def retrained_after(cluster: Cluster, t: float, world: int) -> dict | None:
 
 
 def global_batches(tmp: Path) -> tuple[ByteCorpus, list[int]]:
-    """The corpus and the epoch's sample order (a global batch is ``GLOBAL`` consecutive entries)."""
+    """The corpus and the epoch's sample order (a global batch of B: B consecutive entries)."""
     data = ByteCorpus(stdlib_corpus(tmp / "corpus", "train", max_bytes=CORPUS), SEQ)
     return data, epoch_order(len(data), SEED, 0).tolist()
 
 
-def check_exactly_once(recs: list[dict], steps: range, tmp: Path) -> None:
+def check_exactly_once(recs: list[dict], steps: range, tmp: Path, batch: int = GLOBAL) -> None:
     """``recs`` (one attempt per step) hold each of ``steps`` once per rank, its global batch exactly once."""
     order = global_batches(tmp)[1]
     assert sorted({r["step"] for r in recs}) == list(steps)
@@ -200,7 +202,7 @@ def check_exactly_once(recs: list[dict], steps: range, tmp: Path) -> None:
         mine = [r for r in recs if r["step"] == step]
         assert sorted(r["rank"] for r in mine) == list(range(mine[0]["world"])), (step, mine)  # once per rank
         got = Counter(i for r in mine for _, i in r["samples"])
-        assert got == Counter(order[(step - 1) * GLOBAL : step * GLOBAL]), step
+        assert got == Counter(order[(step - 1) * batch : step * batch]), step
 
 
 def consolidated(ckpt: Path, step: int) -> dict[str, torch.Tensor]:
@@ -211,7 +213,7 @@ def consolidated(ckpt: Path, step: int) -> dict[str, torch.Tensor]:
     return consolidated_state_dict(ckpt / f"step-{step:08d}")
 
 
-def uninterrupted_in_float64(tmp: Path, steps: int) -> dict[str, torch.Tensor]:
+def uninterrupted_in_float64(tmp: Path, steps: int, batch: int) -> dict[str, torch.Tensor]:
     """The job's math with neither ZeRO, processes nor rounding: the example's model from the seed, torch's AdamW with
     the config's settings, each step the mean loss over its whole global batch — in float64 (``ez_numerics``' truth).
     Every world size computes this gradient (each rank's micro-batch means, averaged over the equal-sized ones)."""
@@ -221,8 +223,8 @@ def uninterrupted_in_float64(tmp: Path, steps: int) -> dict[str, torch.Tensor]:
         model = GPT(config_for("tiny", vocab_size=256, block_size=SEQ)).double()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for step in range(steps):
-        batch = (data[i] for i in order[step * GLOBAL : (step + 1) * GLOBAL])
-        x, y = (torch.stack(t) for t in zip(*batch, strict=True))
+        samples = (data[i] for i in order[step * batch : (step + 1) * batch])
+        x, y = (torch.stack(t) for t in zip(*samples, strict=True))
         lm_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
@@ -244,7 +246,7 @@ def check_final_parameters(cluster: Cluster, case: Case, reference: subprocess.P
     orders of magnitude beyond the bound."""
     assert finished(reference, "the uninterrupted reference run", cluster) == 0, (cluster.tmp / "ref.log").read_text()
     got, ref = consolidated(cluster.tmp / "live-ckpt", steps), consolidated(cluster.tmp / "ref-ckpt", steps)
-    ratio = error_ratio(got, ref, uninterrupted_in_float64(cluster.tmp, steps))
+    ratio = error_ratio(got, ref, uninterrupted_in_float64(cluster.tmp, steps, case.batch))
     print(f"final parameters: error {ratio:.3g}x the allowed ({case.precision} rounding scale, ez_numerics rule)")
     assert ratio <= 1, f"final parameters off by {ratio:.3g}x the {case.precision} rounding scale"
 
@@ -275,8 +277,9 @@ def test_live_recovery_keeps_the_survivor_through_kill_join_and_freeze(
 
     # 2. a node joins at step 6: the job grows back to world 2 in the same survivor process
     wait_for(lambda: at(cluster, 6, 1), WAIT, "step 6 at world 1", cluster.agents)
+    grown = handed(n0, 2)  # the first round may have been at world 2 or at 1 (node 0 alone), then handed world 2
     n2 = start_node(cluster, case, endpoint)
-    wait_for(lambda: handed(n0, 2) == 2, WAIT, "the survivor handed round at world 2 again", cluster.agents)
+    wait_for(lambda: handed(n0, 2) > grown, WAIT, "the survivor handed a round at world 2 again", cluster.agents)
     hold_at(cluster, 9)
     wait_for(lambda: at(cluster, 7, 2), WAIT, "step 7 at world 2", cluster.agents)
     joiner = next(r["pid"] for r in at(cluster, 7, 2) if r["pid"] != survivor)
@@ -291,8 +294,9 @@ def test_live_recovery_keeps_the_survivor_through_kill_join_and_freeze(
     print(f"freeze: the survivor committed step {first['step']} at world 1 {took:.2f} s after it")
     assert first["pid"] == survivor and first["step"] == 10 and took < RETRAIN_S, (first, took)
     wait_for(lambda: at(cluster, 12, 1), WAIT, "step 12 at world 1", cluster.agents)
+    grown = handed(n0, 2)
     signal_node(n2, sig=signal.SIGCONT)
-    wait_for(lambda: handed(n0, 2) == 3, WAIT, "the survivor handed a third round at world 2", cluster.agents)
+    wait_for(lambda: handed(n0, 2) > grown, WAIT, "the survivor handed a round at world 2 again", cluster.agents)
     hold_at(cluster, STEPS)
     wait_for(lambda: at(cluster, 13, 2), WAIT, "step 13 at world 2 (the resumed node rejoined)", cluster.agents)
     rejoined = next(r["pid"] for r in at(cluster, 13, 2) if r["pid"] != survivor)
@@ -307,3 +311,47 @@ def test_live_recovery_keeps_the_survivor_through_kill_join_and_freeze(
     check_final_parameters(cluster, case, reference, STEPS)
     assert cluster.leftovers() == []
     print(f"{case}: {time.monotonic() - t0:.1f} s")
+
+
+def test_two_buddies_lost_at_once_fall_back_to_the_disk_checkpoint(cluster: Cluster) -> None:
+    """Three nodes train; two are SIGKILLed at once after step ``kill_at`` (past the checkpoint of step ``SAVE``).
+    Each rank's copy lives on another node, so with two of three gone some state has no copy left: the survivor's
+    worker leaves with ``ReshardFallback`` (exit non-zero), its agent spends a restart (``--max-restarts 1``) and the
+    fresh worker resumes the job from the newest disk checkpoint at world 1 — the steps since it are redone, each
+    step's global batch is trained exactly once in its last attempt, and the job ends where an uninterrupted run
+    ends."""
+    t0, case, steps, kill_at = time.monotonic(), TWO_LOST, 10, 6
+    endpoint = f"127.0.0.1:{free_port()}"
+    hold_at(cluster, 0)  # nobody steps before all three are in one round
+    reference = start_reference(cluster, case, steps)
+    n0 = start_node(cluster, case, endpoint, steps, max_restarts=1)
+    cluster.wait_store(endpoint)  # node 0 hosts the store: the survivor
+    n1, n2 = start_node(cluster, case, endpoint, steps), start_node(cluster, case, endpoint, steps)
+    three = lambda: all((a.state() or {}).get("world_size") == 3 for a in (n0, n1, n2))  # noqa: E731
+    wait_for(three, WAIT, "one round of the three nodes", cluster.agents)
+    hold_at(cluster, kill_at)
+    wait_for(lambda: at(cluster, kill_at, 3), WAIT, f"step {kill_at} at world 3", cluster.agents)
+    survivor = worker_of(cluster, n0, kill_at, 3)
+    finished(reference, "the uninterrupted reference run", cluster)
+
+    t_kill = signal_node(n1, n2, sig=signal.SIGKILL)  # while the job holds before step kill_at + 1
+    first = wait_for(lambda: retrained_after(cluster, t_kill, 1), WAIT, "training at world 1 again", cluster.agents)
+    print(f"two lost: step {first['step']} committed at world 1 {first['time'] - t_kill:.2f} s after the kill")
+    wait_for(lambda: at(cluster, kill_at, 1), WAIT, f"step {kill_at} redone at world 1", cluster.agents)
+    state = n0.state() or {}  # while the job holds again (the file goes when the agent ends)
+    assert state.get("restart_count") == 1 and state.get("world_size") == 1, state  # one restart spent
+    (cluster.tmp / "hold").unlink()
+    assert [finished(a.proc, "the agents' exit", cluster) for a in (n0, n1, n2)] == [0] + [-signal.SIGKILL] * 2
+    log = n0.output()
+    assert "ReshardFallback: in-memory reshard impossible: both copies of the state of old rank" in log, log[-3000:]
+
+    before = [r for r in records(cluster) if r["time"] < t_kill]
+    after = [r for r in records(cluster) if r["time"] > t_kill]
+    check_exactly_once(before, range(1, kill_at + 1), cluster.tmp, case.batch)
+    check_exactly_once(after, range(SAVE + 1, steps + 1), cluster.tmp, case.batch)  # steps 5, 6 redone
+    assert {r["world"] for r in before} == {3} and {r["world"] for r in after} == {1}
+    restarted = {r["pid"] for r in after}
+    assert len(restarted) == 1 and survivor not in restarted
+    check_final_parameters(cluster, case, reference, steps)
+    assert cluster.leftovers() == []
+    print(f"{case} two lost: {time.monotonic() - t0:.1f} s")

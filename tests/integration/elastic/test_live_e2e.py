@@ -51,6 +51,7 @@ from ez_agentkit import ELASTICZERO_RUN, FAST_RDZV, Agent, Cluster, wait_for
 from cluster.etcd_server import EtcdCluster, require_etcd
 from elasticzero.agent.proctree import descendants
 from elasticzero.data import ByteCorpus, epoch_order, stdlib_corpus
+from elasticzero.proc import JOB_ID_ENV
 from ez_numerics import error_ratio
 from ez_testing import REPO, free_port
 
@@ -128,8 +129,9 @@ def start_node(cluster: Cluster, case: Case, endpoint: str, steps: int = STEPS, 
 
 def start_reference(cluster: Cluster, case: Case, steps: int) -> subprocess.Popen[bytes]:
     """The uninterrupted run: the driver run directly (one process, a world of one, no agent), on the same global
-    batches, seed and steps; its final checkpoint is the run-precision reference of :func:`check_final_parameters`."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    batches, seed and steps; its final checkpoint is the run-precision reference of :func:`check_final_parameters`.
+    It carries the job's id, so the cluster's cleanup reaps it too."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", JOB_ID_ENV: cluster.job_id}
     with (cluster.tmp / "ref.log").open("wb") as log:
         argv = [sys.executable, str(DRIVER), *job(cluster.tmp, case, "ref", steps)]
         return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -164,6 +164,11 @@ def handed(agent: Agent, world: int) -> int:
     return len(re.findall(rf"handing the workers round \d+ at world {world}, no restart", agent.output()))
 
 
+def in_one_round(*agents: Agent) -> bool:
+    """Every agent's health file names a running round of all of them (the first round may have been smaller)."""
+    return all((a.state() or {}).get("world_size") == len(agents) for a in agents)
+
+
 def node_tree(agent: Agent) -> list:
     import psutil
 
@@ -258,12 +263,14 @@ def test_live_recovery_keeps_the_survivor_through_kill_join_and_freeze(
     case: Case, endpoint: str, cluster: Cluster
 ) -> None:  # case and endpoint first: an etcd server outlives the agents
     t0 = time.monotonic()
-    hold_at(cluster, 3)
+    hold_at(cluster, 0)  # nobody steps before both nodes are in one round (node 0 may start alone, at world 1)
     reference = start_reference(cluster, case, STEPS)
     n0 = start_node(cluster, case, endpoint)
     if case.rdzv == "c10d":
         cluster.wait_store(endpoint)  # node 0 hosts the store: it is never the one killed or frozen
     n1 = start_node(cluster, case, endpoint)
+    wait_for(lambda: in_one_round(n0, n1), WAIT, "one round of the two nodes", cluster.agents)
+    hold_at(cluster, 3)
     wait_for(lambda: at(cluster, 3, 2), WAIT, "step 3 at world 2", cluster.agents)
     survivor = worker_of(cluster, n0, 3, 2)
     finished(reference, "the uninterrupted reference run", cluster)  # done before any timing is measured
@@ -329,8 +336,7 @@ def test_two_buddies_lost_at_once_fall_back_to_the_disk_checkpoint(cluster: Clus
     n0 = start_node(cluster, case, endpoint, steps, max_restarts=1)
     cluster.wait_store(endpoint)  # node 0 hosts the store: the survivor
     n1, n2 = start_node(cluster, case, endpoint, steps), start_node(cluster, case, endpoint, steps)
-    three = lambda: all((a.state() or {}).get("world_size") == 3 for a in (n0, n1, n2))  # noqa: E731
-    wait_for(three, WAIT, "one round of the three nodes", cluster.agents)
+    wait_for(lambda: in_one_round(n0, n1, n2), WAIT, "one round of the three nodes", cluster.agents)
     hold_at(cluster, kill_at)
     wait_for(lambda: at(cluster, kill_at, 3), WAIT, f"step {kill_at} at world 3", cluster.agents)
     survivor = worker_of(cluster, n0, kill_at, 3)

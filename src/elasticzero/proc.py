@@ -25,6 +25,8 @@ from elasticzero.errors import UsageError
 
 #: environment variable naming the job of every process elasticzero starts (agents, workers, per-rank wrappers)
 JOB_ID_ENV = "ELASTICZERO_JOB_ID"
+#: the pid of the ``elasticzero-run`` agent that started this worker (one agent per node, for the node's life)
+AGENT_PID_ENV = "ELASTICZERO_AGENT_PID"
 #: a job id: safe as an etcd key part, an environment value and a remote-shell word without quoting surprises
 JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 JOB_ID_RULE = "letters, digits, '.', '_', '-', starting with a letter or digit, at most 128 characters"

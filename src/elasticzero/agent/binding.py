@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
-from elasticzero.proc import JOB_ID_ENV
+from elasticzero.proc import AGENT_PID_ENV, JOB_ID_ENV
 
-#: environment names elasticzero sets for every worker (and JOB_ID_ENV, see elasticzero.proc)
-AGENT_PID_ENV = "ELASTICZERO_AGENT_PID"
+#: environment names elasticzero sets for every worker (and JOB_ID_ENV, AGENT_PID_ENV: see elasticzero.proc)
 CPUS_ENV = "ELASTICZERO_CPUS"  # this worker's cores, comma-joined (set only with --bind-cores-to-rank)
 
 

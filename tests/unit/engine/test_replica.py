@@ -19,6 +19,13 @@ def test_node_key_prefers_torchelastic_node_rank() -> None:
     assert node_key({}, "host-a") == node_key({"GROUP_RANK": ""}, "host-a") != node_key({}, "host-b")
 
 
+def test_node_key_under_an_agent_is_its_host_and_pid_not_a_stale_group_rank() -> None:
+    """Live recovery: two nodes' workers may both still carry the GROUP_RANK they started with; their agents differ."""
+    a, b = ({"GROUP_RANK": "0", "ELASTICZERO_AGENT_PID": pid} for pid in ("4194303", "17"))
+    assert node_key(a, "host-a") != node_key(b, "host-a")
+    assert node_key(a, "host-a") == node_key({**a, "GROUP_RANK": "1"}, "host-a") != node_key(a, "host-b")
+
+
 def test_grad_message_marks_missing_gradients_and_sends_zeros() -> None:
     a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
     a.grad = torch.tensor([1.0, 2.0, 3.0])

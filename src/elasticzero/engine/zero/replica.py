@@ -47,6 +47,10 @@ from elasticzero.engine.zero.buddy import BuddyPlan, place_buddies
 from elasticzero.engine.zero.comm import Communicator, Waiter
 from elasticzero.engine.zero.reshard import Holdings
 from elasticzero.engine.zero.sharded import ShardedState
+from elasticzero.proc import AGENT_PID_ENV
+
+#: Linux pids are below 2^22 (``PID_MAX_LIMIT``): a host hash shifted past them keeps every (host, pid) apart
+PID_BITS = 22
 
 
 @dataclass
@@ -85,10 +89,16 @@ class WardCopy:
 
 
 def node_key(environ: Mapping[str, str], hostname: str) -> int:
-    """This process's node as an integer: torchelastic's node rank (``GROUP_RANK``) when set, else a hash of the host
-    name (ranks on one host share it)."""
+    """This process's node as an integer, the same for every rank on it: under ``elasticzero-run`` its host and its
+    agent's pid (:data:`~elasticzero.proc.AGENT_PID_ENV`: one agent per node for the node's life), else torchelastic's
+    node rank (``GROUP_RANK``), else a hash of the host name. Not ``GROUP_RANK`` first: with ``--live-recovery`` the
+    workers outlive their round and keep the one they started with, while the agents' group ranks are dealt afresh at
+    every hand-off — two nodes may then carry the same one, and the copies would be placed as if on one node."""
+    host, agent = zlib.crc32(hostname.encode()), environ.get(AGENT_PID_ENV, "")
+    if agent.isdigit():
+        return host << PID_BITS | int(agent)
     group_rank = environ.get("GROUP_RANK", "")
-    return int(group_rank) if group_rank.isdigit() else zlib.crc32(hostname.encode())
+    return int(group_rank) if group_rank.isdigit() else host
 
 
 def grad_message(masters: Sequence[nn.Parameter]) -> list[torch.Tensor]:

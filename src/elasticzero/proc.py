@@ -25,8 +25,7 @@ from elasticzero.errors import UsageError
 
 #: environment variable naming the job of every process elasticzero starts (agents, workers, per-rank wrappers)
 JOB_ID_ENV = "ELASTICZERO_JOB_ID"
-#: every worker's agent's pid (the agent's tree sweep; the node a live job's worker belongs to, with the host name:
-#: one agent per node, for the life of the worker)
+#: the pid of the ``elasticzero-run`` agent that started this worker (one agent per node, for the node's life)
 AGENT_PID_ENV = "ELASTICZERO_AGENT_PID"
 #: a job id: safe as an etcd key part, an environment value and a remote-shell word without quoting surprises
 JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")

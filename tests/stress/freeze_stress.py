@@ -1,5 +1,5 @@
-"""Stress: the freeze, store-host freeze, partition, hung-worker and live hand-off tests, each repeated, to show
-they are not races (a script, not collected by pytest: no ``test_`` files here).
+"""Stress: the freeze, store-host freeze, partition, hung-worker, live hand-off and live example tests, each repeated,
+to show they are not races (a script, not collected by pytest: no ``test_`` files here).
 
 Each repetition is one real pytest run of one case (fresh agents, fresh job id, fresh etcd server), so what is
 repeated is exactly what CI runs. The failures' output is kept under ``--keep``; the timings the tests print (the
@@ -27,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 HANG = "tests/integration/elastic/test_hang.py"
 LIVE = "tests/integration/agent/test_live_handoff.py::test_survivors_keep_their_workers_through_kill_join_and_freeze"
+LIVE_E2E = "tests/integration/elastic/test_live_e2e.py"
 CASES = {
     "c10d-freeze": "tests/integration/elastic/test_freeze.py::test_frozen_node_survived_fenced_and_rejoins[c10d]",
     "etcd-freeze": "tests/integration/elastic/test_freeze.py::test_frozen_node_survived_fenced_and_rejoins[etcd]",
@@ -37,6 +38,9 @@ CASES = {
     "worker-stop": f"{HANG}::test_a_stopped_worker_is_named_and_the_job_trains_on",
     "c10d-live-handoff": f"{LIVE}[c10d]",
     "etcd-live-handoff": f"{LIVE}[etcd]",
+    "c10d-live-e2e": f"{LIVE_E2E}::test_live_recovery_keeps_the_survivor_through_kill_join_and_freeze[c10d-zero2-fp32]",
+    "etcd-live-e2e": f"{LIVE_E2E}::test_live_recovery_keeps_the_survivor_through_kill_join_and_freeze[etcd-zero3-bf16]",
+    "two-buddies-live-e2e": f"{LIVE_E2E}::test_two_buddies_lost_at_once_fall_back_to_the_disk_checkpoint",
 }
 #: the lines the tests print, and the name each timing gets in the summary
 TIMINGS = {
@@ -46,6 +50,9 @@ TIMINGS = {
     "store line": re.compile(r"said why ([\d.]+) s after the store host froze"),
     "hang → first step": re.compile(r"-> first step of the new attempt: ([\d.]+)s"),
     "live hand-off (kill)": re.compile(r"saw it ([\d.]+) s after the event"),
+    "live example (kill)": re.compile(r"^kill: .* at world 1 ([\d.]+) s after it", re.M),
+    "live example (freeze)": re.compile(r"^freeze: .* at world 1 ([\d.]+) s after it", re.M),
+    "two lost → restarted step": re.compile(r"^two lost: .* ([\d.]+) s after the kill", re.M),
 }
 
 

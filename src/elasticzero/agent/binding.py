@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from elasticzero.proc import AGENT_PID_ENV, JOB_ID_ENV
 
-#: environment names elasticzero sets for every worker (and JOB_ID_ENV, see elasticzero.proc)
+#: environment names elasticzero sets for every worker (and JOB_ID_ENV, AGENT_PID_ENV: see elasticzero.proc)
 CPUS_ENV = "ELASTICZERO_CPUS"  # this worker's cores, comma-joined (set only with --bind-cores-to-rank)
 
 

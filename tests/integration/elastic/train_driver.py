@@ -132,7 +132,7 @@ class DrivenLiveTrainer(train_gpt.LiveTrainer):
             attempt.check()  # a new round: leave the hold for it
             elasticzero.heartbeat()
             time.sleep(0.05)
-        attempt.check()  # and once after: a round written before the hold ended is entered before this step
+        attempt.check()  # a round written before the hold was lifted (while this slept) is taken before the step
         epoch = attempt.live.sampler.epoch
         self.samples = [[epoch, i] for mb in attempt.micro_batches for i in mb]
         return super().live_step(attempt)

@@ -99,6 +99,9 @@ class ZeroCheckpointState:
             inner, pieces = opt.optim.state[m], b.local_pieces()
             masters = [loaded.params[p.name] for p in pieces]
             self._adopt_or_copy(m, masters, pieces, _constant(m), keep_storage=opt.master_views_params(i))
+            if never_stepped(state, pieces):  # none here either: the first step makes it, as in a fresh optimizer
+                opt.optim.state.pop(m, None)
+                continue
             spec = inner or self._probed.get(id(m)) or _fresh_states(opt, [m], fill=False)[m]  # keys, no memory touched
             for k, v in list(spec.items()):
                 if is_shard_state(v, m):  # where this rank owns only padding, a fresh state (no chunks)
@@ -152,6 +155,13 @@ class ZeroCheckpointState:
         for c, p in zip(chunks, pieces, strict=True):
             target[p.shard_offset : p.shard_offset + p.end - p.start].copy_(c.tensor)
         return target
+
+
+def never_stepped(state: dict[str, dict[str, FlatChunk]], pieces: Sequence[Piece]) -> bool:
+    """The loaded optimizer state holds nothing for this bucket's ``pieces`` (some, not only padding): it was taken
+    before the optimizer's first step — an in-memory reshard of a job that has not stepped yet (a node joined or left
+    before step 1) hands no state keys (:func:`~elasticzero.engine.zero.reshard.reshard_from`)."""
+    return bool(pieces) and not any(state.get(p.name) for p in pieces)
 
 
 def _constant(t: torch.Tensor) -> Callable[[], torch.Tensor]:

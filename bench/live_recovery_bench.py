@@ -80,6 +80,10 @@ DRIVER = REPO / "tests" / "integration" / "elastic" / "train_driver.py"
 PATHS = ("restart", "live")
 EVENTS = ("kill", "freeze", "join")
 SIZES = ("tiny", "bench")
+#: the store's agent and the victims' local addresses (all loopback): the c10d rendezvous sorts the nodes by address
+#: (then pid: with pids alone a pid wrap-around would swap the ranks at random), so the victim's worker is rank 0 or 1
+STORE_ADDR, VICTIM_ADDR = "127.0.0.2", {0: "127.0.0.1", 1: "127.0.0.3"}
+VICTIMS = ("0", "1", "alternate")
 TIMEOUT = 240.0  # seconds to wait for any one event (a hang, not a measurement)
 NEW_WORLD = {"kill": 1, "freeze": 1, "join": 2}
 TITLES = {
@@ -152,16 +156,18 @@ class Job:
     job_id: str = field(default_factory=lambda: f"ezlive-{uuid.uuid4().hex[:8]}")
     agents: list[subprocess.Popen[bytes]] = field(default_factory=list)
     events: list[tuple[str, float]] = field(default_factory=list)
+    victims: list[int] = field(default_factory=list)  #: per loss, the rank the lost node's worker had
 
     def __post_init__(self) -> None:
         self.record = Record(self.tmp / "record.jsonl")
         self.endpoint = f"127.0.0.1:{free_port()}"
         self.rounds = RoundWatch(self.job_id)
 
-    def argv(self) -> list[str]:
+    def argv(self, addr: str) -> list[str]:
         a = self.args
         agent = [str(RUN), "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
         agent += ["--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job_id, "--max-restarts", "1000"]
+        agent += ["--local-addr", addr]  # the rendezvous orders the nodes by address, then pid: who is rank 0
         agent += ["--live-recovery"] if self.path == "live" else []
         agent += ["--rdzv-conf", a.rdzv_conf] if a.rdzv_conf else []
         job = [str(DRIVER), "--config", str(REPO / "examples" / "configs" / "gpt.yaml"), "--zero", "2"]
@@ -171,9 +177,12 @@ class Job:
         return [*agent, *job]
 
     def start_agent(self) -> None:
+        """The store's agent, or the next victim: its address puts its worker at the rank ``--victim-rank`` says."""
+        addr = STORE_ADDR if not self.agents else VICTIM_ADDR[victim_rank(self.args.victim_rank, len(self.victims))]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "ELASTICZERO_JOB_ID": self.job_id}
         with (self.tmp / f"agent{len(self.agents)}.log").open("wb") as log:
-            self.agents.append(subprocess.Popen(self.argv(), stdout=log, stderr=log, env=env, start_new_session=True))
+            argv = self.argv(addr)
+            self.agents.append(subprocess.Popen(argv, stdout=log, stderr=log, env=env, start_new_session=True))
 
     def start(self) -> None:
         """Two agents (the first hosts the c10d store); the first event waits for the world of 2 to train."""
@@ -198,6 +207,7 @@ class Job:
         time.sleep(self.rng.random() * (step_time(self.record.poll(), 2, world2_since) or 0.0))
         victim = self.agents[-1]
         tree = descendants([victim.pid])
+        self.victims.append(victim_rank(self.args.victim_rank, len(self.victims)))
         t = time.time()
         self.events.append((kind, t))
         if kind == "kill":
@@ -255,14 +265,21 @@ def step_time(lines: list[dict[str, Any]], world: int, after: float, before: flo
     return statistics.median(gaps) if gaps else None
 
 
-def analyse(path: str, lines: list[dict], rounds: list[tuple[int, int, float]], events: list[tuple[str, float]]):
+def analyse(
+    path: str,
+    lines: list[dict],
+    rounds: list[tuple[int, int, float]],
+    events: list[tuple[str, float]],
+    victims: list[int],
+):
     """One row per event: event -> first step at the new world and its parts, steps lost, process kept, step time.
     The records' ``started`` (psutil's process start: boot time, whole seconds, + ticks) is first put on the clock of
     ``time.time()`` with the skew measured in this run (:func:`start_time_skew`)."""
     skew = start_time_skew()
     lines = [{**r, "started": r["started"] - skew} for r in lines]
-    rows = []
+    rows, losses = [], iter(victims)
     for i, (kind, t) in enumerate(events):
+        victim = next(losses) if kind != "join" else None
         t_prev = events[i - 1][1] if i else 0.0
         t_next = events[i + 1][1] if i + 1 < len(events) else float("inf")
         new_world = NEW_WORLD[kind]
@@ -272,7 +289,7 @@ def analyse(path: str, lines: list[dict], rounds: list[tuple[int, int, float]], 
         old = by_step(lines, 3 - new_world, t_prev, t)
         first = new[min(new)]
         t_first = max(r["time"] for r in first)
-        row = {"kind": kind, "from_event": t_first - t, "lost": len(set(old) & set(new))}
+        row = {"kind": kind, "victim": victim, "from_event": t_first - t, "lost": len(set(old) & set(new))}
         row["kept"] = any(r["started"] < t for r in first)
         row["step_s"] = step_time(lines, new_world, t, t_next)
         hand = [m for _, w, m in rounds if w == new_world and m > t]
@@ -314,6 +331,11 @@ def live_parts(kind: str, t: float, t_first: float, first: list[dict[str, Any]],
     return parts
 
 
+def victim_rank(choice: str, loss: int) -> int:
+    """The rank of the node lost at the job's ``loss``-th loss: ``--victim-rank`` 0, 1, or alternating from 1."""
+    return int(choice) if choice != "alternate" else 1 - loss % 2
+
+
 def recorded_twice(lines: list[dict[str, Any]]) -> int:
     """Steps of the whole job recorded more than once (by more records than their world, or at two worlds)."""
     steps: dict[int, list[dict[str, Any]]] = defaultdict(list)
@@ -343,9 +365,21 @@ def report(rows: dict[str, list[dict[str, Any]]], kinds: list[str]) -> None:
             print(f"{name:32s}" + "".join(f" | {_stats(values[p]):>26s}" for p in PATHS) + _ratio(values))
         kept = ", ".join(f"{p} {sum(r['kept'] for r in sel[p])} of {len(sel[p])}" for p in PATHS)
         print(f"{'survivor kept its process':32s} | {kept}")
+        by_victim(sel)
         live = [r["from_event"] for r in sel["live"]]
         if live:
             print(f"goal <= {GOAL_S:g} s (live, median): {'met' if statistics.median(live) <= GOAL_S else 'NOT met'}")
+
+
+def by_victim(sel: dict[str, list[dict[str, Any]]]) -> None:
+    """The losses split by the rank the lost node's worker had: event -> first step, process kept, steps lost."""
+    for rank in sorted({r["victim"] for p in PATHS for r in sel[p] if r["victim"] is not None}):
+        cells = []
+        for p in PATHS:
+            by = [r for r in sel[p] if r["victim"] == rank]
+            kept, lost = sum(r["kept"] for r in by), _stats([r["lost"] for r in by])
+            cells.append(f"{p}: {_stats([r['from_event'] for r in by])} s, kept {kept} of {len(by)}, lost {lost}")
+        print(f"  the lost node was rank {rank}: " + "; ".join(cells))
 
 
 def _ratio(values: dict[str, list[float]]) -> str:
@@ -396,7 +430,7 @@ def run_job(path: str, reps: int, rng: random.Random, args: argparse.Namespace) 
     finally:
         rounds = job.stop()
     lines = job.record.poll()
-    rows = analyse(path, lines, rounds, job.events)
+    rows = analyse(path, lines, rounds, job.events, job.victims)
     print(f"  {path}: {len(rows)} events analysed; job directory {tmp}{'' if args.keep else ' (removed; --keep)'}")
     if not args.keep:
         subprocess.run(["rm", "-rf", str(tmp)], check=False)
@@ -412,10 +446,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=2, help="events of each kind per path, over all blocks (default 2)")
     p.add_argument("--events", default="kill,freeze,join", help=f"of {', '.join(EVENTS)} (default all)")
+    p.add_argument("--paths", default="restart,live", help="the paths to run, of restart, live (default both)")
     p.add_argument("--size", default="tiny", help=f"the job's GPT, {' or '.join(SIZES)} (default tiny)")
     p.add_argument("--seq-len", type=int, default=128, help="the job's sequence length (default 128)")
     p.add_argument("--save-every", type=int, default=5, help="checkpoint interval K, both paths (default 5)")
     p.add_argument("--blocks", type=int, default=2, help="jobs per path, alternating the paths (default 2)")
+    p.add_argument("--victim-rank", default="1", help="the lost node's rank: 0, 1 (default) or alternate")
     p.add_argument("--seed", type=int, default=0, help="seeds the event points (default 0)")
     p.add_argument("--rdzv-conf", default="", help="the agents' --rdzv-conf (default: theirs)")
     p.add_argument("--copy-sizes", default="bench", help="GPT sizes for the copies' cost, or 'none' (default bench)")
@@ -423,18 +459,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=TIMEOUT, help=f"seconds to wait for any one event ({TIMEOUT:g})")
     p.add_argument("--keep", action="store_true", help="keep the job directories (logs, records, checkpoints)")
     args = p.parse_args(argv)
-    args.events = args.events.split(",")
+    args.events, args.paths = args.events.split(","), args.paths.split(",")
     args.copy_sizes = [] if args.copy_sizes == "none" else args.copy_sizes.split(",")
     for bad, fix in checks(args):
         if bad:
             p.error(fix)
     args.losses = [k for k in args.events if k != "join"] or ["kill"]
+    args.paths = [p for p in PATHS if p in args.paths]
     return args
 
 
 def checks(args: argparse.Namespace) -> list[tuple[bool, str]]:
     return [
         (not set(args.events) <= set(EVENTS), f"--events {','.join(args.events)}: choose from {', '.join(EVENTS)}"),
+        (args.victim_rank not in VICTIMS, f"--victim-rank {args.victim_rank}: give 0, 1 or alternate"),
+        (not set(args.paths) <= set(PATHS), f"--paths {','.join(args.paths)}: give restart, live or both"),
         (args.size not in SIZES, f"--size {args.size}: choose {' or '.join(SIZES)}"),
         (not set(args.copy_sizes) <= {"tiny", "small", "bench"}, "--copy-sizes: tiny, small, bench or none"),
         (
@@ -453,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, list[dict[str, Any]]] = {p: [] for p in PATHS}
     twice: dict[str, int] = dict.fromkeys(PATHS, 0)
     for block in range(args.blocks):
-        for path in PATHS if block % 2 == 0 else PATHS[::-1]:
+        for path in args.paths if block % 2 == 0 else args.paths[::-1]:
             new, n = run_job(path, args.reps // args.blocks + (block < args.reps % args.blocks), rng, args)
             rows[path] += new
             twice[path] += n

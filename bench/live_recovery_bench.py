@@ -17,7 +17,10 @@ alternate the paths (restart, live, live, restart, ...) so a drift of the shared
 **The events**, ``--events`` (each ``--reps`` times per path, over all blocks):
 
 - ``kill`` — a random 1..K steps after the world of 2 formed (K = ``--save-every``), plus a random fraction of a
-  step, the second node's agent and its worker are SIGKILLed together (a machine dying);
+  step, the non-store node's agent and its worker are SIGKILLed together (a machine dying). ``--victim-rank`` says
+  whether that node's worker is rank 1 (default) or rank 0 of the world of 2 (``alternate``: 1, 0, 1, ...): the
+  c10d rendezvous orders the nodes by address, then pid, so every agent gets a loopback ``--local-addr`` that puts
+  it there (with pids alone a pid wrap-around swaps the ranks at random);
 - ``freeze`` — the same node's agent and worker SIGSTOPped together (a hung machine: nothing exits, no socket closes).
   Once the survivor has trained at world 1 the frozen processes are SIGKILLed (the bench's cleanup, after the
   measurement; they are not resumed);

@@ -56,6 +56,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -121,6 +122,7 @@ class RoundWatch:
 
     def __init__(self, job_id: str) -> None:
         self.pattern = f"elasticzero-round-{job_id}-*/round.json"
+        self.root = Path(os.environ.get("TMPDIR") or "/tmp")  # the agents' rule (agent/handoff.py live_plan)
         self.seen: dict[tuple[str, int], tuple[int, int, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -135,9 +137,8 @@ class RoundWatch:
         return sorted(self.seen.values(), key=lambda r: r[2])
 
     def _run(self) -> None:
-        root = Path(os.environ.get("TMPDIR") or "/tmp")  # the agents' rule (agent/handoff.py live_plan)
         while not self._stop.wait(0.02):
-            for f in root.glob(self.pattern):
+            for f in self.root.glob(self.pattern):
                 self._note(f)
 
     def _note(self, f: Path) -> None:
@@ -236,7 +237,10 @@ class Job:
         kill_now(procs)
         for a in self.agents:
             a.wait(timeout=30)
-        return self.rounds.stop()
+        rounds = self.rounds.stop()
+        for d in self.rounds.root.glob(f"elasticzero-*-{self.job_id}-*"):  # a SIGKILLed agent cannot remove its round
+            shutil.rmtree(d, ignore_errors=True)  # and progress folders ($TMPDIR/elasticzero-<what>-<job>-<agent pid>)
+        return rounds
 
 
 # ---------------------------------------------------------------- analysis (pure: record + rounds + instants -> rows)

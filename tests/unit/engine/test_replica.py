@@ -29,7 +29,7 @@ def test_node_key_under_an_agent_is_its_host_and_pid_not_a_stale_group_rank() ->
 def test_grad_message_marks_missing_gradients_and_sends_zeros() -> None:
     a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
     a.grad = torch.tensor([1.0, 2.0, 3.0])
-    present, ga, gb = grad_message([a, b])
+    present, ga, gb = grad_message([a, b], torch.device("cpu"))
     assert present.tolist() == [1, 0] and torch.equal(ga, a.grad) and torch.equal(gb, torch.zeros(2))
 
 

@@ -44,7 +44,7 @@ from torch import nn
 
 from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.buddy import BuddyPlan, place_buddies
-from elasticzero.engine.zero.comm import Communicator, Waiter
+from elasticzero.engine.zero.comm import Communicator, Waiter, wire_for
 from elasticzero.engine.zero.reshard import Holdings
 from elasticzero.engine.zero.sharded import ShardedState
 from elasticzero.proc import AGENT_PID_ENV
@@ -56,7 +56,9 @@ PID_BITS = 22
 @dataclass
 class WardCopy:
     """A holder's copy of ward ``rank``'s state: one master shard per bucket (host memory), the shadow optimizer over
-    them, the receive buffers of the ward's gradients, and the ``step`` the copy is at."""
+    them, the ward's gradients (``grads``, ``present``: host memory, what the shadow steps with), the ``step`` the
+    copy is at, and the receive buffers of a step's message on the wire (``wire_grads``, ``wire_present``: the host
+    ones themselves when the wire is the host, else device buffers landed into them, :meth:`land`)."""
 
     rank: int
     masters: list[nn.Parameter]
@@ -64,10 +66,20 @@ class WardCopy:
     grads: list[torch.Tensor]
     present: torch.Tensor
     step: int
+    wire_grads: list[torch.Tensor]
+    wire_present: torch.Tensor
 
     def inbox(self) -> list[torch.Tensor]:
-        """The buffers a step's message from the ward lands in (see :func:`grad_message`)."""
-        return [self.present, *self.grads]
+        """The buffers a step's message from the ward is received in, on the wire (see :func:`grad_message`)."""
+        return [self.wire_present, *self.wire_grads]
+
+    def land(self) -> None:
+        """Copy the received message into the host buffers the shadow steps with (nothing when they are the same
+        tensors: the wire is the host). From a device, asynchronous into pinned memory: the caller records an event
+        after it and waits for that event before :meth:`apply`."""
+        for host, got in zip((self.present, *self.grads), self.inbox(), strict=True):
+            if host is not got:
+                host.copy_(got, non_blocking=True)
 
     @torch.no_grad()
     def apply(self, options: Sequence[Mapping[str, Any]]) -> None:
@@ -83,7 +95,7 @@ class WardCopy:
         self.step += 1
 
     def nbytes(self) -> int:
-        """Host bytes of this copy (masters, optimizer state, gradient buffers)."""
+        """Host bytes of this copy (masters, optimizer state, gradient buffers; not the device inbox)."""
         state = [t for s in self.optim.state.values() for t in s.values() if torch.is_tensor(t)]
         return sum(t.numel() * t.element_size() for t in (*self.masters, *self.grads, *state))
 
@@ -101,16 +113,26 @@ def node_key(environ: Mapping[str, str], hostname: str) -> int:
     return int(group_rank) if group_rank.isdigit() else host
 
 
-def grad_message(masters: Sequence[nn.Parameter]) -> list[torch.Tensor]:
-    """What a rank sends its holder in a step: which buckets have a gradient, then each bucket's gradient shard (on
-    the host; zeros where there is none)."""
-    present = torch.tensor([m.grad is not None for m in masters], dtype=torch.uint8)
-    grads = [_host(m.grad) if m.grad is not None else torch.zeros(m.shape, dtype=m.dtype) for m in masters]
+def grad_message(masters: Sequence[nn.Parameter], wire: torch.device) -> list[torch.Tensor]:
+    """What a rank sends its holder in a step, on the ``wire`` (:func:`~elasticzero.engine.zero.comm.wire_for`):
+    which buckets have a gradient, then each bucket's gradient shard (as it is when it lives on the wire; zeros where
+    there is none)."""
+    present = torch.tensor([m.grad is not None for m in masters], dtype=torch.uint8, device=wire)
+    grads = [
+        on(m.grad, wire) if m.grad is not None else torch.zeros(m.shape, dtype=m.dtype, device=wire) for m in masters
+    ]
     return [present, *grads]
 
 
-def _host(t: torch.Tensor) -> torch.Tensor:
-    return t.detach() if t.device.type == "cpu" else t.detach().to("cpu")
+def mirror_inbox(own: Sequence[torch.Tensor], wire: torch.device) -> list[torch.Tensor]:
+    """Receive buffers on the ``wire`` for a ward's mirrored state, laid out as this rank's own (``own``: its
+    :meth:`Replicator._state_tensors`, every rank's the same shapes), flat."""
+    return [torch.empty(t.numel(), dtype=t.dtype, device=wire) for t in own]
+
+
+def on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` detached, on ``device``: itself when it is there, else a copy."""
+    return t.detach() if t.device == device else t.detach().to(device)
 
 
 class Replicator:
@@ -146,6 +168,10 @@ class Replicator:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ez-replica") if overlap else None
         self._applying: Future[None] | None = None
         self.communicator = Communicator(opt.process_group, owner="Replicator", waiter=waiter)
+        #: the device every message travels on: the optimizer's under NCCL, the host under gloo (the copies and the
+        #: shadow optimizers stay on the host either way)
+        self.wire = wire_for(self.communicator.backend, opt.device)
+        self._landed: Any = None  # the event after this step's messages were landed on the host (CUDA wire only)
         self.rank = opt.rank
         self.step = step
         found = list(nodes) if nodes is not None else self._gather_nodes()
@@ -196,22 +222,38 @@ class Replicator:
     # -- the step -----------------------------------------------------------------------------------------------------
     def _before_step(self, optim: Any, args: Any, kwargs: Any) -> None:
         self._join()  # the copies' previous step: its gradient buffers receive this step's
-        sends = [(t, self.holder) for t in grad_message(self.opt.masters)] if self.holder is not None else []
+        wire = self.wire
+        sends = [(t, self.holder) for t in grad_message(self.opt.masters, wire)] if self.holder is not None else []
         recvs = [(t, w) for w, c in self.copies.items() for t in c.inbox()]
         self.communicator.exchange(sends, recvs)
-        self.communicator.all_reduce(torch.ones(1), op=dist.ReduceOp.MIN, tag="replica")  # the commit gate
+        gate = torch.ones(1, device=wire)
+        self.communicator.all_reduce(gate, op=dist.ReduceOp.MIN, tag="replica")  # the commit gate
+        if wire.type != "cpu":  # NCCL's wait only orders the stream: the step counts as committed once the host saw
+            gate.item()  # the gate complete (a peer lost there: the round watch aborts the group, and this raises)
+        self._landed = self._land()
+
+    def _land(self) -> Any:
+        """The wards' messages into their host buffers; on a CUDA wire an event recorded after the copies (issued on
+        the current stream, after the receives: the shadow step waits for it, this thread does not)."""
+        for c in self.copies.values():
+            c.land()
+        return _recorded_event() if self.wire.type == "cuda" and self.copies else None
 
     def _after_step(self, optim: Any, args: Any, kwargs: Any) -> None:
         self.step += 1  # the census's step of this rank's own state, copies or not
         if not self.copies:
             return
         options = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.optim.param_groups]  # this step's
+        landed, self._landed = self._landed, None
         if self._worker is None:
-            self._apply(options)
+            self._apply(options, landed)
         else:
-            self._applying = self._worker.submit(self._apply, options)
+            self._applying = self._worker.submit(self._apply, options, landed)
 
-    def _apply(self, options: list[dict[str, Any]]) -> None:
+    def _apply(self, options: list[dict[str, Any]], landed: Any) -> None:
+        """Step every copy (``landed``: the event after this step's messages reached the host, or None)."""
+        if landed is not None:
+            landed.synchronize()
         for c in self.copies.values():
             c.apply(options)
 
@@ -223,13 +265,15 @@ class Replicator:
 
     # -- building -----------------------------------------------------------------------------------------------------
     def _gather_nodes(self) -> list[int]:
-        mine = torch.tensor([node_key(os.environ, socket.gethostname())], dtype=torch.int64)
-        out = torch.empty(self.communicator.size, dtype=torch.int64)
+        mine = torch.tensor([node_key(os.environ, socket.gethostname())], dtype=torch.int64, device=self.wire)
+        out = torch.empty(self.communicator.size, dtype=torch.int64, device=self.wire)
         self.communicator.all_gather(out, mine, tag="replica")
         return out.tolist()
 
     def _empty_copy(self, ward: int) -> WardCopy:
-        """Buffers for ``ward``'s copy, laid out as its shards (every rank's shard of a bucket has the same size)."""
+        """Buffers for ``ward``'s copy, laid out as its shards (every rank's shard of a bucket has the same size): on
+        the host, and the inbox on the wire (the host buffers themselves when the wire is the host; else one gradient
+        shard per bucket on the device, and the host ones pinned, so landing them does not block)."""
         masters = [nn.Parameter(torch.empty(m.shape, dtype=m.dtype), requires_grad=False) for m in self.opt.masters]
         groups = []
         for gi, g in enumerate(self.opt.optim.param_groups):
@@ -237,16 +281,23 @@ class Replicator:
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
         make: Any = type(self.opt.optim)  # the wrapped optimizer's class, built on the copies' parameter groups
         shadow = make(groups)
-        grads = [torch.empty(m.shape, dtype=m.dtype) for m in masters]
-        present = torch.empty(len(masters), dtype=torch.uint8)
-        return WardCopy(ward, masters, shadow, grads, present, self.step)
+        pin = self.wire.type == "cuda"
+        grads = [torch.empty(m.shape, dtype=m.dtype, pin_memory=pin) for m in masters]
+        present = torch.empty(len(masters), dtype=torch.uint8, pin_memory=pin)
+        if self.wire.type == "cpu":
+            return WardCopy(ward, masters, shadow, grads, present, self.step, grads, present)
+        inbox = [torch.empty_like(g, device=self.wire) for g in grads]
+        return WardCopy(
+            ward, masters, shadow, grads, present, self.step, inbox, torch.empty_like(present, device=self.wire)
+        )
 
     @torch.no_grad()
     def _mirror(self) -> None:
-        """Send this rank's state to its holder, receive the wards' (the starting point the gradients advance)."""
+        """Send this rank's state to its holder, receive the wards' (the starting point the gradients advance), on the
+        wire; the received tensors land in the host copies."""
         own = self._state_tensors(self.opt.masters, self.opt.optim.state)
-        sends = [(_host(t).reshape(-1), self.holder) for t in own] if self.holder is not None else []
-        inboxes = {w: [torch.empty(t.numel(), dtype=t.dtype) for t in own] for w in self.copies}
+        sends = [(on(t, self.wire).reshape(-1), self.holder) for t in own] if self.holder is not None else []
+        inboxes = {w: mirror_inbox(own, self.wire) for w in self.copies}
         self.communicator.exchange(sends, [(t, w) for w, box in inboxes.items() for t in box])
         for w, box in inboxes.items():
             self._install(self.copies[w], box)
@@ -262,14 +313,16 @@ class Replicator:
 
     def _install(self, copy: WardCopy, box: list[torch.Tensor]) -> None:
         """Fill ``copy`` from the mirrored tensors (laid out as :meth:`_state_tensors`; non-tensor state values are
-        this rank's own, the same everywhere)."""
+        this rank's own, the same everywhere). Everything lands on the host: the received buffers themselves when the
+        wire is the host, else copies (no device tensor in a shadow optimizer)."""
         it = iter(box)
         for m, mine in zip(copy.masters, self.opt.masters, strict=True):
             m.data.copy_(next(it))
             st = self.opt.optim.state.get(mine, {})
             if st:
                 copy.optim.state[m] = {
-                    k: next(it).reshape(v.shape) if torch.is_tensor(v) else v for k, v in sorted(st.items())
+                    k: on(next(it), torch.device("cpu")).reshape(v.shape) if torch.is_tensor(v) else v
+                    for k, v in sorted(st.items())
                 }
 
     def _state_of(self, copy: WardCopy) -> ShardedState:
@@ -284,3 +337,10 @@ class Replicator:
             param_groups=opt.optim.param_groups,
             module=opt.module_state(),
         )
+
+
+def _recorded_event() -> Any:
+    """A CUDA event recorded on the current stream now."""
+    event = torch.cuda.Event()
+    event.record()
+    return event

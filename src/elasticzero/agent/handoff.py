@@ -25,6 +25,7 @@ from datetime import timedelta
 from enum import Enum
 from typing import Any
 
+from elasticzero.agent.agentdirs import agent_dir
 from elasticzero.agent.liveness import PeerPlan
 from elasticzero.agent.options import DYNAMIC_BACKENDS
 from elasticzero.errors import UsageError
@@ -73,8 +74,7 @@ def live_plan(
     check_live_recovery(backend)
     if peers is None:
         raise UsageError(f"--live-recovery needs peer liveness, which --rdzv-backend {backend} does not offer")
-    root = environ.get("TMPDIR") or "/tmp"
-    return LivePlan(os.path.join(root, f"elasticzero-round-{job_id}-{agent_pid}"), AGREE_TIMEOUTS * peers.timeout_s)
+    return LivePlan(agent_dir(environ, "round", job_id, agent_pid), AGREE_TIMEOUTS * peers.timeout_s)
 
 
 def check_live_recovery(backend: str) -> None:

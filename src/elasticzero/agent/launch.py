@@ -24,6 +24,7 @@ from torch.distributed.run import run_script_path
 from torch.numa.binding import AffinityMode, NumaOptions
 
 from elasticzero.agent.agent import ElasticZeroAgent, PeerFailedError
+from elasticzero.agent.agentdirs import sweep
 from elasticzero.agent.peers import StoreLostError, bound_store_calls
 from elasticzero.agent.plan import AgentPlan, LogsPlan, RendezvousPlan
 from elasticzero.errors import UsageError
@@ -103,6 +104,7 @@ def apply_torch_knobs(plan: AgentPlan) -> None:
 def launch(plan: AgentPlan) -> tuple[RunResult, ElasticZeroAgent]:
     """Rendezvous, run the workers under :class:`ElasticZeroAgent` until they finish; return the result."""
     logs_specs = build_logs_specs(plan.workers.logs)
+    sweep(os.environ, plan.job_id)  # folders of this job's agents killed earlier on this node (a rejoin after one)
     apply_torch_knobs(plan)
     params = rdzv_parameters(plan.rdzv)
     handler = bound_store_calls(rdzv_registry.get_rendezvous_handler(params), plan.peers)

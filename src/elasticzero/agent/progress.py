@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from elasticzero.agent.agentdirs import agent_dir
 from elasticzero.device import parse_seconds
 from elasticzero.progress import PROGRESS_FILE_ENV, ProgressRecord
 
@@ -71,8 +72,7 @@ def hang_plan(flag: str | None, environ: Mapping[str, str], job_id: str, agent_p
     if flag is not None and flag.strip().lower() in OFF:
         return NO_HANG
     timeout = None if flag is None else parse_seconds(flag, f"--hang-timeout {flag} (or 'off')")
-    root = environ.get("TMPDIR") or "/tmp"
-    return HangPlan(True, timeout, os.path.join(root, f"elasticzero-progress-{job_id}-{agent_pid}"))
+    return HangPlan(True, timeout, agent_dir(environ, "progress", job_id, agent_pid))
 
 
 @dataclass(frozen=True)

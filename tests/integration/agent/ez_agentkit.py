@@ -21,6 +21,7 @@ from typing import Any
 
 import psutil
 
+from elasticzero.agent.agentdirs import sweep
 from elasticzero.agent.proctree import descendants, kill_now, processes_with_env, signal_all
 
 WORKER = Path(__file__).with_name("ez_agent_worker.py")
@@ -136,6 +137,7 @@ class Cluster:
             if a.proc.poll() is None:
                 a.proc.kill()
             a.proc.wait(timeout=10)
+        sweep(os.environ, self.job_id)  # the folders a SIGKILLed agent of the test left
 
     def leftovers(self) -> list[psutil.Process]:
         """Processes of this job still alive (zombies excluded)."""

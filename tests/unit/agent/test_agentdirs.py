@@ -1,0 +1,50 @@
+"""The agents' scratch folders: one naming rule, and the sweep of those a dead agent left (pure choice over a listing,
+then a real folder tree)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from elasticzero.agent.agentdirs import agent_dir, stale, sweep
+from elasticzero.agent.handoff import live_plan
+from elasticzero.agent.liveness import PeerPlan
+from elasticzero.agent.progress import hang_plan
+
+
+def test_both_kinds_of_folder_follow_one_rule() -> None:
+    env = {"TMPDIR": "/scratch"}
+    assert agent_dir(env, "progress", "job1", 42) == "/scratch/elasticzero-progress-job1-42"
+    assert agent_dir({}, "round", "job1", 42) == "/tmp/elasticzero-round-job1-42"
+    assert hang_plan(None, env, "job1", 42).progress_dir == agent_dir(env, "progress", "job1", 42)
+    plan = live_plan(True, "c10d", PeerPlan(4, 1, 4, "default"), env, "job1", 42)
+    assert plan is not None and plan.round_dir == agent_dir(env, "round", "job1", 42)
+
+
+def test_only_this_jobs_folders_of_dead_agents_are_stale() -> None:
+    names = [
+        "elasticzero-round-job1-10",  # dead agent of the job
+        "elasticzero-progress-job1-10",
+        "elasticzero-round-job1-11",  # live agent of the job
+        "elasticzero-round-job1x-10",  # another job whose id starts the same
+        "elasticzero-round-job2-10",  # another job
+        "elasticzero-round-job1-notapid",
+        "unrelated",
+    ]
+    assert stale(names, "job1", alive=lambda pid: pid == 11) == [
+        "elasticzero-progress-job1-10",
+        "elasticzero-round-job1-10",
+    ]
+
+
+def test_sweep_removes_the_dead_agents_folders_and_keeps_the_rest(tmp_path: Path) -> None:
+    env = {"TMPDIR": str(tmp_path)}
+    dead = Path(agent_dir(env, "round", "job1", 999_999_999))  # above any pid: no such process
+    mine = Path(agent_dir(env, "progress", "job1", os.getpid()))
+    other = Path(agent_dir(env, "round", "job2", 999_999_999))
+    for d in (dead, mine, other):
+        d.mkdir()
+        (d / "f").write_text("x")
+    assert sweep(env, "job1") == 1
+    assert not dead.exists() and mine.exists() and other.exists()
+    assert sweep({"TMPDIR": str(tmp_path / "missing")}, "job1") == 0

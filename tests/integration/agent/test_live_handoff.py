@@ -17,7 +17,6 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +24,7 @@ import psutil
 import pytest
 from ez_agentkit import WORKER, Agent, Cluster, wait_for
 
-from cluster.etcd_server import EtcdCluster, require_etcd
 from elasticzero.agent.proctree import descendants
-from ez_testing import free_port
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(150)]
 
@@ -40,30 +37,6 @@ PEER_TIMEOUT_S, LAST_CALL_S = 4.0, 1.0
 #: all: the pids are checked separately.
 SLACK_S = 3.0
 HANDOFF_S = PEER_TIMEOUT_S + LAST_CALL_S + SLACK_S
-
-
-@pytest.fixture(params=["c10d", pytest.param("etcd", marks=pytest.mark.etcd)])
-def endpoint(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str]]:
-    if request.param == "c10d":
-        yield "c10d", f"127.0.0.1:{free_port()}"
-        return
-    etcd = EtcdCluster.start(tmp_path / "etcd", 1, require_etcd("3.4"))
-    try:
-        yield "elasticzero", etcd.endpoint()
-    finally:
-        etcd.stop()
-
-
-@pytest.fixture
-def live_cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        for a in c.agents:  # resume what a test stopped, so the cleanup's SIGKILL is not held up
-            for p in [psutil.Process(a.proc.pid), *descendants([a.proc.pid])] if a.proc.poll() is None else []:
-                p.send_signal(signal.SIGCONT)
-        c.cleanup()
 
 
 def start_node(cluster: Cluster, backend: str, endpoint: str, nproc: int) -> Agent:
@@ -144,10 +117,9 @@ def assert_handed_off(
             assert late < within, f"worker {pid} saw round {number} {late:.1f} s after the event (bound {within} s)"
 
 
-def test_survivors_keep_their_workers_through_kill_join_and_freeze(
-    endpoint: tuple[str, str], live_cluster: Cluster
-) -> None:
-    cluster, (backend, ep) = live_cluster, endpoint
+def test_survivors_keep_their_workers_through_kill_join_and_freeze(endpoint: tuple[str, str], cluster: Cluster) -> None:
+    rdzv, ep = endpoint
+    backend = "c10d" if rdzv == "c10d" else "elasticzero"
     a0 = start_node(cluster, backend, ep, nproc=2)
     if backend == "c10d":
         cluster.wait_store(ep)  # node 0 hosts the store: it is never the one killed or frozen

@@ -19,7 +19,6 @@ import re
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -27,30 +26,16 @@ import pytest
 from ez_agentkit import ELASTICZERO_RUN, Cluster, wait_for
 from test_elastic_e2e import CORPUS, DRIVER, GLOBAL, SEED, SEQ, STEPS, Case, committed_record, job, recorded
 
-from cluster.etcd_server import EtcdCluster, require_etcd
 from elasticzero.agent.liveness import DEFAULT_PEER_TIMEOUT_S
 from elasticzero.agent.options import RDZV_DEFAULTS
 from elasticzero.agent.proctree import descendants
 from elasticzero.data import ByteCorpus, epoch_order, stdlib_corpus
-from ez_testing import free_port
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
 FREEZE_AT, RESUME_AT, HOLD_AT = 12, 6, 8  # the save of step 12 freezes; step 6 is the newest committed before it
 #: the issue's goal: the survivors train again within 10 s of the freeze, with default settings (printed)
 RECOVERY_S = 10.0
-
-
-@pytest.fixture(params=["c10d", pytest.param("etcd", marks=pytest.mark.etcd)])
-def endpoint(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str]]:
-    if request.param == "c10d":
-        yield "c10d", f"127.0.0.1:{free_port()}"
-        return
-    etcd = EtcdCluster.start(tmp_path / "etcd", 1, require_etcd("3.4"))
-    try:
-        yield "etcd", etcd.endpoint()
-    finally:
-        etcd.stop()
 
 
 def agent_argv(cluster: Cluster, rdzv: str, endpoint: str, i: int) -> list[str]:

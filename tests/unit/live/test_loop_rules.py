@@ -81,6 +81,13 @@ def test_the_round_file_and_local_rank_at_start_are_usage_errors_when_wrong(tmp_
         local_rank_of({"LOCAL_RANK": "x"})
 
 
+@pytest.fixture
+def cpu_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device rule sees a CPU machine: these tests build CPU models over gloo on any machine (on a GPU one it
+    would bind the round's group to NCCL on ``cuda:0``, which a CPU tensor cannot use)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 def build(group: Any) -> ZeroStage2:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
@@ -98,7 +105,7 @@ def train(live: LiveTraining, total: int, data: torch.Tensor, seen: list[dict[st
             attempt.opt.zero_grad()
 
 
-def test_a_world_of_one_enters_a_second_round_in_the_same_process(tmp_path: Path) -> None:
+def test_a_world_of_one_enters_a_second_round_in_the_same_process(tmp_path: Path, cpu_machine: None) -> None:
     path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
     write_round(path, NodeRound(0, 1, ((0, 0),), store, "r0/"))
     data = torch.randn(48, 4, generator=torch.Generator().manual_seed(1))
@@ -120,7 +127,7 @@ def test_a_world_of_one_enters_a_second_round_in_the_same_process(tmp_path: Path
         live.groups.abandon()
 
 
-def test_a_newer_round_during_the_entry_starts_it_over_with_that_round(tmp_path: Path) -> None:
+def test_a_newer_round_during_the_entry_starts_it_over_with_that_round(tmp_path: Path, cpu_machine: None) -> None:
     """Round 2 arrives while this process enters round 1 (here: while it builds; in a job, any bounded wait of the
     entry leaves with it): the entry starts over with round 2, from the same holdings — no LiveError."""
     path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
@@ -150,7 +157,9 @@ def test_a_newer_round_during_the_entry_starts_it_over_with_that_round(tmp_path:
         live.groups.abandon()
 
 
-def test_the_copies_options_reach_the_replicator_and_committed_says_which_attempts_counted(tmp_path: Path) -> None:
+def test_the_copies_options_reach_the_replicator_and_committed_says_which_attempts_counted(
+    tmp_path: Path, cpu_machine: None
+) -> None:
     """``replicate=False`` (a config's ``zero.replicas.enabled``) turns the copies off in every round; ``committed``
     is True after a step that completed and False after one left for a new round (the ``with`` swallowed that)."""
     path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)

@@ -26,6 +26,11 @@ RDZV_DEFAULTS = {
     "last_call_timeout": "2",
 }
 
+#: with ``--live-recovery`` the last call is 1 s: there a node that misses a round costs one more hand-off (the
+#: workers' own part is ~0.15 s), not a restart of every worker, so the round closes sooner and a loss is trained
+#: past within the 5 s goal at the default 4 s peer timeout (docs/agent.md, "Live recovery"). --rdzv-conf wins.
+LIVE_RDZV_DEFAULTS = {**RDZV_DEFAULTS, "last_call_timeout": "1"}
+
 IDENTITY_FLAGS = ("--node-rank", "--node-rank-env", "--node-host", "--node-host-env")
 
 
@@ -136,14 +141,15 @@ def rdzv_config(
     first_host: str | None,
     torch_defaults: bool,
     peers: PeerPlan | None = None,
+    live: bool = False,
 ) -> dict[str, object]:
     """The rendezvous config the handler is built with: ``--rdzv-conf`` (``user``) plus ours, as a new dict.
 
-    Static: torchrun's ``rank`` and ``timeout``. Dynamic backends: our defaults (:data:`RDZV_DEFAULTS`) unless
-    ``torch_defaults``; the keep-alive settings ``--peer-timeout`` derives (``peers``,
-    :func:`elasticzero.agent.liveness.peer_plan`: it already checked them against the user's); the node-rank
-    hint; ``is_host``; and no ``timeout`` nobody set (torchrun's ``LaunchConfig`` injects ``timeout=900`` whether
-    or not the user wrote it).
+    Static: torchrun's ``rank`` and ``timeout``. Dynamic backends: our defaults (:data:`RDZV_DEFAULTS`, with
+    ``live`` recovery :data:`LIVE_RDZV_DEFAULTS`) unless ``torch_defaults``; the keep-alive settings
+    ``--peer-timeout`` derives (``peers``, :func:`elasticzero.agent.liveness.peer_plan`: it already checked them
+    against the user's); the node-rank hint; ``is_host``; and no ``timeout`` nobody set (torchrun's ``LaunchConfig``
+    injects ``timeout=900`` whether or not the user wrote it).
 
     ``is_host``: when the endpoint host is the node table's first host (``elasticzero-launch``'s default), node 0
     hosts the embedded c10d store — ``is_host=true`` there, ``false`` elsewhere — instead of torch's guess from
@@ -154,7 +160,7 @@ def rdzv_config(
         return {"timeout": TORCHRUN_RDZV_TIMEOUT, **user, "rank": node_rank or 0}
     config: dict[str, object] = dict(user)
     if not torch_defaults and backend in DYNAMIC_BACKENDS:
-        config = {**RDZV_DEFAULTS, **config}
+        config = {**(LIVE_RDZV_DEFAULTS if live else RDZV_DEFAULTS), **config}
     if peers is not None and peers.source == "--peer-timeout" and backend in DYNAMIC_BACKENDS:
         config.update(peers.rdzv_conf())  # the keep-alive age torch drops a node at is the peer timeout
     if node_rank is not None:

@@ -461,6 +461,7 @@ def plan_agent(args: argparse.Namespace, environ: Mapping[str, str], facts: Agen
         first_host=table[0].host if table else None,
         torch_defaults=args.torch_rdzv_defaults,
         peers=peers,
+        live=bool(args.live_recovery),
     )
     collective = collective_plan(args.collective_timeout, environ)
     live = live_plan(args.live_recovery, backend, peers, environ, job_id, facts.pid)

@@ -241,6 +241,16 @@ def test_rdzv_config_hint_defaults_and_no_phantom_timeout() -> None:
     assert _config({}, "static", node_rank=0) == {"timeout": TORCHRUN_RDZV_TIMEOUT, "rank": 0}
 
 
+def test_live_recovery_closes_rounds_after_a_1s_last_call_unless_the_user_set_one() -> None:
+    live = _config({}, "c10d", node_rank=None, live=True)
+    assert live["last_call_timeout"] == "1" and RDZV_DEFAULTS["last_call_timeout"] == "2"
+    assert {k: v for k, v in live.items() if k != "last_call_timeout"} == {
+        k: v for k, v in RDZV_DEFAULTS.items() if k != "last_call_timeout"
+    }  # the keep-alive pair (the peer timeout) is the same with or without live recovery
+    assert _config({"last_call_timeout": "3"}, "etcd-v2", node_rank=None, live=True)["last_call_timeout"] == "3"
+    assert "last_call_timeout" not in _config({}, "c10d", node_rank=None, live=True, torch_defaults=True)
+
+
 @pytest.mark.parametrize("backend", ["c10d", "elasticzero"])
 def test_is_host_from_node_table_when_endpoint_is_first_host(backend: str) -> None:
     for node_rank, expected in ((0, True), (1, False), (2, False)):

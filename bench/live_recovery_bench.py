@@ -4,6 +4,7 @@ world, committed steps lost, and what the in-memory copies cost.
     .venv/bin/python bench/live_recovery_bench.py                                  # smoke: 2 reps, tiny GPT
     .venv/bin/python bench/live_recovery_bench.py --reps 10 --seed 1               # >= 10 events per kind and path
     .venv/bin/python bench/live_recovery_bench.py --size bench --reps 3 --copy-rounds 3
+    .venv/bin/python bench/live_recovery_bench.py --size bench --seq-len 32 --global-batch 4 --micro-batch 2 --reps 10
 
 **The jobs.** ``examples/train_gpt.py`` (ZeRO-2, gloo, ``--size tiny`` or ``bench`` — the example's byte-level
 vocabulary makes the bench GPT 25.5M parameters there, 29.5M in replica_bench's 4096 vocabulary; through its test driver
@@ -178,6 +179,8 @@ class Job:
         job += ["--size", a.size, "--seq-len", str(a.seq_len), "--steps", "1000000", "--corpus-bytes", str(1 << 20)]
         job += ["--checkpoint-dir", str(self.tmp / "ckpt"), "--save-every", str(a.save_every), "--async-save"]
         job += ["--cache-dir", str(self.tmp / "corpus"), "--record-samples", str(self.record.path)]
+        job += ["--global-batch-size", str(a.global_batch)] if a.global_batch else []
+        job += ["--micro-batch-size", str(a.micro_batch)] if a.micro_batch else []
         return [*agent, *job]
 
     def start_agent(self) -> None:
@@ -457,6 +460,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", default="tiny", help=f"the job's GPT, {' or '.join(SIZES)} (default tiny)")
     p.add_argument("--seq-len", type=int, default=128, help="the job's sequence length (default 128)")
     p.add_argument("--save-every", type=int, default=5, help="checkpoint interval K, both paths (default 5)")
+    p.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: the config's, 16)")
+    p.add_argument("--micro-batch", type=int, default=0, help="sequences per forward (default: the config's, 4)")
     p.add_argument("--blocks", type=int, default=2, help="jobs per path, alternating the paths (default 2)")
     p.add_argument("--victim-rank", default="1", help="the lost node's rank: 0, 1 (default) or alternate")
     p.add_argument("--seed", type=int, default=0, help="seeds the event points (default 0)")
@@ -482,6 +487,12 @@ def checks(args: argparse.Namespace) -> list[tuple[bool, str]]:
         (args.victim_rank not in VICTIMS, f"--victim-rank {args.victim_rank}: give 0, 1 or alternate"),
         (not set(args.paths) <= set(PATHS), f"--paths {','.join(args.paths)}: give restart, live or both"),
         (args.size not in SIZES, f"--size {args.size}: choose {' or '.join(SIZES)}"),
+        (
+            min(args.global_batch, args.micro_batch) < 0
+            or bool(args.global_batch) != bool(args.micro_batch)
+            or (args.global_batch and args.global_batch % (2 * args.micro_batch) != 0),
+            "--global-batch G --micro-batch M: give both, G a multiple of 2 x M (the job runs at worlds 1 and 2)",
+        ),
         (not set(args.copy_sizes) <= {"tiny", "small", "bench"}, "--copy-sizes: tiny, small, bench or none"),
         (
             min(args.reps, args.save_every, args.blocks, args.copy_rounds, args.seq_len) < 1,

@@ -37,15 +37,20 @@ def _layout(bucketing: str, world: int) -> ZeroLayout:
 )
 @pytest.mark.parametrize("shift", [1, 2])
 def test_every_copy_is_on_another_node(nodes: list[object], shift: int) -> None:
-    if shift % len(set(nodes)) == 0:
-        with pytest.raises(UsageError, match="node_shift"):
-            place_buddies(nodes, node_shift=shift)
-        return
     plan = place_buddies(nodes, node_shift=shift)
     assert plan.enabled
+    # a shift that is a multiple of the round's node count falls back to 1 for that round, and says so
+    assert ("shift 1" in plan.reason) == (shift % len(set(nodes)) == 0)
+    if plan.reason:
+        assert plan.holder == place_buddies(nodes).holder
     for r, h in enumerate(plan.holder):
         assert h is not None and nodes[h] != nodes[r], (r, h)
     assert sorted(r for h in range(len(nodes)) for r in plan.wards(h)) == list(range(len(nodes)))
+
+
+def test_a_shift_below_one_is_refused_with_the_fix() -> None:
+    with pytest.raises(UsageError, match=r"node_shift=0: must be >= 1"):
+        place_buddies([0, 1], node_shift=0)
 
 
 @pytest.mark.parametrize("nodes", [[0, 0, 1, 1], [0, 0, 0, 1, 1, 1], [0, 1, 2, 3]])

@@ -7,8 +7,10 @@ nodes: nodes in order of their first rank, rank ``r`` (the ``j``-th rank of node
 uneven ones a rank of a small node may hold more. With one node, or replication off, nobody holds anything (a copy on
 the same node dies with it) and :attr:`BuddyPlan.reason` says why.
 
-:func:`check_node_shift` is the knob's check; :func:`place_buddies` the decision over a snapshot of the group (the node
-of every rank, e.g. gathered from ``GROUP_RANK`` or the host name).
+:func:`shift_for` is the knob's rule per round: a ``node_shift`` that is a multiple of a round's node count would put
+copies on their own node, so that round uses shift 1 (and says so in the plan's ``reason``) rather than stopping a
+running job at a world size its config could not foresee; :func:`place_buddies` is the decision over a snapshot of the
+group (the node of every rank, e.g. gathered from ``GROUP_RANK`` or the host name).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class BuddyPlan:
     """``holder[r]``: the rank holding rank ``r``'s copy (``None`` for all when off, with ``reason``)."""
 
     holder: tuple[int | None, ...]
-    reason: str = ""
+    reason: str = ""  #: why nobody holds a copy, or why this round's shift is not the knob's
 
     @property
     def enabled(self) -> bool:
@@ -35,13 +37,13 @@ class BuddyPlan:
         return tuple(r for r, h in enumerate(self.holder) if h == rank)
 
 
-def check_node_shift(node_shift: int, nodes: int) -> None:
-    """:class:`UsageError` unless ``node_shift`` puts every node's copies on another node."""
-    if node_shift % nodes == 0:
-        raise UsageError(
-            f"replica node_shift={node_shift} puts copies on their own node with {nodes} nodes: use a shift that is "
-            f"not a multiple of the node count (default 1)"
-        )
+def shift_for(node_shift: int, nodes: int) -> tuple[int, str]:
+    """The shift a round of ``nodes`` nodes uses, and why when it is not ``node_shift`` (>= 1; ``nodes`` >= 2)."""
+    if node_shift < 1:
+        raise UsageError(f"replica node_shift={node_shift}: must be >= 1 (default 1)")
+    if node_shift % nodes:
+        return node_shift, ""
+    return 1, f"node_shift={node_shift} is a multiple of this round's {nodes} nodes (copies on their own node): shift 1"
 
 
 def place_buddies(nodes: Sequence[Hashable], *, enabled: bool = True, node_shift: int = 1) -> BuddyPlan:
@@ -52,10 +54,10 @@ def place_buddies(nodes: Sequence[Hashable], *, enabled: bool = True, node_shift
         return BuddyPlan(off, "replication is off")
     if len(order) < 2:
         return BuddyPlan(off, "one node: a copy on the same node would die with it")
-    check_node_shift(node_shift, len(order))
+    shift, why = shift_for(node_shift, len(order))
     ranks_of = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
     holder = []
     for r, n in enumerate(nodes):
-        there = ranks_of[order[(order.index(n) + node_shift) % len(order)]]
+        there = ranks_of[order[(order.index(n) + shift) % len(order)]]
         holder.append(there[ranks_of[n].index(r) % len(there)])
-    return BuddyPlan(tuple(holder))
+    return BuddyPlan(tuple(holder), why)

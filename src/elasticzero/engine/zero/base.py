@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -165,7 +166,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.state = self.optim.state
         self.defaults = self.optim.defaults
         self._ready = True
-        self._grad_watchers: dict[int, GradWatcher] = {}
+        self._grad_watchers: OrderedDict[int, GradWatcher] = OrderedDict()  # a RemovableHandle refers to it weakly
         self.bucketer = self._make_bucketer()
         self._input_hook = None
         if cast_forward_inputs and self.policy.param_dtype != torch.float32:

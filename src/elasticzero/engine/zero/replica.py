@@ -259,6 +259,8 @@ class Replicator:
         self.holder = self.plan.holder[self.rank]
         self.copies = {w: self._empty_copy(w) for w in self.plan.wards(self.rank)}
         self._window = GradWindow([0] * len(opt.masters))
+        #: steps whose gradients went to the holder during backward (the others' at the pre-step hook)
+        self.early_steps = 0
         self._hooks: list[Any] = [opt.optim.register_step_post_hook(self._after_step)]  # counts steps, even off
         if self.plan.enabled:
             self._mirror()
@@ -346,6 +348,7 @@ class Replicator:
         self._wait_posted()
         window, self._window = self._window, GradWindow([0] * len(self.opt.masters))
         early = early_grads_usable(window.counts, len(window.factors))
+        self.early_steps += early
         recvs = [(t, w) for w, c in self.copies.items() for t in c.inbox(early)]
         self.communicator.exchange(self._step_sends(window.factors if early else [], early), recvs)
         wire = self.wire

@@ -46,6 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=6, help="timed steps per arm per round")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--early",
+        type=int,
+        default=1,
+        choices=[0, 1],
+        help="1: gradients to the holder during backward (Replicator(early=True)); 0: all at the pre-step hook",
+    )
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/replica_bench-<utc>.json)")
     return p.parse_args(argv)
 
@@ -106,12 +113,13 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
     for rnd in range(args.rounds):
         for arm in ("off", "on") if rnd % 2 == 0 else ("on", "off"):
             if arm == "on" and rep is None:
-                rep = Replicator(opt, nodes=[0, 1])
+                rep = Replicator(opt, nodes=[0, 1], early=bool(args.early))
                 handles = [
                     opt.optim.register_step_pre_hook(clock.mark("pre_then")),
                     opt.optim.register_step_post_hook(clock.mark("post_then")),
                 ]
             elif arm == "off" and rep is not None:
+                out["early_steps"] = out.get("early_steps", 0) + rep.early_steps
                 rep.close()
                 rep = None
                 for h in handles:
@@ -135,6 +143,7 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
                     opt.comm_stats, ("reduce_scatter", "all_gather"), ("grad", "param"), args.steps
                 )
     if rep is not None:
+        out["early_steps"] = out.get("early_steps", 0) + rep.early_steps
         rep.close()
     out["state_bytes"] = opt.memory_report()["total"]
     out["numel"] = opt.numel
@@ -175,6 +184,7 @@ def summary(ranks: list[dict[str, Any]], world: int) -> dict[str, Any]:
         "train_sent_bytes_per_step": train_sent,
         "replica_host_bytes": max(r["replica_host_bytes"] for r in ranks),
         "model_state_bytes": max(r["state_bytes"] for r in ranks),
+        "early_steps": min(r.get("early_steps", 0) for r in ranks),  # steps (warm-up too) sent during backward
     }
 
 

@@ -3,17 +3,30 @@
 A :class:`Replicator` on a ZeRO optimizer keeps, on every rank, a copy of the state of each of its *wards* (the ranks
 :func:`~elasticzero.engine.zero.buddy.place_buddies` gives it): fp32 master shards, the wrapped optimizer's state
 (moments, step counters), advanced by a shadow optimizer of the same class. Checkmate-style, the copies follow by
-gradients, not by state: built, it mirrors each rank's state to its holder once; then in every optimizer step (step
-hooks on the wrapped optimizer, after clipping and unscaling, so the gradient is the one the step uses):
+gradients, not by state: built, it mirrors each rank's state to its holder once; then in every optimizer step:
 
-1. each rank sends its gradient shards (one per bucket, plus which buckets have one) to its holder and receives its
-   wards' (point-to-point, :meth:`Communicator.exchange`, tag ``"replica"``);
+0. during backward (``early``, the default): as each bucket's reduction completes (the bucketer's ``on_reduced``, in
+   the same bucket order on every rank: stages 1/2/3 all reduce during backward, stage 3 at its end), the rank posts
+   that gradient shard to its holder and its wards' shards of the bucket into their inboxes, asynchronously
+   (:meth:`ZeroOptimizer.watch_grads <elasticzero.engine.zero.base.ZeroOptimizer.watch_grads>`: the optimizer tells
+   its watchers of reductions, of every in-place multiply of the shards — the loss scaler's unscale, the clip — as
+   data (:class:`~elasticzero.engine.zero.base.Factor`), and of ``zero_grad``). Before a shard is multiplied in place
+   the posted sends complete (they read it); on a device wire each send is issued after its reduction's stream work;
+1. at the step (pre-step hook on the wrapped optimizer): each rank waits for what it posted and sends its holder which
+   buckets have a gradient and a *note* of the multiplies applied since (:func:`step_message`); the holder replays
+   them, in order and kind, on the received shards (:meth:`WardCopy.replay`), so its gradient is bitwise the one the
+   owner's step uses. Where a shard changed after it was posted — a bucket reduced twice in one step (accumulation by
+   repeated backward, stage 3 always; under ``no_sync`` only the last backward reduces), or no backward since the last
+   step — every rank sends its final gradient shards here instead (the pure decision :func:`early_grads_usable`; every
+   rank decides alike: reductions are collectives). A step skipped for inf/NaN never reaches the hook; its
+   ``zero_grad`` completes what was posted and starts afresh. In a live round the waits are the communicator's
+   (bounded); a round change mid-backward abandons what is posted with the old group and its replicator;
 2. the *commit gate*: a one-element all-reduce; once it returns, every holder has the gradients of step N of all its
    wards, so every shard of step N can be made twice — step N is committed;
 3. the wrapped optimizer steps (the owner's shard), then each holder steps its wards' copies with their gradients and
    the step's hyper-parameters (the same class, options and inputs: on the CPU the copy equals the owner's state
    bitwise) — by default on a background thread, overlapping the next forward and backward, joined before the next
-   exchange and before anything reads the copies.
+   step's first receive and before anything reads the copies.
 
 Why gradients, not state: a copy of the state after the step costs ``(1 + k) x`` the gradient's bytes (``k``
 element-wise state tensors: Adam's two moments) and leaves a hole: once a rank has stepped, its state before the step

@@ -58,7 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def timed_steps(opt: Any, model: Any, args: argparse.Namespace, n: int, seed: int) -> list[float]:
+def timed_steps(
+    opt: Any, model: Any, args: argparse.Namespace, n: int, seed: int, passes: list[float] | None = None
+) -> list[float]:
+    """Step times (seconds); ``passes`` gets each step's forward + backward time (the early sends run in it)."""
     g = torch.Generator().manual_seed(seed)
     vocab = model.cfg.vocab_size
     times = []
@@ -67,6 +70,8 @@ def timed_steps(opt: Any, model: Any, args: argparse.Namespace, n: int, seed: in
         t0 = time.perf_counter()
         logits = model(x)
         torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), torch.roll(x, 1, 1).reshape(-1)).backward()
+        if passes is not None:
+            passes.append(time.perf_counter() - t0)
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
@@ -111,7 +116,7 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
     model = GPT(config_for(args.size))
     opt = STAGES[args.stage](model, torch.optim.AdamW, lr=1e-3, precision=args.precision)
     arms = ["off", "on", "late"] if args.compare_late else ["off", "on"]
-    out: dict[str, Any] = {arm: [] for arm in arms}
+    out: dict[str, Any] = {arm: [] for arm in arms} | {f"{arm}_fwd_bwd": [] for arm in arms}
     clock = HookClock()
     opt.optim.register_step_pre_hook(clock.mark("pre_first"))
     opt.optim.register_step_post_hook(clock.mark("post_first"))
@@ -129,7 +134,7 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
             if rep is not None:
                 rep.comm_stats.reset()
             clock.clear()
-            out[arm] += timed_steps(opt, model, args, args.steps, seed=100 + rnd)
+            out[arm] += timed_steps(opt, model, args, args.steps, seed=100 + rnd, passes=out[f"{arm}_fwd_bwd"])
             if rep is not None:
                 record_copies(out, "" if arm == "on" else f"{arm}_", clock, rep, args.steps)
                 rep.close()
@@ -185,6 +190,8 @@ def summary(ranks: list[dict[str, Any]], world: int) -> dict[str, Any]:
         "replica_exchange_gate_ms": median_ms(ranks, "replica_pre"),
         "replica_shadow_step_ms": median_ms(ranks, "replica_post"),
         "own_optimizer_step_ms": median_ms(ranks, "own_step"),
+        "fwd_bwd_ms_off": median_ms(ranks, "off_fwd_bwd"),
+        "fwd_bwd_ms_on": median_ms(ranks, "on_fwd_bwd"),
         "replica_sent_bytes_per_step": max(r["replica_sent"] for r in ranks),
         "train_sent_bytes_per_step": train_sent,
         "replica_host_bytes": max(r["replica_host_bytes"] for r in ranks),
@@ -197,6 +204,7 @@ def summary(ranks: list[dict[str, Any]], world: int) -> dict[str, Any]:
             "step_ms_late": late,
             "late_overhead_pct": 100 * (late / off - 1),
             "late_exchange_gate_ms": median_ms(ranks, "late_replica_pre"),
+            "fwd_bwd_ms_late": median_ms(ranks, "late_fwd_bwd"),
             "late_early_steps": min(r["late_early_steps"] for r in ranks),
         }
     return res

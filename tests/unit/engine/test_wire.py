@@ -20,6 +20,7 @@ from elasticzero.engine.zero.replica import (
     NOTE_LEN,
     Replicator,
     WardCopy,
+    bucket_exchange,
     grad_message,
     mirror_inbox,
     on,
@@ -113,6 +114,21 @@ def test_ward_copy_inbox_on_the_wire_copies_on_the_host(group: None) -> None:
     assert [(t.shape, t.dtype) for t in there.inbox()] == [(t.shape, t.dtype) for t in here.inbox()]
     shadowed = [p for g in there.optim.param_groups for p in g["params"]]
     assert {t.device for t in (*there.masters, there.present, there.note, *there.grads, *shadowed)} == {CPU}
+    rep.close()
+
+
+def test_early_bucket_exchange_is_on_the_wire(group: None) -> None:
+    """A bucket's shard sent during backward and the wards' receive buffers: on the wire (the device under NCCL, where
+    the send is issued after the reduction's stream work); on the host wire the gradient itself, no copy."""
+    opt = ZeroStage2(nn.Linear(3, 2), torch.optim.AdamW, lr=0.1)
+    rep = Replicator(opt, nodes=[0])
+    shard = torch.ones(4)
+    sends, recvs = bucket_exchange(0, shard, 1, {1: rep._empty_copy(1)}, CPU)
+    assert sends[0][0].data_ptr() == shard.data_ptr() and sends[0][1] == 1 and recvs[0][1] == 1
+    rep.wire = META
+    sends, recvs = bucket_exchange(0, shard, 1, {1: rep._empty_copy(1)}, META)
+    assert {t.device for t, _ in (*sends, *recvs)} == {META}
+    assert bucket_exchange(0, shard, None, {}, META) == ([], [])  # no holder, no wards: nothing to post
     rep.close()
 
 

@@ -193,6 +193,15 @@ def step_message(
     return [present, note_of(factors, wire), *grads]
 
 
+def bucket_exchange(
+    bucket: int, shard: torch.Tensor, holder: int | None, copies: Mapping[int, WardCopy], wire: torch.device
+) -> tuple[list[tuple[torch.Tensor, int]], list[tuple[torch.Tensor, int]]]:
+    """The sends and receives of one bucket's early exchange, on the ``wire``: this rank's gradient ``shard`` to its
+    ``holder`` (itself when it lives on the wire), each ward's shard of ``bucket`` into that copy's inbox."""
+    sends = [(on(shard, wire), holder)] if holder is not None else []
+    return sends, [(c.wire_grads[bucket], w) for w, c in copies.items()]
+
+
 def early_grads_usable(counts: Sequence[int], factors: int) -> bool:
     """Whether a step's gradients may go as they went during backward, each bucket's shard posted when its reduction
     completed, plus a note of the ``factors`` multiplies since: only when every bucket was reduced exactly once since
@@ -333,8 +342,7 @@ class Replicator:
         if counts[bucket] != 1:
             return
         self._join()  # the copies' previous step reads the host gradient buffers the wards' shards arrive in
-        sends = [(on(shard, self.wire), self.holder)] if self.holder is not None else []
-        recvs = [(c.wire_grads[bucket], w) for w, c in self.copies.items()]
+        sends, recvs = bucket_exchange(bucket, shard, self.holder, self.copies, self.wire)
         work = self.communicator.exchange(sends, recvs, async_op=True) if sends or recvs else None
         if work is not None:
             self._window.posted.append(work)

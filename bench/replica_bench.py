@@ -2,12 +2,15 @@
 send per step per rank beside the training collectives', host memory of the copies per rank.
 
 Two gloo ranks on 127.0.0.1, each told it is its own node (``nodes=[0, 1]``: each holds the other's copy), forked
-from this driver (torch imported once). Each round runs both arms in the same rank processes, in alternating order
+from this driver (torch imported once). Each round runs every arm in the same rank processes, the order rotated
 (round 1: off then on; round 2: on then off...), so a drift of the machine's load does not favour one arm; the step
-time is the median over every timed step of every round. Not a test: nothing asserts, every number is this run's.
+time is the median over every timed step of every round. Arms: ``off`` (no copies), ``on`` (copies, gradients sent
+during backward: ``Replicator(early=True)``), with ``--compare-late`` also ``late`` (``early=False``: every gradient
+at the pre-step hook, the path before the overlap). Not a test: nothing asserts, every number is this run's.
 
     .venv/bin/python bench/replica_bench.py                       # small GPT (~3.4M), ZeRO-2, fp32
     .venv/bin/python bench/replica_bench.py --size bench --stage 1 --rounds 3   # the 29.5M GPT of the issue's goal
+    .venv/bin/python bench/replica_bench.py --size bench --compare-late --rounds 3  # + copies sent at the step only
 """
 
 from __future__ import annotations
@@ -46,11 +49,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=6, help="timed steps per arm per round")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--compare-late",
+        action="store_true",
+        help="a third arm: copies with every gradient sent at the pre-step hook (Replicator(early=False))",
+    )
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/replica_bench-<utc>.json)")
     return p.parse_args(argv)
 
 
-def timed_steps(opt: Any, model: Any, args: argparse.Namespace, n: int, seed: int) -> list[float]:
+def timed_steps(
+    opt: Any, model: Any, args: argparse.Namespace, n: int, seed: int, passes: list[float] | None = None
+) -> list[float]:
+    """Step times (seconds); ``passes`` gets each step's forward + backward time (the early sends run in it)."""
     g = torch.Generator().manual_seed(seed)
     vocab = model.cfg.vocab_size
     times = []
@@ -59,6 +70,8 @@ def timed_steps(opt: Any, model: Any, args: argparse.Namespace, n: int, seed: in
         t0 = time.perf_counter()
         logits = model(x)
         torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), torch.roll(x, 1, 1).reshape(-1)).backward()
+        if passes is not None:
+            passes.append(time.perf_counter() - t0)
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
@@ -94,51 +107,57 @@ class HookClock:
         }
 
 
+#: the arms: no copies; copies with the gradients sent during backward (``early``); copies sent at the pre-step hook
+ARMS = {"off": None, "on": True, "late": False}
+
+
 def rank_main(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     model = GPT(config_for(args.size))
     opt = STAGES[args.stage](model, torch.optim.AdamW, lr=1e-3, precision=args.precision)
-    out: dict[str, Any] = {"off": [], "on": []}
+    arms = ["off", "on", "late"] if args.compare_late else ["off", "on"]
+    out: dict[str, Any] = {arm: [] for arm in arms} | {f"{arm}_fwd_bwd": [] for arm in arms}
     clock = HookClock()
     opt.optim.register_step_pre_hook(clock.mark("pre_first"))
     opt.optim.register_step_post_hook(clock.mark("post_first"))
-    rep = None
     for rnd in range(args.rounds):
-        for arm in ("off", "on") if rnd % 2 == 0 else ("on", "off"):
-            if arm == "on" and rep is None:
-                rep = Replicator(opt, nodes=[0, 1])
+        for arm in arms[rnd % len(arms) :] + arms[: rnd % len(arms)]:  # rotated: no arm always first
+            rep, handles = None, []
+            if ARMS[arm] is not None:
+                rep = Replicator(opt, nodes=[0, 1], early=bool(ARMS[arm]))
                 handles = [
                     opt.optim.register_step_pre_hook(clock.mark("pre_then")),
                     opt.optim.register_step_post_hook(clock.mark("post_then")),
                 ]
-            elif arm == "off" and rep is not None:
-                rep.close()
-                rep = None
-                for h in handles:
-                    h.remove()
             timed_steps(opt, model, args, args.warmup, seed=rnd)
             opt.comm_stats.reset()
             if rep is not None:
                 rep.comm_stats.reset()
             clock.clear()
-            out[arm] += timed_steps(opt, model, args, args.steps, seed=100 + rnd)
+            out[arm] += timed_steps(opt, model, args, args.steps, seed=100 + rnd, passes=out[f"{arm}_fwd_bwd"])
             if rep is not None:
-                spans = clock.spans()
-                spans["replica"] = [a + b for a, b in zip(spans["replica_pre"], spans["replica_post"], strict=True)]
-                for k, v in spans.items():
-                    out[k] = out.get(k, []) + v
-                out["replica_sent"] = per_step_bytes(rep.comm_stats, ("send",), ("replica",), args.steps)
-                out["replica_gate"] = per_step_bytes(rep.comm_stats, ("all_reduce",), ("replica",), args.steps)
-                out["replica_host_bytes"] = rep.nbytes()
+                record_copies(out, "" if arm == "on" else f"{arm}_", clock, rep, args.steps)
+                rep.close()
             else:
                 out["train_buffers"] = per_step_bytes(
                     opt.comm_stats, ("reduce_scatter", "all_gather"), ("grad", "param"), args.steps
                 )
-    if rep is not None:
-        rep.close()
+            for h in handles:
+                h.remove()
     out["state_bytes"] = opt.memory_report()["total"]
     out["numel"] = opt.numel
     return out
+
+
+def record_copies(out: dict[str, Any], prefix: str, clock: HookClock, rep: Replicator, steps: int) -> None:
+    """Add one arm's hook spans, bytes and steps sent early to ``out`` (keys ``prefix`` + name)."""
+    spans = clock.spans()
+    spans["replica"] = [a + b for a, b in zip(spans["replica_pre"], spans["replica_post"], strict=True)]
+    for k, v in spans.items():
+        out[prefix + k] = out.get(prefix + k, []) + v
+    out[prefix + "replica_sent"] = per_step_bytes(rep.comm_stats, ("send",), ("replica",), steps)
+    out["replica_host_bytes"] = rep.nbytes()
+    out[prefix + "early_steps"] = out.get(prefix + "early_steps", 0) + rep.early_steps
 
 
 def child(rank: int, port: str, args: argparse.Namespace, out: Path) -> int:
@@ -161,7 +180,7 @@ def summary(ranks: list[dict[str, Any]], world: int) -> dict[str, Any]:
     off, on = median_ms(ranks, "off"), median_ms(ranks, "on")
     replica = median_ms(ranks, "replica")
     train_sent = max(r["train_buffers"] for r in ranks) * (world - 1) / world  # a ring sends (N-1)/N of each buffer
-    return {
+    res = {
         "params": ranks[0]["numel"],
         "step_ms_off": off,
         "step_ms_on": on,
@@ -171,11 +190,24 @@ def summary(ranks: list[dict[str, Any]], world: int) -> dict[str, Any]:
         "replica_exchange_gate_ms": median_ms(ranks, "replica_pre"),
         "replica_shadow_step_ms": median_ms(ranks, "replica_post"),
         "own_optimizer_step_ms": median_ms(ranks, "own_step"),
+        "fwd_bwd_ms_off": median_ms(ranks, "off_fwd_bwd"),
+        "fwd_bwd_ms_on": median_ms(ranks, "on_fwd_bwd"),
         "replica_sent_bytes_per_step": max(r["replica_sent"] for r in ranks),
         "train_sent_bytes_per_step": train_sent,
         "replica_host_bytes": max(r["replica_host_bytes"] for r in ranks),
         "model_state_bytes": max(r["state_bytes"] for r in ranks),
+        "early_steps": min(r["early_steps"] for r in ranks),  # steps (warm-up too) sent during backward
     }
+    if "late" in ranks[0]:
+        late = median_ms(ranks, "late")
+        res |= {
+            "step_ms_late": late,
+            "late_overhead_pct": 100 * (late / off - 1),
+            "late_exchange_gate_ms": median_ms(ranks, "late_replica_pre"),
+            "fwd_bwd_ms_late": median_ms(ranks, "late_fwd_bwd"),
+            "late_early_steps": min(r["late_early_steps"] for r in ranks),
+        }
+    return res
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,7 +10,17 @@ import torch
 from torch import nn
 
 from elasticzero import ZeroStage1, ZeroStage2, ZeroStage3
-from elasticzero.engine.zero.replica import Replicator, grad_message, node_key
+from elasticzero.engine.zero import clip
+from elasticzero.engine.zero.base import Factor
+from elasticzero.engine.zero.replica import (
+    MAX_FACTORS,
+    Replicator,
+    WardCopy,
+    early_grads_usable,
+    grad_message,
+    node_key,
+    note_of,
+)
 from elasticzero.engine.zero.reshard import ReshardPlan, reshard_from
 
 
@@ -64,3 +74,41 @@ def test_holdings_before_the_first_step_reshard_into_a_fresh_optimizer(group: No
     got, want = resharded.full_state_dict(), fresh.full_state_dict()  # masters and moments
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     rep.close()
+
+
+def test_early_gradients_count_only_when_every_bucket_was_reduced_once() -> None:
+    assert early_grads_usable([1, 1, 1], 2)
+    assert not early_grads_usable([1, 2, 1], 0)  # accumulation without no_sync: a shard changed after it was posted
+    assert not early_grads_usable([0, 0], 0)  # no backward since the last step: nothing was posted
+    assert not early_grads_usable([1], MAX_FACTORS + 1)  # more multiplies than a note carries
+    assert early_grads_usable([], 0)  # no bucket at all: nothing to send
+
+
+def test_replayed_note_gives_the_owners_gradients_bitwise() -> None:
+    """The owner unscales (a Python float) and clips (a fp32 tensor) its shards in place; a holder that got them before
+    both replays the note on its copy and ends with the same bits (the absent bucket left alone)."""
+    g = torch.Generator().manual_seed(0)
+    owned = [torch.randn(7, generator=g) * 1e4, torch.randn(5, generator=g)]
+    sent = [t.clone() for t in owned]
+    before = owned[0].clone()  # the note is not empty: the shards did change after they were sent
+    inv_scale = 1.0 / 3000.0  # not a power of two: the Python float's rounding must be the owner's
+    clip.unscale_and_check_(owned, inv_scale)
+    coef = clip.clip_coef(1.0, torch.linalg.vector_norm(torch.cat(owned)))
+    clip.scale_by_(owned, coef)
+    factors = [Factor(torch.tensor(inv_scale, dtype=torch.float64), False), Factor(coef, True)]
+    absent = torch.full((3,), 9.0)
+    master = [nn.Parameter(torch.zeros(n), requires_grad=False) for n in (7, 5, 3)]
+    copy = WardCopy(
+        0,
+        master,
+        torch.optim.SGD(master, lr=1.0),
+        [*sent, absent],
+        torch.tensor([1, 1, 0], dtype=torch.uint8),
+        0,
+        [],
+        torch.zeros(3, dtype=torch.uint8),
+    )
+    copy.note.copy_(note_of(factors, torch.device("cpu")))
+    copy.replay()
+    assert all(torch.equal(a, b) for a, b in zip(copy.grads[:2], owned, strict=True))
+    assert torch.equal(copy.grads[2], torch.full((3,), 9.0)) and not torch.equal(before, owned[0])

@@ -14,8 +14,18 @@ import torch
 from torch import nn
 
 from elasticzero import ZeroStage2
+from elasticzero.engine.zero.base import Factor
 from elasticzero.engine.zero.comm import p2p_batched, wire_for
-from elasticzero.engine.zero.replica import Replicator, WardCopy, grad_message, mirror_inbox, on
+from elasticzero.engine.zero.replica import (
+    NOTE_LEN,
+    Replicator,
+    WardCopy,
+    bucket_exchange,
+    grad_message,
+    mirror_inbox,
+    on,
+    step_message,
+)
 from elasticzero.engine.zero.reshard import Transfer, _pack
 
 CPU, META = torch.device("cpu"), torch.device("meta")
@@ -54,6 +64,19 @@ def test_grad_message_is_built_on_the_wire() -> None:
     assert here[1].data_ptr() == a.grad.data_ptr()
 
 
+def test_step_message_is_built_on_the_wire() -> None:
+    a = nn.Parameter(torch.ones(3))
+    a.grad = torch.ones(3)
+    clip = Factor(torch.tensor(0.5), as_tensor=True)  # a clip coefficient lives on the optimizer's device
+    early = step_message([a], [clip], META, early=True)
+    assert [(t.device, t.shape, t.dtype) for t in early] == [
+        (META, (1,), torch.uint8),
+        (META, (NOTE_LEN,), torch.float64),
+    ]
+    late = step_message([a], [], META, early=False)
+    assert [t.device for t in late] == [META] * 3 and late[2].shape == (3,)
+
+
 def test_mirror_inbox_is_flat_on_the_wire() -> None:
     own = [torch.zeros(2, 3), torch.zeros((), dtype=torch.float64)]
     box = mirror_inbox(own, META)
@@ -81,13 +104,31 @@ def test_ward_copy_inbox_on_the_wire_copies_on_the_host(group: None) -> None:
     rep = Replicator(opt, nodes=[0])  # one rank: nothing replicated, but the builders run on its wire
     assert rep.wire == CPU
     here = rep._empty_copy(0)
-    assert all(x is y for x, y in zip(here.inbox(), [here.present, *here.grads], strict=True))  # received in place
+    hosts = [here.present, here.note, *here.grads]
+    assert all(x is y for x, y in zip(here.inbox(), hosts, strict=True))  # received in place
+    assert here.inbox(early=True) == hosts[:2]  # the gradients came during backward: present and the note only
+    assert all(x is y for x, y in zip(here.wire_grads, here.grads, strict=True))  # early shards land in place too
     rep.wire = META  # as a device wire would be (NCCL: the optimizer's device)
     there = rep._empty_copy(0)
-    assert {t.device for t in there.inbox()} == {META}
+    assert {t.device for t in there.inbox()} == {META} and {t.device for t in there.wire_grads} == {META}
     assert [(t.shape, t.dtype) for t in there.inbox()] == [(t.shape, t.dtype) for t in here.inbox()]
     shadowed = [p for g in there.optim.param_groups for p in g["params"]]
-    assert {t.device for t in (*there.masters, there.present, *there.grads, *shadowed)} == {CPU}
+    assert {t.device for t in (*there.masters, there.present, there.note, *there.grads, *shadowed)} == {CPU}
+    rep.close()
+
+
+def test_early_bucket_exchange_is_on_the_wire(group: None) -> None:
+    """A bucket's shard sent during backward and the wards' receive buffers: on the wire (the device under NCCL, where
+    the send is issued after the reduction's stream work); on the host wire the gradient itself, no copy."""
+    opt = ZeroStage2(nn.Linear(3, 2), torch.optim.AdamW, lr=0.1)
+    rep = Replicator(opt, nodes=[0])
+    shard = torch.ones(4)
+    sends, recvs = bucket_exchange(0, shard, 1, {1: rep._empty_copy(1)}, CPU)
+    assert sends[0][0].data_ptr() == shard.data_ptr() and sends[0][1] == 1 and recvs[0][1] == 1
+    rep.wire = META
+    sends, recvs = bucket_exchange(0, shard, 1, {1: rep._empty_copy(1)}, META)
+    assert {t.device for t, _ in (*sends, *recvs)} == {META}
+    assert bucket_exchange(0, shard, None, {}, META) == ([], [])  # no holder, no wards: nothing to post
     rep.close()
 
 

@@ -6,13 +6,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
+from torch.utils.hooks import RemovableHandle
 
 from elasticzero.engine.bucketer import DEFAULT_BUCKET_BYTES, GradBucketer, phase
 from elasticzero.engine.precision import PrecisionPolicy, as_policy
@@ -22,6 +25,33 @@ from elasticzero.engine.zero.layout import ParamSlot, ZeroLayout
 from elasticzero.engine.zero.memory import storage_report
 from elasticzero.engine.zero.sharded import Origin, ShardedState
 from elasticzero.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Factor:
+    """One in-place multiply of every gradient shard (``unscale_``, ``clip_grad_norm_``), as data: ``value`` a 0-dim
+    tensor; ``as_tensor`` False: the shards were multiplied by ``value.item()`` (a Python float, the loss scaler's
+    ``inv_scale``), True: by ``value`` itself cast to each shard's dtype (the clip coefficient, fp32). Replaying them
+    in order on a copy of the shards gives the same bits."""
+
+    value: torch.Tensor
+    as_tensor: bool
+
+
+class GradWatcher(Protocol):
+    """Told what happens to a ZeRO optimizer's gradient shards (:meth:`ZeroOptimizer.watch_grads`)."""
+
+    def grads_changing(self, bucket: int | None) -> None:
+        """The shard of ``bucket`` (None: every shard) is about to be written in place."""
+
+    def grad_reduced(self, bucket: int, shard: torch.Tensor) -> None:
+        """A reduction wrote ``bucket``'s gradient shard (the master's ``.grad``: ``shard``), on the current stream."""
+
+    def grads_scaled(self, factor: Factor) -> None:
+        """Every gradient shard was multiplied in place by ``factor``."""
+
+    def grads_dropped(self) -> None:
+        """``zero_grad``: the shards are gone (or zeroed)."""
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -136,6 +166,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.state = self.optim.state
         self.defaults = self.optim.defaults
         self._ready = True
+        self._grad_watchers: OrderedDict[int, GradWatcher] = OrderedDict()  # a RemovableHandle refers to it weakly
         self.bucketer = self._make_bucketer()
         self._input_hook = None
         if cast_forward_inputs and self.policy.param_dtype != torch.float32:
@@ -195,11 +226,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
             communicator=self.communicator,
             reduce_dtype=self.policy.reduce_dtype,
             buckets=self.buckets,
-            on_reduced=self._on_reduced,
+            on_reduced=self._reduced,
             max_inflight=self.max_inflight,
             timers=self.timers,
             **overrides,
         )
+
+    def _reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
+        """The bucketer's ``on_reduced``: the stage's :meth:`_on_reduced`, between telling the watchers."""
+        watchers = list(self._grad_watchers.values())
+        for w in watchers:
+            w.grads_changing(bucket.index)
+        self._on_reduced(bucket, shard)
+        grad = self.masters[bucket.index].grad
+        if grad is not None:  # every stage sets it here
+            for w in watchers:
+                w.grad_reduced(bucket.index, grad)
 
     def _on_reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
         raise NotImplementedError
@@ -245,6 +287,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (``set_to_none``) or zero the gradient shards, and any gradient still held for accumulation."""
+        for w in list(self._grad_watchers.values()):
+            w.grads_dropped()
         for p in self._managed_params():
             p.grad = None
         self.bucketer.zero_buffers()
@@ -320,14 +364,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
         then the norm of the norms, over this rank's slice of each parameter).
         """
         total = clip.global_grad_norm(self.grad_pieces(), float(norm_type), self.communicator, self.device)
-        clip.clip_(self.grad_shards(), max_norm, total)
+        self._scale_grads(Factor(clip.clip_coef(max_norm, total), as_tensor=True))
         return total
 
     @torch.no_grad()
     def unscale_(self, inv_scale: float) -> torch.Tensor:
         """Loss-scaler protocol: multiply this rank's gradient shards by ``inv_scale``; return a 0-dim fp32 tensor,
         1.0 if a local inf/NaN was found, else 0.0 (the scaler agrees on it over ``process_group``)."""
-        return clip.unscale_and_check_(self.grad_shards(), inv_scale, self.device)
+        watchers = list(self._grad_watchers.values())
+        for w in watchers:
+            w.grads_changing(None)
+        found = clip.unscale_and_check_(self.grad_shards(), inv_scale, self.device)
+        for w in watchers:
+            w.grads_scaled(Factor(torch.tensor(inv_scale, dtype=torch.float64), as_tensor=False))
+        return found
+
+    def _scale_grads(self, factor: Factor) -> None:
+        """Multiply every gradient shard in place by the tensor ``factor``, telling the watchers."""
+        watchers = list(self._grad_watchers.values())
+        for w in watchers:
+            w.grads_changing(None)
+        clip.scale_by_(self.grad_shards(), factor.value)
+        for w in watchers:
+            w.grads_scaled(factor)
+
+    def watch_grads(self, watcher: GradWatcher) -> RemovableHandle:
+        """Tell ``watcher`` what happens to the gradient shards (:class:`GradWatcher`: reductions, in-place
+        multiplies, ``zero_grad``), until the returned handle's ``remove()``."""
+        handle = RemovableHandle(self._grad_watchers)
+        self._grad_watchers[handle.id] = watcher
+        return handle
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients without communicating until the first backward outside the context.

@@ -40,11 +40,20 @@ def global_grad_norm(
     return term if math.isinf(norm_type) else term ** (1.0 / norm_type)
 
 
-def clip_(grads: Sequence[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scale ``grads`` in place by ``min(1, max_norm / (total_norm + 1e-6))`` (torch's formula)."""
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+def clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """``min(1, max_norm / (total_norm + 1e-6))`` (torch's formula), a 0-dim tensor like ``total_norm``."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
+def scale_by_(grads: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply ``grads`` in place by the 0-dim tensor ``coef`` (cast to each gradient's dtype)."""
     for g in grads:
         g.mul_(coef.to(g.dtype))
+
+
+def clip_(grads: Sequence[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale ``grads`` in place by :func:`clip_coef`."""
+    scale_by_(grads, clip_coef(max_norm, total_norm))
 
 
 def unscale_and_check_(

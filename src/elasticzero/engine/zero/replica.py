@@ -3,17 +3,30 @@
 A :class:`Replicator` on a ZeRO optimizer keeps, on every rank, a copy of the state of each of its *wards* (the ranks
 :func:`~elasticzero.engine.zero.buddy.place_buddies` gives it): fp32 master shards, the wrapped optimizer's state
 (moments, step counters), advanced by a shadow optimizer of the same class. Checkmate-style, the copies follow by
-gradients, not by state: built, it mirrors each rank's state to its holder once; then in every optimizer step (step
-hooks on the wrapped optimizer, after clipping and unscaling, so the gradient is the one the step uses):
+gradients, not by state: built, it mirrors each rank's state to its holder once; then in every optimizer step:
 
-1. each rank sends its gradient shards (one per bucket, plus which buckets have one) to its holder and receives its
-   wards' (point-to-point, :meth:`Communicator.exchange`, tag ``"replica"``);
+0. during backward (``early``, the default): as each bucket's reduction completes (the bucketer's ``on_reduced``, in
+   the same bucket order on every rank: stages 1/2/3 all reduce during backward, stage 3 at its end), the rank posts
+   that gradient shard to its holder and its wards' shards of the bucket into their inboxes, asynchronously
+   (:meth:`ZeroOptimizer.watch_grads <elasticzero.engine.zero.base.ZeroOptimizer.watch_grads>`: the optimizer tells
+   its watchers of reductions, of every in-place multiply of the shards — the loss scaler's unscale, the clip — as
+   data (:class:`~elasticzero.engine.zero.base.Factor`), and of ``zero_grad``). Before a shard is multiplied in place
+   the posted sends complete (they read it); on a device wire each send is issued after its reduction's stream work;
+1. at the step (pre-step hook on the wrapped optimizer): each rank waits for what it posted and sends its holder which
+   buckets have a gradient and a *note* of the multiplies applied since (:func:`step_message`); the holder replays
+   them, in order and kind, on the received shards (:meth:`WardCopy.replay`), so its gradient is bitwise the one the
+   owner's step uses. Where a shard changed after it was posted — a bucket reduced twice in one step (accumulation by
+   repeated backward, stage 3 always; under ``no_sync`` only the last backward reduces), or no backward since the last
+   step — every rank sends its final gradient shards here instead (the pure decision :func:`early_grads_usable`; every
+   rank decides alike: reductions are collectives). A step skipped for inf/NaN never reaches the hook; its
+   ``zero_grad`` completes what was posted and starts afresh. In a live round the waits are the communicator's
+   (bounded); a round change mid-backward abandons what is posted with the old group and its replicator;
 2. the *commit gate*: a one-element all-reduce; once it returns, every holder has the gradients of step N of all its
    wards, so every shard of step N can be made twice — step N is committed;
 3. the wrapped optimizer steps (the owner's shard), then each holder steps its wards' copies with their gradients and
    the step's hyper-parameters (the same class, options and inputs: on the CPU the copy equals the owner's state
    bitwise) — by default on a background thread, overlapping the next forward and backward, joined before the next
-   exchange and before anything reads the copies.
+   step's first receive and before anything reads the copies.
 
 Why gradients, not state: a copy of the state after the step costs ``(1 + k) x`` the gradient's bytes (``k``
 element-wise state tensors: Adam's two moments) and leaves a hole: once a rank has stepped, its state before the step
@@ -35,22 +48,32 @@ import socket
 import zlib
 from collections.abc import Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from elasticzero.engine.zero.base import ZeroOptimizer
+from elasticzero.engine.zero.base import Factor, ZeroOptimizer
 from elasticzero.engine.zero.buddy import BuddyPlan, place_buddies
-from elasticzero.engine.zero.comm import Communicator, Waiter, wire_for
+from elasticzero.engine.zero.comm import AnyWork, Communicator, Waiter, wire_for
 from elasticzero.engine.zero.reshard import Holdings
 from elasticzero.engine.zero.sharded import ShardedState
 from elasticzero.proc import AGENT_PID_ENV
 
 #: Linux pids are below 2^22 (``PID_MAX_LIMIT``): a host hash shifted past them keeps every (host, pid) apart
 PID_BITS = 22
+#: the in-place multiplies of a step's gradients one note carries (a loss scaler's unscale, a clip: two); a step with
+#: more sends its final gradients at the pre-step hook instead (:func:`early_grads_usable`)
+MAX_FACTORS = 8
+#: a step's note: ``[count, as_tensor_1, value_1, ..., as_tensor_MAX, value_MAX]`` (float64, exact for both kinds)
+NOTE_LEN = 1 + 2 * MAX_FACTORS
+
+
+def empty_note(pin: bool = False) -> torch.Tensor:
+    """A note with no factors, on the host (``pin``: page-locked, for a device wire)."""
+    return torch.zeros(NOTE_LEN, dtype=torch.float64, pin_memory=pin)
 
 
 @dataclass
@@ -58,7 +81,9 @@ class WardCopy:
     """A holder's copy of ward ``rank``'s state: one master shard per bucket (host memory), the shadow optimizer over
     them, the ward's gradients (``grads``, ``present``: host memory, what the shadow steps with), the ``step`` the
     copy is at, and the receive buffers of a step's message on the wire (``wire_grads``, ``wire_present``: the host
-    ones themselves when the wire is the host, else device buffers landed into them, :meth:`land`)."""
+    ones themselves when the wire is the host, else device buffers landed into them, :meth:`land`); ``note``: the
+    in-place multiplies the ward applied to its gradients after sending them early (:func:`note_of`; none when they
+    were sent final), replayed before the step."""
 
     rank: int
     masters: list[nn.Parameter]
@@ -68,23 +93,39 @@ class WardCopy:
     step: int
     wire_grads: list[torch.Tensor]
     wire_present: torch.Tensor
+    note: torch.Tensor = field(default_factory=empty_note)
+    wire_note: torch.Tensor = field(default_factory=empty_note)
 
-    def inbox(self) -> list[torch.Tensor]:
-        """The buffers a step's message from the ward is received in, on the wire (see :func:`grad_message`)."""
-        return [self.wire_present, *self.wire_grads]
+    def inbox(self, early: bool = False) -> list[torch.Tensor]:
+        """The buffers a step's message from the ward is received in at the pre-step hook, on the wire (see
+        :func:`step_message`; ``early``: the gradients came during backward, :meth:`grad_inbox`)."""
+        return [self.wire_present, self.wire_note, *([] if early else self.wire_grads)]
 
     def land(self) -> None:
-        """Copy the received message into the host buffers the shadow steps with (nothing when they are the same
+        """Copy the received messages into the host buffers the shadow steps with (nothing when they are the same
         tensors: the wire is the host). From a device, asynchronous into pinned memory: the caller records an event
         after it and waits for that event before :meth:`apply`."""
-        for host, got in zip((self.present, *self.grads), self.inbox(), strict=True):
+        hosts = (self.present, self.note, *self.grads)
+        for host, got in zip(hosts, (self.wire_present, self.wire_note, *self.wire_grads), strict=True):
             if host is not got:
                 host.copy_(got, non_blocking=True)
 
     @torch.no_grad()
+    def replay(self) -> None:
+        """Apply the note's multiplies to the received gradients, in the ward's order and kind (:class:`Factor`): the
+        gradients become bitwise the ward's at its step."""
+        present = self.present.tolist()
+        for i in range(int(self.note[0].item())):
+            as_tensor, value = bool(self.note[1 + 2 * i].item()), self.note[2 + 2 * i]
+            for g in (g for g, has in zip(self.grads, present, strict=True) if has):
+                g.mul_(value.float().to(g.dtype) if as_tensor else value.item())
+
+    @torch.no_grad()
     def apply(self, options: Sequence[Mapping[str, Any]]) -> None:
-        """Step the copy with the received gradients and the owner's hyper-parameters of this step (``options``, one
-        per parameter group, without ``params``: every rank's are the same, a scheduler moves them alike)."""
+        """Step the copy with the received gradients (their note replayed first) and the owner's hyper-parameters of
+        this step (``options``, one per parameter group, without ``params``: every rank's are the same, a scheduler
+        moves them alike)."""
+        self.replay()
         for m, g, has in zip(self.masters, self.grads, self.present.tolist(), strict=True):
             m.grad = g if has else None
         for mine, live in zip(self.optim.param_groups, options, strict=True):
@@ -114,14 +155,70 @@ def node_key(environ: Mapping[str, str], hostname: str) -> int:
 
 
 def grad_message(masters: Sequence[nn.Parameter], wire: torch.device) -> list[torch.Tensor]:
-    """What a rank sends its holder in a step, on the ``wire`` (:func:`~elasticzero.engine.zero.comm.wire_for`):
-    which buckets have a gradient, then each bucket's gradient shard (as it is when it lives on the wire; zeros where
-    there is none)."""
-    present = torch.tensor([m.grad is not None for m in masters], dtype=torch.uint8, device=wire)
+    """What a rank sends its holder in a step with its final gradients, on the ``wire``
+    (:func:`~elasticzero.engine.zero.comm.wire_for`): which buckets have a gradient, then each bucket's gradient shard
+    (as it is when it lives on the wire; zeros where there is none)."""
     grads = [
         on(m.grad, wire) if m.grad is not None else torch.zeros(m.shape, dtype=m.dtype, device=wire) for m in masters
     ]
-    return [present, *grads]
+    return [presence(masters, wire), *grads]
+
+
+def presence(masters: Sequence[nn.Parameter], wire: torch.device) -> torch.Tensor:
+    """Which buckets have a gradient (uint8 per bucket, on the ``wire``)."""
+    return torch.tensor([m.grad is not None for m in masters], dtype=torch.uint8, device=wire)
+
+
+def note_of(factors: Sequence[Factor], wire: torch.device) -> torch.Tensor:
+    """The note of a step's in-place multiplies (at most :data:`MAX_FACTORS`), float64 on the ``wire``:
+    ``[count, as_tensor_1, value_1, ...]``, zero-padded to :data:`NOTE_LEN` (a fp32 clip coefficient and a Python
+    float both survive float64 exactly)."""
+    note = torch.zeros(NOTE_LEN, dtype=torch.float64, device=wire)
+    note[0] = len(factors)
+    for i, f in enumerate(factors):
+        note[1 + 2 * i] = float(f.as_tensor)
+        note[2 + 2 * i] = f.value.detach().to(device=wire, dtype=torch.float64)
+    return note
+
+
+def step_message(
+    masters: Sequence[nn.Parameter], factors: Sequence[Factor], wire: torch.device, early: bool
+) -> list[torch.Tensor]:
+    """What a rank sends its holder at the pre-step hook: which buckets have a gradient and the note of ``factors``;
+    then, unless the gradients went ``early`` (during backward, as reduced; ``factors`` then say what happened to them
+    since), the final gradients (:func:`grad_message`, ``factors`` already in them: send none)."""
+    if early:
+        return [presence(masters, wire), note_of(factors, wire)]
+    present, *grads = grad_message(masters, wire)
+    return [present, note_of(factors, wire), *grads]
+
+
+def bucket_exchange(
+    bucket: int, shard: torch.Tensor, holder: int | None, copies: Mapping[int, WardCopy], wire: torch.device
+) -> tuple[list[tuple[torch.Tensor, int]], list[tuple[torch.Tensor, int]]]:
+    """The sends and receives of one bucket's early exchange, on the ``wire``: this rank's gradient ``shard`` to its
+    ``holder`` (itself when it lives on the wire), each ward's shard of ``bucket`` into that copy's inbox."""
+    sends = [(on(shard, wire), holder)] if holder is not None else []
+    return sends, [(c.wire_grads[bucket], w) for w, c in copies.items()]
+
+
+def early_grads_usable(counts: Sequence[int], factors: int) -> bool:
+    """Whether a step's gradients may go as they went during backward, each bucket's shard posted when its reduction
+    completed, plus a note of the ``factors`` multiplies since: only when every bucket was reduced exactly once since
+    the last step or ``zero_grad`` (``counts``, per bucket; every rank's are the same: reductions are collectives) —
+    a second reduction (accumulation without ``no_sync``) changed a shard after it was posted, none (no backward) posted
+    nothing — and the note holds them all. Otherwise the final gradients go at the pre-step hook."""
+    return all(n == 1 for n in counts) and factors <= MAX_FACTORS
+
+
+@dataclass
+class GradWindow:
+    """What happened to this rank's gradient shards since its last step or ``zero_grad``: reductions per bucket
+    (``counts``), the in-place multiplies (``factors``, in order), the early exchanges posted (``posted``)."""
+
+    counts: list[int]
+    factors: list[Factor] = field(default_factory=list)
+    posted: list[AnyWork] = field(default_factory=list)
 
 
 def mirror_inbox(own: Sequence[torch.Tensor], wire: torch.device) -> list[torch.Tensor]:
@@ -148,6 +245,10 @@ class Replicator:
             before the next exchange and by every method that reads the copies); False: inside ``opt.step()``.
         waiter: how the copies' communicator waits (:data:`~elasticzero.engine.zero.comm.Waiter`; a bounded wait for
             live reconfiguration).
+        early: post each bucket's gradient shard to the holder as soon as its reduction completes during backward
+            (:meth:`ZeroOptimizer.watch_grads <elasticzero.engine.zero.base.ZeroOptimizer.watch_grads>`), overlapping
+            the rest of backward; the pre-step hook then waits for them and sends a note of what happened to the
+            gradients since (:func:`early_grads_usable` decides per step). False: every gradient at the pre-step hook.
 
     Collective: every rank of ``opt``'s group builds one at the same point (it mirrors the current state to the
     holders). The replicator has its own :class:`Communicator` on ``opt.process_group`` (``replicator.comm_stats``:
@@ -163,6 +264,7 @@ class Replicator:
         step: int = 0,
         overlap: bool = True,
         waiter: Waiter | None = None,
+        early: bool = True,
     ) -> None:
         self.opt = opt
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ez-replica") if overlap else None
@@ -178,10 +280,15 @@ class Replicator:
         self.plan: BuddyPlan = place_buddies(found, enabled=enabled, node_shift=node_shift)
         self.holder = self.plan.holder[self.rank]
         self.copies = {w: self._empty_copy(w) for w in self.plan.wards(self.rank)}
+        self._window = GradWindow([0] * len(opt.masters))
+        #: steps whose gradients went to the holder during backward (the others' at the pre-step hook)
+        self.early_steps = 0
         self._hooks: list[Any] = [opt.optim.register_step_post_hook(self._after_step)]  # counts steps, even off
         if self.plan.enabled:
             self._mirror()
             self._hooks.append(opt.optim.register_step_pre_hook(self._before_step))
+        if self.plan.enabled and early:
+            self._hooks.append(opt.watch_grads(self))
 
     # -- what this rank holds -----------------------------------------------------------------------------------------
     @property
@@ -219,18 +326,65 @@ class Replicator:
             self._worker.shutdown()
         self.communicator.close()
 
+    # -- the gradients during backward (GradWatcher) ----------------------------------------------------------------
+    def grads_changing(self, bucket: int | None) -> None:
+        """Before a shard is written in place: an early send still reading it (a re-reduced bucket's, or any before
+        an unscale or clip) completes first."""
+        if bucket is None or self._window.counts[bucket]:
+            self._wait_posted()
+
+    def grad_reduced(self, bucket: int, shard: torch.Tensor) -> None:
+        """A bucket's first reduction since the last step: post its shard to the holder and the wards' shards of it
+        into their inboxes (every rank reduces the buckets in the same order, so the posts match), asynchronously. On
+        a device wire the send is issued after the reduction's stream work (the bucketer waited for it)."""
+        counts = self._window.counts
+        counts[bucket] += 1
+        if counts[bucket] != 1:
+            return
+        self._join()  # the copies' previous step reads the host gradient buffers the wards' shards arrive in
+        sends, recvs = bucket_exchange(bucket, shard, self.holder, self.copies, self.wire)
+        work = self.communicator.exchange(sends, recvs, async_op=True) if sends or recvs else None
+        if work is not None:
+            self._window.posted.append(work)
+
+    def grads_scaled(self, factor: Factor) -> None:
+        self._window.factors.append(factor)
+
+    def grads_dropped(self) -> None:
+        """``zero_grad`` (after a step, or after a step skipped for inf/NaN): a new window."""
+        self._wait_posted()
+        self._window = GradWindow([0] * len(self.opt.masters))
+
+    def _wait_posted(self) -> None:
+        """Complete the early exchanges posted (through the communicator's waiter: bounded in a live round)."""
+        posted, self._window.posted = self._window.posted, []
+        for work in posted:
+            work.wait()
+        if posted:
+            self.communicator.settle()
+
     # -- the step -----------------------------------------------------------------------------------------------------
     def _before_step(self, optim: Any, args: Any, kwargs: Any) -> None:
         self._join()  # the copies' previous step: its gradient buffers receive this step's
+        self._wait_posted()
+        window, self._window = self._window, GradWindow([0] * len(self.opt.masters))
+        early = early_grads_usable(window.counts, len(window.factors))
+        self.early_steps += early
+        recvs = [(t, w) for w, c in self.copies.items() for t in c.inbox(early)]
+        self.communicator.exchange(self._step_sends(window.factors if early else [], early), recvs)
         wire = self.wire
-        sends = [(t, self.holder) for t in grad_message(self.opt.masters, wire)] if self.holder is not None else []
-        recvs = [(t, w) for w, c in self.copies.items() for t in c.inbox()]
-        self.communicator.exchange(sends, recvs)
         gate = torch.ones(1, device=wire)
         self.communicator.all_reduce(gate, op=dist.ReduceOp.MIN, tag="replica")  # the commit gate
         if wire.type != "cpu":  # NCCL's wait only orders the stream: the step counts as committed once the host saw
             gate.item()  # the gate complete (a peer lost there: the round watch aborts the group, and this raises)
         self._landed = self._land()
+
+    def _step_sends(self, factors: Sequence[Factor], early: bool) -> list[tuple[torch.Tensor, int]]:
+        """This rank's pre-step message to its holder (:func:`step_message`; nothing without a holder)."""
+        holder = self.holder
+        if holder is None:
+            return []
+        return [(t, holder) for t in step_message(self.opt.masters, factors, self.wire, early)]
 
     def _land(self) -> Any:
         """The wards' messages into their host buffers; on a CUDA wire an event recorded after the copies (issued on
@@ -283,13 +437,12 @@ class Replicator:
         shadow = make(groups)
         pin = self.wire.type == "cuda"
         grads = [torch.empty(m.shape, dtype=m.dtype, pin_memory=pin) for m in masters]
-        present = torch.empty(len(masters), dtype=torch.uint8, pin_memory=pin)
+        present, note = torch.empty(len(masters), dtype=torch.uint8, pin_memory=pin), empty_note(pin)
         if self.wire.type == "cpu":
-            return WardCopy(ward, masters, shadow, grads, present, self.step, grads, present)
+            return WardCopy(ward, masters, shadow, grads, present, self.step, grads, present, note, note)
         inbox = [torch.empty_like(g, device=self.wire) for g in grads]
-        return WardCopy(
-            ward, masters, shadow, grads, present, self.step, inbox, torch.empty_like(present, device=self.wire)
-        )
+        wire_present, wire_note = (torch.empty_like(t, device=self.wire) for t in (present, note))
+        return WardCopy(ward, masters, shadow, grads, present, self.step, inbox, wire_present, note, wire_note)
 
     @torch.no_grad()
     def _mirror(self) -> None:

@@ -1,0 +1,35 @@
+"""Buddy copies whose gradients go to the holder during backward (engine/zero/replica.py, ``Replicator(early=True)``)
+with real gloo ranks: one driver process forks a world of 2 per case (``replica_overlap_worker.py``): ZeRO-1/2/3 in
+fp32, bf16 and fp16, through the engine's step path with a loss scaler (one step skipped for an inf) and a clip that
+bites, with one backward per step and with accumulation (``no_sync``: still sent early; repeated backward: sent at the
+pre-step hook). After the steps every holder's copy equals its ward's live state bitwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from replica_overlap_worker import CASES
+
+HERE = Path(__file__).parent
+
+
+def test_copies_stay_bitwise_with_gradients_sent_during_backward(tmp_path: Path) -> None:
+    out = tmp_path / "overlap"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, str(HERE / "replica_overlap_worker.py"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    for case in CASES:
+        name = "_".join(map(str, case))
+        for r in range(2):
+            problems = json.loads(Path(f"{out}.{name}.rank{r}").read_text())
+            assert problems == [], f"{name} rank {r}: {problems}"

@@ -239,7 +239,7 @@ class Replicator:
         opt: the ZeRO optimizer (any stage); its wrapped optimizer gets two step hooks.
         nodes: the node of every rank of ``opt``'s group (default: gathered, :func:`node_key` of each rank).
         enabled: replication on (default) or off; with one node it is off whatever this says.
-        node_shift: copies go ``node_shift`` nodes further in the node ring (not a multiple of the node count).
+        node_shift: copies go ``node_shift`` nodes further in the node ring (a round whose node count divides it: 1).
         step: the training step ``opt``'s state is at (the census reports steps from there).
         overlap: step the copies on a background thread, overlapping this rank's next forward and backward (joined
             before the next exchange and by every method that reads the copies); False: inside ``opt.step()``.

@@ -17,9 +17,8 @@ import itertools
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -159,7 +158,7 @@ class LiveTrainer(Trainer):
 
     def __init__(self, args: argparse.Namespace) -> None:  # nothing here depends on the world: rounds build that
         self.args, self.step, self.ckpt = args, 0, None
-        self.due: int | None = None  # a committed step whose checkpoint is yet to be taken
+        self.held: int | None = None  # the step this round's checkpointer saved or loaded (see checkpoint_due)
         self.device = torch.device(placement(Facts.current()).device)
         data = (stdlib_corpus(args.cache_dir, split, max_bytes=args.corpus_bytes) for split in ("train", "eval"))
         self.train_set, self.eval_set = (ByteCorpus(d, args.seq_len) for d in data)
@@ -184,6 +183,7 @@ class LiveTrainer(Trainer):
         # a new round claims the directory: a stale rank of an old one (a frozen node resumed) can no longer write it
         directory = self.args.checkpoint_dir
         self.ckpt = directory and Checkpointer(directory, keep_last=2, process_group=group)
+        self.held = None  # every member builds a fresh one: none has saved in this round yet
         return self.pieces.optimizer
 
     @property
@@ -193,7 +193,8 @@ class LiveTrainer(Trainer):
 
     def resume(self, opt: torch.optim.Optimizer) -> int:
         """The job's first round (no peer holds state): the newest checkpoint, into the round's pieces and sampler."""
-        return (self.ckpt.load_latest(self.state) if self.ckpt else None) or 0
+        self.held = self.ckpt.load_latest(self.state) if self.ckpt else None
+        return self.held or 0
 
     def train(self) -> None:
         """Train to ``--steps`` through membership changes; checkpoint as ``--save-every`` asks; evaluate at the end."""
@@ -207,12 +208,11 @@ class LiveTrainer(Trainer):
         try:
             for attempt in live.steps(args.steps):
                 with attempt:
-                    self.save_due(attempt)  # the last commit's checkpoint, in the attempt: a lost peer leaves it too
+                    self.save_due(live, attempt.bounded)  # in the attempt: a peer lost in the save leaves it too
                     loss = self.live_step(attempt)
                 if attempt.committed:  # else the step was left for a new round: the next attempt redoes it
                     self.end_step(live, loss, start, t0)
-            if self.due is not None and self.ckpt:  # the last step's (the job's end: nothing left to redo it in)
-                self.ckpt.save(self.due, self.state)
+            self.save_due(live, lambda save: save())  # the last step's (the job's end: nothing left to redo it in)
             self.evaluate()
         finally:
             live.close()
@@ -220,21 +220,20 @@ class LiveTrainer(Trainer):
                 self.ckpt.close()
 
     def end_step(self, live: LiveTraining, loss: torch.Tensor, start: int, t0: float) -> None:
-        """After a committed step: log (rank 0, every 10 steps) and checkpoint as ``--save-every`` asks."""
+        """After a committed step: log (rank 0, every 10 steps); its checkpoint is the next attempt's (``save_due``)."""
         args, self.sampler, self.step = self.args, live.sampler, live.step
         if self.rank == 0 and (self.step % 10 == 0 or self.step in (start + 1, args.steps)):
             print(f"step {self.step:5d}/{args.steps}  loss {loss.item() / self.world:.4f}  world {self.world}  "
                   f"{(self.step - start) / (time.perf_counter() - t0):.2f} steps/s", flush=True)  # fmt: skip
-        if self.ckpt and ((args.save_every and self.step % args.save_every == 0) or self.step == args.steps):
-            self.due = self.step  # saved at the start of the next attempt (:meth:`save_due`), or after the loop
 
-    def save_due(self, attempt: Any) -> None:
-        """The checkpoint a committed step asked for, bounded like a step (DCP's collectives run on the round's group:
-        a peer lost or frozen in them would otherwise stop this worker); left for a new round, it is taken there."""
-        if self.due is not None and self.ckpt:
-            self.sampler = attempt.live.sampler  # the committed step's position, re-cut if a round began meanwhile
-            attempt.bounded(functools.partial(self.ckpt.save, self.due, self.state))
-        self.due = None
+    def save_due(self, live: LiveTraining, run: Callable[[Callable[[], None]], None]) -> None:
+        """The last committed step's checkpoint if :func:`checkpoint_due` says so, through ``run``: at the start of the
+        next attempt ``attempt.bounded`` (DCP's collectives run on the round's group: a peer lost or frozen in them
+        would otherwise stop this worker; a save left for a new round is taken there), after the loop directly."""
+        if self.ckpt and checkpoint_due(live.step, self.args.save_every, self.args.steps, self.held):
+            self.sampler = live.sampler  # the committed step's position, re-cut if a round began meanwhile
+            run(functools.partial(self.ckpt.save, live.step, self.state))
+            self.held = live.step
 
     def live_step(self, attempt: object) -> torch.Tensor:
         """One optimizer step over the attempt's micro-batches; the loss summed over the ranks (bounded collective)."""
@@ -250,6 +249,19 @@ class LiveTrainer(Trainer):
         self.pieces.step()
         self.pieces.optimizer.communicator.all_reduce(total, tag="log")
         return total.cpu()  # synchronised inside the attempt: on NCCL a peer lost in this reduce raises here
+
+
+def checkpoint_due(step: int, save_every: int, total: int, held: int | None) -> bool:
+    """Whether a live job takes the checkpoint of ``step``, its last committed step, now: a save step (every
+    ``save_every``, and the job's last, ``total``) that this round's checkpointer has not saved or loaded (``held``).
+
+    A save is collective, so this decides only over what every member of the round agrees on: the round's step, and
+    ``held``, which every member resets when it builds the round's checkpointer (the first round's ``resume`` sets it
+    to the step loaded, on every member alike). Never a "save pending" flag carried across a round change: a survivor
+    whose save was left for a new round (or announced before it began) took it there alone while the fresh joiner
+    trained — mismatched collectives, the new round hung until the hang watch killed the survivor."""
+    at_save_step = (save_every > 0 and step % save_every == 0) or step == total
+    return step > 0 and at_save_step and step != held
 
 
 def overrides(args: argparse.Namespace) -> list[str]:

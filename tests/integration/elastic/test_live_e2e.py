@@ -304,6 +304,9 @@ def test_live_recovery_keeps_the_survivor_through_kill_join_and_freeze(
     assert first["pid"] == survivor and first["step"] == 10 and took < RETRAIN_S, (first, took)
     wait_for(lambda: at(cluster, 12, 1), WAIT, "step 12 at world 1", cluster.agents)
     grown = handed(n0, 2)
+    # 12 is a save step and the job holds before its checkpoint: the node rejoins between the commit and the save,
+    # which both members must take in the new round (a survivor taking it alone hung the round: the join race)
+    assert 12 % SAVE == 0, "keep the rejoin at a save step"
     signal_node(n2, sig=signal.SIGCONT)
     wait_for(lambda: handed(n0, 2) > grown, WAIT, "the survivor handed a round at world 2 again", cluster.agents)
     hold_at(cluster, STEPS)

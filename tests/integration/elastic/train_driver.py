@@ -6,8 +6,9 @@ Run it as the example is run (under ``elasticzero-run``, or directly: a world of
   "attempt", "resumed", "started", "load_s", "loaded", "time", "samples": [[epoch, id], ...]}`` (``loaded``: when
   the resume finished and training began, wall clock) (docs/elastic-training.md, "The
   sample record");
-- ``--hold-file FILE``: before step N+1 (after step N and its checkpoint) the job waits while FILE exists and holds a
-  number <= N, collectively (a lost peer fails the job). A test holds the job at a known step this way;
+- ``--hold-file FILE``: before step N+1 (after step N and its checkpoint; live: before that checkpoint) the job waits
+  while FILE exists and holds a number <= N, collectively (a lost peer fails the job; live: each rank, polling the
+  round file). A test holds the job at a known step this way;
 - ``--hang-at N --hang-rank R``: in an attempt that started from step 0, rank R stops making progress before step N
   (after the hold): it writes the wall-clock instant to ``<--record-samples>.hang`` and sleeps for good, while its
   peers go on into step N's collectives. The hang tests' hung worker;
@@ -29,7 +30,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,17 +122,22 @@ class DrivenTrainer(train_gpt.Trainer):
 class DrivenLiveTrainer(train_gpt.LiveTrainer):
     """The example's live trainer (``elasticzero-run --live-recovery``) with the record and the hold of
     :class:`DrivenTrainer`: each committed step one JSON line per rank (``pid``: a survivor keeps its process), and
-    the hold waits polling the round file (``attempt.check()``), so a membership change during it is taken at once."""
+    the hold (before the checkpoint) waits polling the round file, so a membership change during it is taken at once."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
         self.started, self.samples = psutil.Process().create_time(), []
 
-    def live_step(self, attempt: Any) -> torch.Tensor:
-        while self.args.hold_file is not None and held(self.args.hold_file, attempt.step):
-            attempt.check()  # a new round: leave the hold for it
+    def save_due(self, live: Any, run: Callable[[Callable[[], None]], None]) -> None:
+        """The hold comes first in the attempt, before the last commit's checkpoint: a round change during it lands
+        between a save step's commit and its save (the join race of issue 21)."""
+        while live.step < self.args.steps and self.args.hold_file is not None and held(self.args.hold_file, live.step):
+            live.bound.check()  # a new round: leave the hold for it
             elasticzero.heartbeat()
             time.sleep(0.05)
+        super().save_due(live, run)
+
+    def live_step(self, attempt: Any) -> torch.Tensor:
         attempt.check()  # a round written before the hold was lifted (while this slept) is taken before the step
         epoch = attempt.live.sampler.epoch
         self.samples = [[epoch, i] for mb in attempt.micro_batches for i in mb]

@@ -71,8 +71,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-import psutil
-
 # the restart path's bench (its wait and store probe; it puts tests/ on sys.path: the one free-port rule)
 from elastic_recovery_bench import _connects, wait_until
 from elasticzero.agent.proctree import descendants, kill_now, processes_with_env, signal_all
@@ -283,10 +281,7 @@ def analyse(
     victims: list[int],
 ):
     """One row per event: event -> first step at the new world and its parts, steps lost, process kept, step time.
-    The records' ``started`` (psutil's process start: boot time, whole seconds, + ticks) is first put on the clock of
-    ``time.time()`` with the skew measured in this run (:func:`start_time_skew`)."""
-    skew = start_time_skew()
-    lines = [{**r, "started": r["started"] - skew} for r in lines]
+    The records' ``started`` is on the ``time.time()`` clock (the driver's ``process_start``)."""
     rows, losses = [], iter(victims)
     for i, (kind, t) in enumerate(events):
         victim = next(losses) if kind != "join" else None
@@ -309,18 +304,6 @@ def analyse(
             row["parts"] = live_parts(kind, t, t_first, first, min(hand)) if hand else {}
         rows.append(row)
     return rows
-
-
-def start_time_skew(n: int = 5) -> float:
-    """How far psutil's process start time is ahead of ``time.time()`` at the spawn (its boot time is rounded to a
-    second: up to 1 s, the same for every process until a reboot): the median over ``n`` spawns."""
-    skews = []
-    for _ in range(n):
-        t = time.time()
-        proc = subprocess.Popen(["sleep", "0.1"])
-        skews.append(psutil.Process(proc.pid).create_time() - t)
-        proc.wait()
-    return statistics.median(skews)
 
 
 def restart_parts(t: float, t_first: float, first: list[dict[str, Any]]) -> dict[str, float]:

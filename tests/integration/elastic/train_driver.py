@@ -62,7 +62,7 @@ class DrivenTrainer(train_gpt.Trainer):
         self.recording = args.record_samples is not None
         if self.recording:
             self.loader.sampler.record = []  # (epoch, index) of every sample this rank trains on
-        self.started = psutil.Process().create_time()  # this worker process's start (wall clock)
+        self.started = process_start()  # this worker process's start (wall clock)
         self.attempt, self.resumed, self.load_s, self.loaded = 0, 0, 0.0, 0.0
         if args.freeze_file is not None and self.ckpt:  # the example's Checkpointer, rebuilt with the freeze hook
             self.ckpt.close()
@@ -119,6 +119,18 @@ class DrivenTrainer(train_gpt.Trainer):
             fh.write(json.dumps({**fields, "samples": samples}) + "\n")
 
 
+def process_start() -> float:
+    """This process's start on the ``time.time()`` clock, to the kernel's clock tick: its start in ticks since boot
+    (``/proc/self/stat``) against the boot clock now. psutil's ``create_time`` adds the start to the boot time, which
+    the kernel reports in whole seconds: every start would be off by the same up to 1 s, enough to misplace a worker
+    start beside an event measured with ``time.time()`` (the recovery benches' splits)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, after the name
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, IndexError, ValueError):  # no procfs: psutil's, whole-second boot time and all
+        return float(psutil.Process().create_time())
+
+
 class DrivenLiveTrainer(train_gpt.LiveTrainer):
     """The example's live trainer (``elasticzero-run --live-recovery``) with the record and the hold of
     :class:`DrivenTrainer`: each committed step one JSON line per rank (``pid``: a survivor keeps its process), and
@@ -126,7 +138,7 @@ class DrivenLiveTrainer(train_gpt.LiveTrainer):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        self.started, self.samples = psutil.Process().create_time(), []
+        self.started, self.samples = process_start(), []
 
     def save_due(self, live: Any, run: Callable[[Callable[[], None]], None]) -> None:
         """The hold comes first in the attempt, before the last commit's checkpoint: a round change during it lands

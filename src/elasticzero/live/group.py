@@ -15,6 +15,13 @@ communicator: a kernel stuck on a lost peer is torn down, where ``shutdown`` alo
 ``destroy_process_group`` to drop torch's registry. :class:`RoundGroups` is the thin I/O around both; it keeps every
 abandoned group (and every store) referenced for the life of the process — the object that owns the rounds owns them,
 no module state.
+
+Forming is leavable: ``init_process_group`` waits for every member without a bound but the group's timeout (minutes),
+so a member lost before it arrives — a joiner killed while its interpreter starts, a node frozen between two rounds —
+would hold the others there. :meth:`RoundGroups.form` first connects to the round's store in short tries and then
+waits for every member's arrival key under the round's prefix (:func:`arrive`), calling ``check`` between two polls:
+the live loop's bound, which leaves with the newer round the agents write once they noticed the loss. Only members
+that all arrived a moment ago then enter ``init_process_group``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,27 @@ from elasticzero.live.rounds import NodeRound
 
 #: the store's wait bound when the round gives no timeout (torch's TCPStore default)
 _STORE_TIMEOUT = timedelta(minutes=5)
+#: one try at connecting to a round's store (its host may still be starting: a joiner that is the new rank 0)
+_CONNECT_TRY = timedelta(seconds=1)
+#: how often a member waiting for the others' arrival polls the store (and calls ``check``)
+_ARRIVAL_POLL_S = 0.02
+
+Check = Callable[[], None]
+
+
+def arrival_key(rank: int) -> str:
+    """The key a member sets under the round's prefix once it can form the group."""
+    return f"arrived/{rank}"
+
+
+def arrive(store: Any, rank: int, world_size: int, check: Check, poll_s: float = _ARRIVAL_POLL_S) -> None:
+    """Set this member's arrival key on ``store`` (the round's prefixed store) and wait until every member's is set,
+    calling ``check`` (it raises to leave: a newer round) between two polls."""
+    store.set(arrival_key(rank), "1")
+    keys = [arrival_key(r) for r in range(world_size)]
+    while not store.check(keys):
+        check()
+        time.sleep(poll_s)
 
 
 @dataclass(frozen=True)
@@ -133,11 +161,14 @@ class RoundGroups:
         self.abandoned: list[Any] = []  #: every group left, never released (see the module)
         self._stores: dict[tuple[str, int], Any] = {}  #: one client (or server) per store address, reused
 
-    def form(self, spec: GroupSpec, *, aborted: bool = False) -> Any:
-        """Leave the current group (``aborted``: a :class:`RoundWatch` already aborted it), form ``spec``'s; returns
-        the new default group."""
+    def form(self, spec: GroupSpec, *, aborted: bool = False, check: Check = lambda: None) -> Any:
+        """Leave the current group (``aborted``: a :class:`RoundWatch` already aborted it), form ``spec``'s once
+        every member arrived (``check`` between two polls: it raises to leave, see the module); returns the new
+        default group."""
         self.abandon(aborted=aborted)
-        dist.init_process_group(store=dist.PrefixStore(spec.prefix, self._store(spec)), **init_args(spec))
+        store = dist.PrefixStore(spec.prefix, self._store(spec, check))
+        arrive(store, spec.rank, spec.world_size, check)
+        dist.init_process_group(store=store, **init_args(spec))
         self.current = dist.group.WORLD
         return self.current
 
@@ -154,13 +185,25 @@ class RoundGroups:
             else:
                 dist.destroy_process_group(pg)
 
-    def _store(self, spec: GroupSpec) -> Any:
+    def _store(self, spec: GroupSpec, check: Check) -> Any:
         """The store at ``spec``'s address: the one this process already has there, else a new client (or server,
-        when the round's new rank 0 hosts it)."""
+        when the round's new rank 0 hosts it); a client connects in tries of :data:`_CONNECT_TRY`, ``check`` between
+        two (the host may be a joiner still starting, or lost)."""
         key = (spec.host, spec.port)
         if key not in self._stores:
             limit = spec.timeout if spec.timeout is not None else _STORE_TIMEOUT
-            self._stores[key] = dist.TCPStore(
-                spec.host, spec.port, is_master=spec.store_master, timeout=limit, wait_for_workers=False
-            )
+            self._stores[key] = self._connect(spec, check) if not spec.store_master else self._serve(spec, limit)
+            self._stores[key].set_timeout(limit)
         return self._stores[key]
+
+    @staticmethod
+    def _serve(spec: GroupSpec, limit: timedelta) -> Any:
+        return dist.TCPStore(spec.host, spec.port, is_master=True, timeout=limit, wait_for_workers=False)
+
+    @staticmethod
+    def _connect(spec: GroupSpec, check: Check) -> Any:
+        while True:
+            try:
+                return dist.TCPStore(spec.host, spec.port, is_master=False, timeout=_CONNECT_TRY)
+            except RuntimeError:  # DistNetworkError / DistStoreError: not there (yet)
+                check()

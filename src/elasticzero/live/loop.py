@@ -303,7 +303,8 @@ class LiveTraining:
         if self.watch is not None:
             self.watch.close()
         aborted = self.watch is not None and self.watch.fired  # NCCL: the watch aborted the old group (final now)
-        group = self.groups.form(group_spec(round_, self.local_rank, self.where, self.group_timeout), aborted=aborted)
+        spec = group_spec(round_, self.local_rank, self.where, self.group_timeout)
+        group = self.groups.form(spec, aborted=aborted, check=self.bound.check)  # leavable until all members arrived
         self._watch(round_, group)
         opt = self._bounded(self.build(group))
         plan = reshard_from(opt, holdings)

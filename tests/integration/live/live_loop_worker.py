@@ -8,7 +8,9 @@ writes round 1 (a new world, a new prefix) into the files of the round's members
   ``KILL2``), after every rank's shards were gathered and saved (``OUT.<case>.at_k.pt``: the start of the reference
   run), sends itself the signal; the driver sees it die or stop, writes round 1 of the survivors and fences the victim;
 - a join (``JOIN``): two ranks train; at step ``K`` (the state saved as above) they wait in the step for a new round;
-  the driver forks a fresh third process with round 1 in its file and writes round 1 (world 3) into the two others'.
+  the driver forks a fresh third process with round 1 in its file and writes round 1 (world 3) into the two others';
+- a joiner lost before it arrives (``JOINLOST``): as ``JOIN``, but the third process never comes (a joiner killed
+  while its interpreter starts); the two wait for its arrival in round 1 until the driver writes round 2 (world 2).
 
 Each rank writes ``OUT.<case>.rank<r>.json`` (pid, sample record, reconfigurations with monotonic times); rank 0 the
 final parameters (``OUT.<case>.final.pt``); the driver ``OUT.<case>.harness.json`` (pids, exit codes, when it wrote
@@ -52,13 +54,16 @@ WORLD, VICTIM = 3, 2  # the victim is the last rank: the survivors keep their ra
 # (ZeRO stage, event, precision)
 LIVE = [(2, "KILL", "fp32"), (2, "STOP", "fp32"), (1, "STOP", "fp32"), (3, "KILL", "fp32"), (2, "KILL", "bf16")]
 JOIN = (2, "JOIN", "fp32")  # 2 -> 3: a fresh process gets its shards from its peers
+JOIN_LOST = (2, "JOINLOST", "fp32")  # 2 -> 3 named, the joiner never arrives -> round 2 at 2 again
 LOSE2 = (2, "KILL2", "fp32")  # ranks 1 and 2 killed: rank 1's copy was on rank 2, a fallback for rank 0
-CASES = [*LIVE, JOIN, LOSE2]
+CASES = [*LIVE, JOIN, JOIN_LOST, LOSE2]
+JOINS = ("JOIN", "JOINLOST")
+ARRIVAL_S = 1.0  # how long the driver lets the two wait for the lost joiner's arrival before it writes round 2
 WAIT_S = 60  # how long a joined rank waits in step K for round 1 before the case fails
 
 
 def victims(sig: str) -> list[int]:
-    return {"KILL2": [1, 2], "JOIN": []}.get(sig, [VICTIM])
+    return {"KILL2": [1, 2], "JOIN": [], "JOINLOST": []}.get(sig, [VICTIM])
 
 
 def case_name(stage: int, sig: str, precision: str) -> str:
@@ -113,7 +118,7 @@ def at_step_k(attempt: Any, live: LiveTraining, out: Path, sig: str) -> None:
         torch.save(at_k, f"{out}.at_k.pt")
     if live.rank in victims(sig):
         os.kill(os.getpid(), getattr(signal, f"SIG{sig.rstrip('2')}"))
-    if sig == "JOIN":
+    if sig in JOINS:
         Path(f"{out}.waiting{live.rank}").touch()
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
@@ -219,7 +224,7 @@ def run_case(case: tuple[int, str, str], out: Path) -> None:
     sig = case[1]
     port = free_port()
     store = StoreAddress("127.0.0.1", port, rank0_hosts=False)
-    first = [0, 1] if sig == "JOIN" else list(range(WORLD))
+    first = [0, 1] if sig in JOINS else list(range(WORLD))
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     write_rounds(out, 0, first, store)
     pids = [fork_rank(r, out, case) for r in first]
@@ -231,12 +236,18 @@ def run_case(case: tuple[int, str, str], out: Path) -> None:
         survivors = [*first, VICTIM]
         write_rounds(out, 1, survivors, store)  # the joiner's file too: it starts in round 1, as rank 2
         pids.append(fork_rank(VICTIM, out, case))
+    if sig == "JOINLOST":  # round 1 names a joiner that never comes; the agents' next round drops it
+        wait_files([Path(f"{out}.waiting{r}") for r in first], pids)
+        write_rounds(out, 1, [*first, VICTIM], store)
+        time.sleep(ARRIVAL_S)
+        survivors = first
+        write_rounds(out, 2, survivors, store)
     for r in lost:
         if sig == "STOP":
             wait_stopped(pids[r])
         else:
             codes[r] = exit_code(pids[r], pids)
-    if sig != "JOIN":
+    if sig not in JOINS:
         write_rounds(out, 1, survivors, store)
     announced = time.monotonic()
     codes.update({r: exit_code(pids[r], pids) for r in survivors})

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 from live_loop_worker import (
     GLOBAL_BATCH,
     JOIN,
+    JOIN_LOST,
     LIVE,
     LOSE2,
     LR,
@@ -186,6 +187,29 @@ def test_a_fresh_process_joins_with_its_shards_from_its_peers(runs: Path) -> Non
     assert ratio <= 1, f"final parameters off by {ratio:.3g}x the {precision} rounding scale (ez_numerics rule)"
     _, first = recovery(results[:2], harness)
     print(f"ZeRO-{stage} join 2 -> 3: announcement -> first step at world 3 {first:.3f} s (error ratio {ratio:.3g})")
+
+
+def test_a_joiner_lost_before_it_arrives_is_left_for_the_next_round(runs: Path) -> None:
+    """Round 1 names a joiner that never comes (killed while it started): the two wait for its arrival without a
+    bound of their own, polling their round files, and form round 2 (world 2 again) as soon as it is written — not
+    after the group's timeout (torch's 30 min for gloo here) in ``init_process_group``. Same processes, every step
+    committed once, the parameters of an uninterrupted run."""
+    stage, sig, precision = JOIN_LOST
+    out = Path(f"{runs}.{case_name(stage, sig, precision)}")
+    harness = json.loads(Path(f"{out}.harness.json").read_text())
+    errors = [Path(f"{out}.rank{r}.err") for r in range(2)]
+    assert harness["codes"][:2] == [0, 0], [e.read_text() for e in errors if e.exists()]
+    results = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+    assert [res["pid"] for res in results] == harness["pids"] and [res["world"] for res in results] == [2, 2]
+    assert [[(e["round"], e["step"]) for e in res["events"]] for res in results] == [[(2, K)], [(2, K)]]
+    assert record_problems([res["record"] for res in results], [0, 0]) == []
+    ratio = final_ratio(out, precision, 2)
+    assert ratio <= 1, f"final parameters off by {ratio:.3g}x the {precision} rounding scale (ez_numerics rule)"
+    _, first = recovery(results, harness)
+    # the bound is a round-file poll (20 ms) + forming a 2-rank group + one tiny step: 30 s is far above it under any
+    # load, and far below the 5 min of the store's wait or gloo's 30 min that an unbounded wait would take
+    assert first < 30.0, f"round 2 took {first:.1f} s after its announcement"
+    print(f"ZeRO-{stage} joiner lost before arriving: round 2 announced -> first step at world 2 {first:.3f} s")
 
 
 def test_both_copies_lost_is_one_clear_error_for_the_restart_path(runs: Path) -> None:

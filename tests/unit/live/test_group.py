@@ -4,7 +4,9 @@ one process forms a fresh default group twice over a real TCPStore (a world of o
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,6 +22,8 @@ from elasticzero.live.group import (
     RoundWatch,
     abandon_calls,
     aborts_on_announce,
+    arrival_key,
+    arrive,
     group_spec,
     init_args,
 )
@@ -119,3 +123,39 @@ def test_one_process_forms_a_fresh_default_group_per_round_and_keeps_the_old_one
     assert len(groups._stores) == 1  # the store this process hosts is reused, not created again on the same port
     groups.abandon()
     assert not dist.is_initialized() and groups.abandoned == [first, second]
+
+
+class Leave(Exception):
+    """What the tests' ``check`` raises (the live loop's bound raises ``Reconfigure``)."""
+
+
+def leave_after(polls: int) -> Callable[[], None]:
+    """A ``check`` that raises :class:`Leave` at its ``polls``-th call (a newer round announced by then)."""
+    calls = [0]
+
+    def check() -> None:
+        calls[0] += 1
+        if calls[0] >= polls:
+            raise Leave
+
+    return check
+
+
+def test_members_form_only_once_all_arrived_and_a_missing_one_is_left_by_the_check() -> None:
+    store = dist.PrefixStore("r7/", dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False))
+    with pytest.raises(Leave):  # rank 1 never comes: rank 0 polls, and leaves at the check's word
+        arrive(store, 0, 2, leave_after(3), poll_s=0.01)
+    other = threading.Timer(0.1, lambda: store.set(arrival_key(1), "1"))
+    other.start()
+    start = time.monotonic()
+    arrive(store, 0, 2, lambda: None, poll_s=0.01)  # returns once rank 1 arrived
+    assert 0.1 <= time.monotonic() - start < 5.0
+
+
+def test_a_store_that_is_not_there_is_tried_until_the_check_leaves() -> None:
+    spec = GroupSpec("gloo", 1, 2, "127.0.0.1", free_port(), False, "r3/", None, timedelta(seconds=30))
+    groups = RoundGroups()
+    start = time.monotonic()
+    with pytest.raises(Leave):
+        groups.form(spec, check=leave_after(2))  # two tries of the connection, then the newer round
+    assert time.monotonic() - start < 10.0 and groups.current is None and not dist.is_initialized()

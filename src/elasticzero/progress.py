@@ -12,8 +12,9 @@ reports progress with plain stores into shared memory (``struct.pack_into`` on t
   is blocked waiting in is recorded while it waits — so of ranks that stopped progressing, the one that did *not*
   enter the collective the others wait in can be told apart (docs/agent.md, "Hung workers");
 * the live loop (:mod:`elasticzero.live`): each round it enters is counted and clears the last step's time (the
-  next step's interval spans the round change, not a step), and the worker marks when it waits in a bounded wait
-  (the work — an engine collective, or a checkpoint save's collectives — runs on the bound's helper thread).
+  next step's interval spans the round change, not a step) and the old round's abandoned wait; the worker marks
+  when it waits in a bounded wait (the work — an engine collective, or a checkpoint save's collectives — runs on
+  the bound's helper thread).
 
 Opening the record also registers :mod:`faulthandler` on :data:`STACKS_SIGNAL`: the agent sends it to a hung worker,
 whose Python stacks (every thread) then go to its stderr, i.e. its log. Outside the agent (no variable) everything here
@@ -48,9 +49,10 @@ RECORD_SIZE = _LAYOUT.size
 _OFF_BEATS = 8  # beats, step: one pack_into per step
 _OFF_COLLECTIVES = 24
 _OFF_WAITING = 32
-_OFF_STEP_NS = 40  # step time, rounds: one pack_into per round entered
+_OFF_STEP_NS = 40
 _OFF_BOUNDED = 56
 _PAIR = struct.Struct("<QQ")
+_TRIPLE = struct.Struct("<QQQ")  # waiting, step time, rounds: one pack_into per round entered
 _ONE = struct.Struct("<Q")
 
 
@@ -116,9 +118,11 @@ class Reporter:
         _PAIR.pack_into(self._map, _OFF_BEATS, self._beats, step)
 
     def entered_round(self) -> None:
-        """The live loop enters a new round: no step in it yet (the next step's interval spans the round change)."""
+        """The live loop enters a new round: no step in it yet (the next step's interval spans the round change), and
+        no wait of the old round's (abandoned: a helper thread left in one never clears it, its wait ends in an
+        error)."""
         self._rounds += 1
-        _PAIR.pack_into(self._map, _OFF_STEP_NS, 0, self._rounds)
+        _TRIPLE.pack_into(self._map, _OFF_WAITING, 0, 0, self._rounds)
 
     def bounded(self, inside: bool) -> None:
         """The worker enters (``True``) or leaves a live loop's bounded wait."""

@@ -10,7 +10,11 @@ reports progress with plain stores into shared memory (``struct.pack_into`` on t
 * the engine: :func:`~elasticzero.engine.step.optimizer_step` (``pieces.step()``) counts a step; every collective an
   engine :class:`~elasticzero.engine.zero.comm.Communicator` issues is numbered, and the number of the one a worker
   is blocked waiting in is recorded while it waits — so of ranks that stopped progressing, the one that did *not*
-  enter the collective the others wait in can be told apart (docs/agent.md, "Hung workers").
+  enter the collective the others wait in can be told apart (docs/agent.md, "Hung workers");
+* the live loop (:mod:`elasticzero.live`): each round it enters is counted and clears the last step's time (the
+  next step's interval spans the round change, not a step) and the old round's abandoned wait; the worker marks
+  when it waits in a bounded wait (the work — an engine collective, or a checkpoint save's collectives — runs on
+  the bound's helper thread).
 
 Opening the record also registers :mod:`faulthandler` on :data:`STACKS_SIGNAL`: the agent sends it to a hung worker,
 whose Python stacks (every thread) then go to its stderr, i.e. its log. Outside the agent (no variable) everything here
@@ -37,15 +41,18 @@ PROGRESS_FILE_ENV = "ELASTICZERO_PROGRESS_FILE"
 #: the signal on which a worker with a record dumps its Python stacks to stderr (faulthandler)
 STACKS_SIGNAL = signal.SIGUSR2
 
-_MAGIC = b"EZP1"
-#: magic, pid, beats (every report), step, collectives issued, collective waited in (0: none), last step's time (ns)
-_LAYOUT = struct.Struct("<4sIQQQQQ")
+_MAGIC = b"EZP2"
+#: magic, pid, beats (every report), step, collectives issued, collective waited in (0: none), last step's time (ns;
+#: 0: no step in the current round), rounds entered (live recovery), in a bounded wait (0/1)
+_LAYOUT = struct.Struct("<4sIQQQQQQQ")
 RECORD_SIZE = _LAYOUT.size
 _OFF_BEATS = 8  # beats, step: one pack_into per step
 _OFF_COLLECTIVES = 24
 _OFF_WAITING = 32
 _OFF_STEP_NS = 40
+_OFF_BOUNDED = 56
 _PAIR = struct.Struct("<QQ")
+_TRIPLE = struct.Struct("<QQQ")  # waiting, step time, rounds: one pack_into per round entered
 _ONE = struct.Struct("<Q")
 
 
@@ -58,12 +65,14 @@ class ProgressRecord:
     step: int  #: the step count reported (the engine's steps since the worker started, or the loop's own numbers)
     collectives: int  #: engine collectives issued so far
     waiting: int  #: the number of the engine collective the worker is blocked waiting in; 0 when it is not
-    step_ns: int  #: ``time.monotonic_ns()`` when the last step was reported (0: none yet)
+    step_ns: int  #: ``time.monotonic_ns()`` when the last step was reported (0: none yet in the current round)
+    rounds: int = 0  #: live rounds this process entered (0: none, outside live recovery); each entry zeroes step_ns
+    bounded: int = 0  #: 1 while the worker waits in a live loop's bounded wait (:mod:`elasticzero.live.bounded`)
 
     @property
-    def marks(self) -> tuple[int, int, int]:
+    def marks(self) -> tuple[int, int, int, int]:
         """What changes when the worker makes progress."""
-        return self.beats, self.collectives, self.waiting
+        return self.beats, self.collectives, self.waiting, self.bounded
 
 
 def read_record(path: str) -> ProgressRecord | None:
@@ -89,9 +98,9 @@ class Reporter:
             self._map = mmap.mmap(fd, RECORD_SIZE)
         finally:
             os.close(fd)
-        self._beats = self._step = self._collectives = 0
+        self._beats = self._step = self._collectives = self._rounds = 0
         register_stack_dump()
-        _LAYOUT.pack_into(self._map, 0, _MAGIC, os.getpid(), 0, 0, 0, 0, 0)
+        _LAYOUT.pack_into(self._map, 0, _MAGIC, os.getpid(), 0, 0, 0, 0, 0, 0, 0)
 
     def step(self) -> None:
         """The engine finished a step (its steps are counted from the worker's start)."""
@@ -104,8 +113,20 @@ class Reporter:
             _ONE.pack_into(self._map, _OFF_BEATS, self._beats)
             return
         self._step = step
-        _PAIR.pack_into(self._map, _OFF_BEATS, self._beats, step)
+        # the time first: a reader that sees the new step sees its time (one that sees the time alone sees no step)
         _ONE.pack_into(self._map, _OFF_STEP_NS, time.monotonic_ns())
+        _PAIR.pack_into(self._map, _OFF_BEATS, self._beats, step)
+
+    def entered_round(self) -> None:
+        """The live loop enters a new round: no step in it yet (the next step's interval spans the round change), and
+        no wait of the old round's (abandoned: a helper thread left in one never clears it, its wait ends in an
+        error)."""
+        self._rounds += 1
+        _TRIPLE.pack_into(self._map, _OFF_WAITING, 0, 0, self._rounds)
+
+    def bounded(self, inside: bool) -> None:
+        """The worker enters (``True``) or leaves a live loop's bounded wait."""
+        _ONE.pack_into(self._map, _OFF_BOUNDED, int(inside))
 
     def issued(self) -> int:
         """Number the next engine collective (1, 2, ...) and record it as issued."""
@@ -128,6 +149,12 @@ class NullReporter(Reporter):
         pass
 
     def beat(self, step: int | None = None) -> None:
+        pass
+
+    def entered_round(self) -> None:
+        pass
+
+    def bounded(self, inside: bool) -> None:
         pass
 
     def issued(self) -> int:

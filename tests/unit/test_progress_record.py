@@ -28,7 +28,7 @@ def record(tmp_path: Path) -> Iterator[tuple[Reporter, Path]]:
 
 def test_reports_land_in_the_record(record: tuple[Reporter, Path]) -> None:
     rep, path = record
-    assert read_record(str(path)) == ProgressRecord(os.getpid(), 0, 0, 0, 0, 0)
+    assert read_record(str(path)) == ProgressRecord(os.getpid(), 0, 0, 0, 0, 0, 0, 0)
     assert (rep.issued(), rep.issued()) == (1, 2)
     rep.waiting(2)
     got = read_record(str(path))
@@ -42,6 +42,26 @@ def test_reports_land_in_the_record(record: tuple[Reporter, Path]) -> None:
     rep.beat(40)
     got2 = read_record(str(path))
     assert got2 is not None and (got2.beats, got2.step) == (4, 40) and got2.step_ns >= got.step_ns
+
+
+def test_a_round_entered_clears_the_step_time_and_a_bounded_wait_is_marked(record: tuple[Reporter, Path]) -> None:
+    """The live loop's reports: a round entered is counted and leaves no step time (nor wait) in it until its first
+    step; a bounded wait shows in the record (and is progress: the marks change)."""
+    rep, path = record
+    rep.step()
+    rep.waiting(rep.issued())  # a wait of the old round, abandoned: its thread never clears it
+    before = read_record(str(path))
+    rep.entered_round()
+    entered = read_record(str(path))
+    assert before is not None and entered is not None and (before.step_ns > 0, before.waiting) == (True, 1)
+    assert (entered.rounds, entered.step_ns, entered.step, entered.waiting, entered.collectives) == (1, 0, 1, 0, 1)
+    rep.step()
+    rep.bounded(True)
+    inside = read_record(str(path))
+    assert inside is not None and (inside.rounds, inside.step, inside.bounded) == (1, 2, 1) and inside.step_ns > 0
+    rep.bounded(False)
+    left = read_record(str(path))
+    assert left is not None and left.bounded == 0 and len({inside.marks, left.marks}) == 2
 
 
 def test_no_record_reads_as_none(tmp_path: Path) -> None:

@@ -9,14 +9,18 @@ a decision out, nothing done here.
 The rule (docs/agent.md, "Hung workers"):
 
 * a worker is watched from its first reported step (start-up, the checkpoint load and the first step are bounded by
-  the collective timeout only: their length says nothing about a hang);
-* the hang timeout is ``--hang-timeout`` or, by default, :data:`STEP_FACTOR` times the longest step interval seen in
-  this round, at least :data:`FLOOR_S` (the floor alone until two steps were seen);
+  the collective timeout only: their length says nothing about a hang), and after entering a live round (a hand-off,
+  :mod:`elasticzero.live`) from its first step in it (the reshard or a joiner's state transfer, then the first step);
+* the hang timeout is ``--hang-timeout`` or, by default, :data:`STEP_FACTOR` times the longest step interval seen
+  since the workers started (the last :data:`HISTORY`), at least :data:`FLOOR_S` (the floor alone until two steps
+  were seen). The interval that spans a live round change (the loss's detection, the re-rendezvous, the reshard) is
+  no step: the worker's record counts the rounds it entered, and an interval across two is not counted;
 * a worker without progress for the timeout that is *not* waiting in an engine collective (or is stopped: SIGSTOP, a
   debugger) is hung. Its peers, blocked in the collective it never entered, show the collective they wait in: they
   are declared only after :data:`VICTIM_FACTOR` times the timeout, which leaves the hung rank's own agent time to act
   (its workers' exit fails their collective first). Several hung local workers: the one behind (fewest collectives
-  issued) is named.
+  issued) is named. A worker in a live loop's bounded wait on other work (a checkpoint save's collectives on the
+  bound's helper thread) is not in an engine collective: the rule above applies, and the hang line says where it is.
 """
 
 from __future__ import annotations
@@ -91,10 +95,11 @@ class Seen:
     """What the watch remembers of one worker: its last marks, since when (agent's monotonic clock), its last step."""
 
     pid: int
-    marks: tuple[int, int, int]
+    marks: tuple[int, ...]
     since: float
     step: int
     step_ns: int
+    rounds: int = 0  #: live rounds the worker had entered (:attr:`~elasticzero.progress.ProgressRecord.rounds`)
 
 
 @dataclass(frozen=True)
@@ -106,18 +111,32 @@ class Watch:
 
 
 def observe(watch: Watch, workers: Sequence[Observed], now: float) -> Watch:
-    """The watch after seeing ``workers`` at ``now``: changed marks restart a clock; new steps add intervals."""
+    """The watch after seeing ``workers`` at ``now``: changed marks (or a round entered) restart a clock; new steps
+    add intervals (:func:`step_interval`)."""
     seen, gaps = dict(watch.seen), list(watch.gaps)
     for w in workers:
         rec, old = w.record, watch.seen.get(w.local_rank)
         if rec is None or rec.pid != w.pid:
             seen.pop(w.local_rank, None)
             continue
-        if old is None or old.pid != w.pid or old.marks != rec.marks:
-            seen[w.local_rank] = Seen(w.pid, rec.marks, now, rec.step, rec.step_ns)
-        if old is not None and old.pid == w.pid and rec.step > old.step and old.step_ns and rec.beats > 0:
-            gaps.append((rec.step_ns - old.step_ns) / 1e9 / (rec.step - old.step))
+        if old is None or old.pid != w.pid or old.marks != rec.marks or old.rounds != rec.rounds:
+            seen[w.local_rank] = Seen(w.pid, rec.marks, now, rec.step, rec.step_ns, rec.rounds)
+        gap = step_interval(old, w.pid, rec)
+        if gap is not None:
+            gaps.append(gap)
     return Watch(MappingProxyType(seen), tuple(gaps[-HISTORY:]))
+
+
+def step_interval(old: Seen | None, pid: int, rec: ProgressRecord) -> float | None:
+    """The length of one step between the last observation (``old``) and ``rec``, from the worker's own clock; None
+    when there is none: another process, no new step, or no step time before it — the first step of the process or
+    of a live round, whose interval spans the start-up or the round change (a round entered clears the step time and
+    counts in ``rounds``: an interval across two rounds is not counted, however the observations fell)."""
+    if old is None or old.pid != pid or rec.step <= old.step or rec.beats == 0:
+        return None
+    if not old.step_ns or not rec.step_ns or old.rounds != rec.rounds:
+        return None
+    return (rec.step_ns - old.step_ns) / 1e9 / (rec.step - old.step)
 
 
 def hang_timeout(plan: HangPlan, gaps: Sequence[float]) -> float:
@@ -169,8 +188,11 @@ def verdict(watch: Watch, workers: Sequence[Observed], now: float, plan: HangPla
 
 
 def _watched(watch: Watch, w: Observed) -> bool:
-    seen = watch.seen.get(w.local_rank)
-    return seen is not None and seen.pid == w.pid and w.record is not None and w.record.beats > 0
+    """From its first report; in a live round it entered, from its first step there (the module's rule)."""
+    seen, rec = watch.seen.get(w.local_rank), w.record
+    if seen is None or seen.pid != w.pid or rec is None or rec.beats == 0:
+        return False
+    return rec.rounds == 0 or rec.step_ns > 0
 
 
 def _waiting(w: Observed) -> int:
@@ -195,4 +217,9 @@ def _where(w: Observed, workers: Sequence[Observed]) -> str:
         others = [o.rank for o in workers if o.local_rank != w.local_rank and _collectives(o) < _waiting(w)]
         behind = f"local rank(s) {others} never entered it" if others else "no rank of this node is behind it"
         return f"waiting in engine collective #{_waiting(w)} ({behind}: the rank that did not enter it is elsewhere)"
+    if w.record is not None and w.record.bounded:
+        return (
+            f"in a bounded wait of the live loop on work outside the engine's collectives (on its helper thread: a "
+            f"checkpoint save's collectives, say), after its engine collective #{n}"
+        )
     return f"outside the engine's collectives, after its collective #{n} (its peers wait for it)"

@@ -7,7 +7,9 @@ source. When a newer round is announced the caller leaves with :class:`Reconfigu
 (a peer's socket closed: SIGKILL) it waits up to ``failure_grace_s`` for the agent's round, then leaves with
 :class:`Reconfigure` too (or re-raises the failure when no round came). gloo may also fail a collective when it is
 *issued* (posting a receive on a closed pair raises): the loop construct hands such an error to
-:meth:`BoundedWait.after_failure` itself.
+:meth:`BoundedWait.after_failure` itself. While a wait runs the worker's progress record says so
+(:meth:`~elasticzero.progress.Reporter.bounded`): the agent's hang line tells a worker waiting on other work on the
+thread (a checkpoint save's collectives) from one outside every wait.
 
 Why a thread and not ``work.wait(timeout)`` in a loop: for gloo's point-to-point works (the rings, the replica
 exchange) ``wait(timeout)`` that times out signals the error to every pair of the context (the whole group is broken:
@@ -31,6 +33,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from elasticzero.live.rounds import NodeRound, RoundError
+from elasticzero.progress import reporter
 
 
 class Reconfigure(Exception):
@@ -81,7 +84,14 @@ class BoundedWait:
         if self.abandoned is not None:
             raise Reconfigure(self.abandoned)
         done: Future[None] = Future()
-        self._jobs.put((wait, done))
+        reporter().bounded(True)  # before the thread starts the work: the agent's hang line says where the worker is
+        try:
+            self._jobs.put((wait, done))
+            self._wait_for(done)
+        finally:
+            reporter().bounded(False)
+
+    def _wait_for(self, done: Future[None]) -> None:
         while True:
             try:
                 return done.result(timeout=self.poll_s)

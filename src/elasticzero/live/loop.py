@@ -58,6 +58,7 @@ from elasticzero.errors import UsageError
 from elasticzero.live.bounded import BoundedWait, LiveError, Reconfigure
 from elasticzero.live.group import RoundGroups, RoundWatch, aborts_on_announce, group_spec
 from elasticzero.live.rounds import ROUND_FILE_ENV, NodeRound, RoundError, RoundFile
+from elasticzero.progress import reporter
 
 
 class ReshardFallback(LiveError):
@@ -300,6 +301,7 @@ class LiveTraining:
         """Form ``round_``'s group, build the optimizer at its world, fill it, position the sampler (the module's
         steps 1-5); the same code for a survivor (``holdings`` its own) and a fresh process (``Holdings()``)."""
         self.bound = self._bound(round_)  # first: a failure from here on waits for a round newer than this one
+        reporter().entered_round()  # the hang watch: no step in this round yet (watched again from its first)
         if self.watch is not None:
             self.watch.close()
         aborted = self.watch is not None and self.watch.fired  # NCCL: the watch aborted the old group (final now)

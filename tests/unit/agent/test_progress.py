@@ -24,8 +24,17 @@ FIXED = HangPlan(enabled=True, timeout_s=5.0, progress_dir="/p")
 AUTO = HangPlan(enabled=True, timeout_s=None, progress_dir="/p")
 
 
-def rec(pid: int, step: int = 1, collectives: int = 10, waiting: int = 0, beats: int | None = None, ns: int = 0):
-    return ProgressRecord(pid, step if beats is None else beats, step, collectives, waiting, ns)
+def rec(
+    pid: int,
+    step: int = 1,
+    collectives: int = 10,
+    waiting: int = 0,
+    beats: int | None = None,
+    ns: int = 0,
+    rounds: int = 0,
+    bounded: int = 0,
+) -> ProgressRecord:
+    return ProgressRecord(pid, step if beats is None else beats, step, collectives, waiting, ns, rounds, bounded)
 
 
 def w(rank: int, record: ProgressRecord | None, stopped: bool = False, local: int | None = None) -> Observed:
@@ -119,3 +128,55 @@ def test_the_default_timeout_follows_the_longest_step() -> None:
 def test_off_decides_nothing() -> None:
     ranks = [w(0, rec(100))]
     assert run(hang_plan("off", {}, "j", 1), [(0.0, ranks), (1e6, ranks)])[0] is None
+
+
+STEP_S = 0.5  # the workers' step in the round-change tests; the change itself takes CHANGE_S
+CHANGE_S = 5.5  # detection + re-rendezvous + reshard: STEP_FACTOR x CHANGE_S is above the floor
+
+
+def stepped(step: int, at_s: float, rounds: int = 0) -> list[Observed]:
+    """Rank 0 after ``step`` at ``at_s`` s of its clock (1 s on: a step time of 0 reads as none)."""
+    return [w(0, rec(100, step=step, ns=int((1.0 + at_s) * 1e9), rounds=rounds))]
+
+
+def test_an_interval_across_a_live_round_change_is_no_step() -> None:
+    """However the agent's ticks fall around the change, the interval that spans it is not a step length."""
+    before = [(0.0, stepped(1, 0.0)), (1.0, stepped(2, STEP_S))]
+    after = 2 * STEP_S + CHANGE_S  # the first step in the new round
+    entered = [w(0, rec(100, step=2, ns=0, rounds=1))]  # the round entered: no step in it yet
+    orders = {
+        "entry seen": [*before, (2.0, entered), (8.0, stepped(3, after, 1)), (9.0, stepped(4, after + STEP_S, 1))],
+        "entry unseen": [*before, (8.0, stepped(3, after, 1)), (9.0, stepped(4, after + STEP_S, 1))],
+    }
+    for order, ticks in orders.items():
+        _, watch = run(AUTO, ticks)
+        assert watch.gaps == (STEP_S, STEP_S), order
+        assert hang_timeout(AUTO, watch.gaps) == max(FLOOR_S, STEP_FACTOR * STEP_S), order
+    counted = [*before, (8.0, stepped(3, after)), (9.0, stepped(4, after + STEP_S))]  # no round entered: a slow step
+    assert max(run(AUTO, counted)[1].gaps) == after - STEP_S and STEP_FACTOR * (after - STEP_S) > FLOOR_S
+
+
+def test_a_worker_in_a_new_round_is_watched_from_its_first_step_there() -> None:
+    """Like a started worker: the reshard (or a joiner's state transfer) and the first step are not watched."""
+    entered = [w(0, rec(100, step=2, ns=0, rounds=1))]
+    assert run(FIXED, [(0.0, stepped(2, 0.0)), (1.0, entered), (60.0, entered)])[0] is None
+    first = stepped(3, 61.0, rounds=1)
+    ticks = [(0.0, stepped(2, 0.0)), (1.0, entered), (61.0, first)]
+    assert run(FIXED, [*ticks, (65.9, first)])[0] is None
+    hang, _ = run(FIXED, [*ticks, (66.0, first)])
+    assert hang is not None and (hang.step, hang.idle_s) == (3, 5.0)
+
+
+def test_a_worker_in_a_bounded_wait_outside_the_engine_is_said_to_be_there() -> None:
+    """The live loop's save on its helper thread: a wait the engine's collectives do not show."""
+    saving = [w(0, rec(100, step=60, collectives=37, bounded=1))]
+    hang, _ = run(FIXED, [(0.0, saving), (5.0, saving)])
+    assert hang is not None and hang.where == (
+        "in a bounded wait of the live loop on work outside the engine's collectives (on its helper thread: a "
+        "checkpoint save's collectives, say), after its engine collective #37"
+    )
+    in_engine = [w(0, rec(100, collectives=38, waiting=38, bounded=1))]  # an engine collective waited on the thread
+    hang, _ = run(FIXED, [(0.0, in_engine), (5.0 * VICTIM_FACTOR, in_engine)])
+    assert hang is not None and hang.where.startswith("waiting in engine collective #38")
+    leaves = [(0.0, saving), (4.0, [w(0, rec(100, step=60, collectives=37))])]  # the wait ended: progress
+    assert run(FIXED, [*leaves, (8.9, leaves[-1][1])])[0] is None

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import faulthandler
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+from elasticzero import progress
 from elasticzero.live.bounded import BoundedWait, LiveError, Reconfigure
 from elasticzero.live.rounds import NodeRound, RoundError, StoreAddress
 
@@ -34,6 +37,23 @@ def test_a_wait_that_completes_returns_without_polling() -> None:
     bound(lambda: None)
     assert (bound.abandoned, source.polls) == (None, 0)
     bound.close()
+
+
+def test_the_progress_record_shows_the_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the work runs on the helper thread the worker's record says it waits in a bounded wait (the agent's hang
+    line), and not after."""
+    path = str(tmp_path / "rank0")
+    monkeypatch.setenv(progress.PROGRESS_FILE_ENV, path)
+    progress.reporter.cache_clear()
+    seen: list[progress.ProgressRecord | None] = []
+    try:
+        bound = BoundedWait(Source(), poll_s=5)
+        bound(lambda: seen.append(progress.read_record(path)))
+        bound.close()
+        assert [r.bounded if r else None for r in (*seen, progress.read_record(path))] == [1, 0]
+    finally:
+        progress.reporter.cache_clear()
+        faulthandler.unregister(progress.STACKS_SIGNAL)
 
 
 def test_a_stuck_wait_is_left_within_a_poll_of_the_announcement() -> None:

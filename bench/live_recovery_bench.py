@@ -11,8 +11,9 @@ vocabulary makes the bench GPT 25.5M parameters there, 29.5M in replica_bench's 
 ``tests/integration/elastic/train_driver.py``, which records every step) under two ``elasticzero-run --nnodes 1:2
 --rdzv-backend c10d`` agents on this machine, each a "node" with one worker, the agents' default rendezvous settings.
 Two paths: ``restart`` (today's agents: a membership change restarts the workers from the newest checkpoint, every
-``--save-every`` steps) and ``live`` (``--live-recovery``: the running workers take the new round in memory; the same
-``--save-every`` checkpoints, which only a whole-job restart would read). One job per block and path; the blocks
+``--save-every`` steps, ``--async-save``) and ``live`` (``--live-recovery``: the running workers take the new round in
+memory; the same ``--save-every`` checkpoints, synchronous — live mode refuses ``--async-save``, which it used to
+ignore — read only by a whole-job restart). One job per block and path; the blocks
 alternate the paths (restart, live, live, restart, ...) so a drift of the shared machine's load hits both alike.
 
 **The events**, ``--events`` (each ``--reps`` times per path, over all blocks):
@@ -175,7 +176,8 @@ class Job:
         agent += ["--rdzv-conf", a.rdzv_conf] if a.rdzv_conf else []
         job = [str(DRIVER), "--config", str(REPO / "examples" / "configs" / "gpt.yaml"), "--zero", "2"]
         job += ["--size", a.size, "--seq-len", str(a.seq_len), "--steps", "1000000", "--corpus-bytes", str(1 << 20)]
-        job += ["--checkpoint-dir", str(self.tmp / "ckpt"), "--save-every", str(a.save_every), "--async-save"]
+        job += ["--checkpoint-dir", str(self.tmp / "ckpt"), "--save-every", str(a.save_every)]
+        job += [] if self.path == "live" else ["--async-save"]  # live mode refuses it (its saves are bounded, in line)
         job += ["--cache-dir", str(self.tmp / "corpus"), "--record-samples", str(self.record.path)]
         job += ["--global-batch-size", str(a.global_batch)] if a.global_batch else []
         job += ["--micro-batch-size", str(a.micro_batch)] if a.micro_batch else []

@@ -199,8 +199,7 @@ class LiveTrainer(Trainer):
     def train(self) -> None:
         """Train to ``--steps`` through membership changes; checkpoint as ``--save-every`` asks; evaluate at the end."""
         args, t0 = self.args, time.perf_counter()
-        if args.eval_every:  # its collectives are not bounded: a peer lost there would wait out the collective timeout
-            raise UsageError("--eval-every: not under --live-recovery (the job evaluates once, at the end)")
+        refuse_unbounded(args)
         r = self.replicas
         copies = {"replicate": r.enabled, "node_shift": r.node_shift, "overlap": r.overlap}
         live = LiveTraining.from_agent(self.build, sampler=self.sampler, resume=self.resume, **copies)
@@ -212,7 +211,7 @@ class LiveTrainer(Trainer):
                     loss = self.live_step(attempt)
                 if attempt.committed:  # else the step was left for a new round: the next attempt redoes it
                     self.end_step(live, loss, start, t0)
-            self.save_due(live, lambda save: save())  # the last step's (the job's end: nothing left to redo it in)
+            self.save_last(live)
             self.evaluate()
         finally:
             live.close()
@@ -226,14 +225,26 @@ class LiveTrainer(Trainer):
             print(f"step {self.step:5d}/{args.steps}  loss {loss.item() / self.world:.4f}  world {self.world}  "
                   f"{(self.step - start) / (time.perf_counter() - t0):.2f} steps/s", flush=True)  # fmt: skip
 
-    def save_due(self, live: LiveTraining, run: Callable[[Callable[[], None]], None]) -> None:
-        """The last committed step's checkpoint if :func:`checkpoint_due` says so, through ``run``: at the start of the
-        next attempt ``attempt.bounded`` (DCP's collectives run on the round's group: a peer lost or frozen in them
-        would otherwise stop this worker; a save left for a new round is taken there), after the loop directly."""
-        if self.ckpt and checkpoint_due(live.step, self.args.save_every, self.args.steps, self.held):
-            self.sampler = live.sampler  # the committed step's position, re-cut if a round began meanwhile
-            run(functools.partial(self.ckpt.save, live.step, self.state))
-            self.held = live.step
+    def save_due(self, live: LiveTraining, run: Callable[[Callable[[], None]], bool | None]) -> bool:
+        """The last committed step's checkpoint if :func:`checkpoint_due` says so, through ``run`` (DCP's collectives
+        run on the round's group: a peer lost or frozen in them would otherwise stop this worker): at the start of the
+        next attempt ``attempt.bounded`` (left for a new round: it raises, the attempt is redone there), after the loop
+        ``live.between_steps``. Returns whether the save is still due: ``run`` returned False, having entered a new
+        round, whose fresh checkpointer has not saved it."""
+        if not (self.ckpt and checkpoint_due(live.step, self.args.save_every, self.args.steps, self.held)):
+            return False
+        self.sampler = live.sampler  # the committed step's position, re-cut if a round began meanwhile
+        if run(functools.partial(self.ckpt.save, live.step, self.state)) is False:
+            return True
+        self.held = live.step  # on this thread, after ``run``: an abandoned save, still running, never sets it
+        return False
+
+    def save_last(self, live: LiveTraining) -> None:
+        """The last step's checkpoint, after the loop, bounded like the in-loop saves: a round change during it (a peer
+        lost or frozen in its collectives, a node joining) is entered and the save taken in the new round, by every
+        member (:func:`checkpoint_due`: the round's step is the job's last, its fresh checkpointer has not saved it)."""
+        while self.save_due(live, live.between_steps):
+            pass
 
     def live_step(self, attempt: object) -> torch.Tensor:
         """One optimizer step over the attempt's micro-batches; the loss summed over the ranks (bounded collective)."""
@@ -262,6 +273,15 @@ def checkpoint_due(step: int, save_every: int, total: int, held: int | None) -> 
     trained — mismatched collectives, the new round hung until the hang watch killed the survivor."""
     at_save_step = (save_every > 0 and step % save_every == 0) or step == total
     return step > 0 and at_save_step and step != held
+
+
+def refuse_unbounded(args: argparse.Namespace) -> None:
+    """:class:`UsageError` for a flag whose collectives live mode cannot bound: a peer lost in them would leave the
+    survivors waiting out the collective timeout (docs/elastic-training.md, "Live recovery under the agents")."""
+    if args.eval_every:  # the evaluation's all_reduce
+        raise UsageError("--eval-every: not under --live-recovery (the job evaluates once, at the end)")
+    if args.async_save:  # the background write's collectives, on the round's own group, beside the step's
+        raise UsageError("--async-save: not under --live-recovery (its saves are synchronous and bounded); drop it")
 
 
 def overrides(args: argparse.Namespace) -> list[str]:

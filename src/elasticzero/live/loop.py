@@ -254,6 +254,23 @@ class LiveTraining:
         while self.step < total:
             yield Attempt(self)
 
+    def between_steps(self, work: Callable[[], None]) -> bool:
+        """Run ``work`` — collectives of the round's group outside any step, e.g. the job's last checkpoint save after
+        the loop — bounded like an attempt's waits. True once it completed; False when a newer round was announced
+        (or a peer's loss failed it and the agent's round came) meanwhile: that round is entered here, ``work``
+        abandoned as an attempt's (see :meth:`Attempt.bounded`); decide again there, over the new round's state,
+        whether to redo it."""
+        try:
+            self.bound.check()
+            self.bound(work)
+            return True
+        except Reconfigure as leave:
+            round_ = leave.round
+        except RuntimeError as err:  # issued on a group a lost peer's sockets closed: the agent's round is expected
+            round_ = self._round_after(err)
+        self.reconfigure(round_)
+        return False
+
     def close(self) -> None:
         """Stop the copies (the last round's group stays the default group; the abandoned ones stay referenced)."""
         self.replicator.close()

@@ -140,14 +140,14 @@ class DrivenLiveTrainer(train_gpt.LiveTrainer):
         super().__init__(args)
         self.started, self.samples = process_start(), []
 
-    def save_due(self, live: Any, run: Callable[[Callable[[], None]], None]) -> None:
+    def save_due(self, live: Any, run: Callable[[Callable[[], None]], bool | None]) -> bool:
         """The hold comes first in the attempt, before the last commit's checkpoint: a round change during it lands
         between a save step's commit and its save (the join race of issue 21)."""
         while live.step < self.args.steps and self.args.hold_file is not None and held(self.args.hold_file, live.step):
             live.bound.check()  # a new round: leave the hold for it
             elasticzero.heartbeat()
             time.sleep(0.05)
-        super().save_due(live, run)
+        return super().save_due(live, run)
 
     def live_step(self, attempt: Any) -> torch.Tensor:
         attempt.check()  # a round written before the hold was lifted (while this slept) is taken before the step

@@ -11,12 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from elasticzero.checkpoint.commit import step_dir
+from elasticzero.errors import UsageError
+from elasticzero.live.rounds import ROUND_FILE_ENV, NodeRound, StoreAddress, write_round
 from ez_testing import REPO, free_port
 
 SAVE, TOTAL = 5, 20
+STEPS = 2  # a whole live job's (the last step's save after the loop)
 
 
 @pytest.fixture
@@ -95,3 +99,57 @@ def test_a_survivor_and_a_fresh_joiner_take_the_same_saves_in_the_new_round(
             trainer.save_due(At(10, trainer.sampler), saves.by(who))
     assert saves.taken == ["survivor, old round"] * old_round_saved + ["survivor", "joiner"]
     assert all((tmp_path / who / step_dir(10)).is_dir() for who in args)
+
+
+@pytest.fixture
+def cpu_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device rule sees a CPU machine (as in test_loop_rules.py): on a GPU one the round's group would be NCCL."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def live_args(train_gpt: Any, tmp_path: Path, *flags: str) -> Any:
+    config = REPO / "examples" / "configs" / "gpt.yaml"
+    argv = ["--config", str(config), "--zero", "2", "--size", "tiny", "--seq-len", "32", "--corpus-bytes", "4700"]
+    argv += ["--cache-dir", str(tmp_path / "corpus"), "--checkpoint-dir", str(tmp_path / "ckpt"), *flags]
+    return train_gpt.Trainer.parser().parse_args(argv)
+
+
+@pytest.mark.parametrize("flag", [["--async-save"], ["--eval-every", "2"]], ids=["async-save", "eval-every"])
+def test_live_mode_refuses_a_flag_it_cannot_bound(train_gpt: Any, tmp_path: Path, flag: list[str]) -> None:
+    """Refused before any round is formed (nothing launched, nothing written): one line naming the flag."""
+    trainer = train_gpt.LiveTrainer(live_args(train_gpt, tmp_path, "--steps", "4", *flag))
+    with pytest.raises(UsageError, match=rf"^{flag[0]}: not under --live-recovery"):
+        trainer.train()
+    assert not dist.is_initialized() and not (tmp_path / "ckpt").exists()
+
+
+def test_the_last_save_after_the_loop_is_taken_in_the_round_announced_before_it(
+    train_gpt: Any, tmp_path: Path, cpu_machine: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real LiveTrainer.train() in a world of one under a round file: round 1 is announced after the last step's
+    commit, before its save after the loop (what a peer lost or a node joining there announces). The save leaves for
+    round 1 (entered in this process, the state carried over) and is taken there, once, by round 1's checkpointer."""
+    path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
+    write_round(path, NodeRound(0, 1, ((0, 0),), store, "r0/"))
+    monkeypatch.setenv(ROUND_FILE_ENV, path)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    seen: dict[str, Any] = {}
+
+    class Announcing(train_gpt.LiveTrainer):  # type: ignore[misc,name-defined]
+        def save_last(self, live: Any) -> None:
+            seen["live"], seen["before"] = live, self.ckpt
+            write_round(path, NodeRound(1, 1, ((0, 0),), store, "r1/"))
+            super().save_last(live)
+            seen["saved_by"] = self.ckpt
+
+    trainer = Announcing(live_args(train_gpt, tmp_path, "--steps", str(STEPS)))
+    try:
+        trainer.train()
+    finally:
+        if "live" in seen:  # the last round's group stays the default group: leave it as test_loop_rules.py does
+            seen["live"].groups.abandon()
+    live = seen["live"]
+    assert [(e.round.number, e.step) for e in live.events] == [(1, STEPS)]  # entered at the last step, none redone
+    assert [s for s, _ in live.record] == list(range(STEPS))
+    assert seen["saved_by"] is not seen["before"] and trainer.held == STEPS
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step")) == [step_dir(STEPS)]

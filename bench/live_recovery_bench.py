@@ -320,7 +320,13 @@ def restart_parts(t: float, t_first: float, first: list[dict[str, Any]]) -> dict
 
 
 def live_parts(kind: str, t: float, t_first: float, first: list[dict[str, Any]], t_round: float) -> dict[str, float]:
+    """The live path's split; the survivors' records of their first step in the round say when they left the old
+    group and when the new state was in place (the driver's ``entered``), splitting the reshard + first step."""
     parts = {"detect+rdzv+hand-off": t_round - t, "reshard+first step": t_first - t_round}
+    entered = [r["entered"] for r in first if "entered" in r]
+    if entered:
+        left, ready = max(e["left"] for e in entered), max(e["ready"] for e in entered)
+        parts |= {"  left old group": left - t_round, "  group+reshard": ready - left, "  first step": t_first - ready}
     if kind == "join":
         parts["  new worker created"] = max(r["started"] for r in first) - t_round
     return parts
@@ -352,7 +358,7 @@ def report(rows: dict[str, list[dict[str, Any]]], kinds: list[str]) -> None:
         print(f"\n{TITLES[kind]}; seconds unless stated; n = " + ", ".join(f"{len(sel[p])} ({p})" for p in PATHS))
         print(f"{'':32s}" + "".join(f" | {p + ' median [min, max]':>26s}" for p in PATHS) + " | restart/live")
         lines = [(f"{kind} -> first new-world step", lambda r: r["from_event"])]
-        parts = [k for p in PATHS for r in sel[p][:1] for k in r["parts"]]
+        parts = list(dict.fromkeys(k for p in PATHS for r in sel[p] for k in r["parts"]))  # every row's, in order
         lines += [(f"  {k}", lambda r, k=k: r["parts"].get(k)) for k in parts]
         lines += [("committed steps lost", lambda r: r["lost"]), ("step time, new world", lambda r: r["step_s"])]
         for name, get in lines:

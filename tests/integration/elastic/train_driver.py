@@ -138,7 +138,7 @@ class DrivenLiveTrainer(train_gpt.LiveTrainer):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        self.started, self.samples = process_start(), []
+        self.started, self.samples, self.reported = process_start(), [], 0
 
     def save_due(self, live: Any, run: Callable[[Callable[[], None]], bool | None]) -> bool:
         """The hold comes first in the attempt, before the last commit's checkpoint: a round change during it lands
@@ -159,9 +159,19 @@ class DrivenLiveTrainer(train_gpt.LiveTrainer):
         if self.args.record_samples is not None:  # the step committed: its samples, once
             fields = {"step": live.step, "rank": self.rank, "world": self.world, "pid": os.getpid()}
             fields |= {"started": self.started, "time": time.time(), "samples": self.samples}
+            fields |= self.entered(live)
             with self.args.record_samples.open("a") as fh:
                 fh.write(json.dumps(fields) + "\n")
         super().end_step(live, loss, start, t0)
+
+    def entered(self, live: Any) -> dict[str, Any]:
+        """On the first step committed in a round this process entered live: ``{"entered": {"round", "left",
+        "ready"}}`` — when it left the old group and when the new round's state was in place (wall clock)."""
+        if len(live.events) == self.reported or live.events[-1].first_step_at is None:
+            return {}
+        self.reported, event = len(live.events), live.events[-1]
+        wall = time.time() - time.monotonic()
+        return {"entered": {"round": event.round.number, "left": event.left_at + wall, "ready": event.ready_at + wall}}
 
 
 def attempt_id(device: torch.device) -> int:

@@ -48,6 +48,7 @@ class ReplicaConfig:
     enabled: bool = True  # off: a lost node's shards come from the disk checkpoint (one node: always off)
     node_shift: int = 1  # copies go this many nodes further along the ring of nodes
     overlap: bool = True  # step the copies on a background thread, overlapping the next forward/backward
+    early: bool = True  # send each bucket's gradient to its holder during backward (False: all at the step)
 
 
 @dataclass

@@ -170,9 +170,9 @@ class LiveTraining:
             into the optimizer as built and returns its step (``sampler`` given at that step's position); default:
             the state as built, at ``start_step``.
         start_step: the step a fresh job starts at without ``resume``.
-        replicate, node_shift, overlap: the buddy copies (:class:`Replicator`'s ``enabled``, ``node_shift``,
-            ``overlap``; a config's ``zero.replicas``): without copies a lost node's state is lost, and its loss falls
-            back to the disk checkpoint (``ReshardFallback``).
+        replicate, node_shift, overlap, early: the buddy copies (:class:`Replicator`'s ``enabled``, ``node_shift``,
+            ``overlap``, ``early``; a config's ``zero.replicas``): without copies a lost node's state is lost, and its
+            loss falls back to the disk checkpoint (``ReshardFallback``).
     """
 
     opt: ZeroOptimizer
@@ -197,9 +197,10 @@ class LiveTraining:
         replicate: bool = True,
         node_shift: int = 1,
         overlap: bool = True,
+        early: bool = True,
     ) -> None:
         self.build, self.rounds, self.nodes, self.resume = build, rounds, nodes, resume
-        self.replicate, self.node_shift, self.overlap = replicate, node_shift, overlap  # the Replicator's
+        self.replicate, self.node_shift, self.overlap, self.early = replicate, node_shift, overlap, early  # copies
         self.local_rank, self.where = local_rank, where or Placement("cpu", "gloo", alone=False)
         self.poll_s, self.failure_grace_s, self.group_timeout = poll_s, failure_grace_s, group_timeout
         self.sampler, self.step, self.round = sampler, start_step, first
@@ -365,7 +366,7 @@ class LiveTraining:
         nodes = self.nodes(self.opt.world_size) if self.nodes is not None else None
         return Replicator(
             self.opt, nodes=nodes, step=step, waiter=self.bound,
-            enabled=self.replicate, node_shift=self.node_shift, overlap=self.overlap,
+            enabled=self.replicate, node_shift=self.node_shift, overlap=self.overlap, early=self.early,
         )  # fmt: skip
 
 

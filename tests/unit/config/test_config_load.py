@@ -30,7 +30,8 @@ def test_yaml_file_maps_onto_the_schema(tmp_path: Path) -> None:
     cfg = load_config(f, world_size=2)
     assert isinstance(cfg, EngineConfig)
     assert (cfg.zero.stage, cfg.zero.bucket_bytes, cfg.zero.prefetch) == (2, 1048576, None)
-    assert (cfg.zero.replicas.enabled, cfg.zero.replicas.node_shift, cfg.zero.replicas.overlap) == (True, 1, True)
+    r = cfg.zero.replicas
+    assert (r.enabled, r.node_shift, r.overlap, r.early) == (True, 1, True, True)
     assert cfg.precision.dtype is Precision.fp16
     assert (cfg.precision.loss_scale.init_scale, cfg.precision.loss_scale.hysteresis) == (1024.0, 1)
     assert cfg.precision.loss_scale.growth_interval == 1000  # default kept

@@ -13,9 +13,11 @@ import torch
 import torch.distributed as dist
 
 from elasticzero.data.sampler import ElasticSampler
+from elasticzero.engine.zero.replica import Replicator
 from elasticzero.engine.zero.reshard import Fallback, ReshardPlan
 from elasticzero.engine.zero.stage2 import ZeroStage2
 from elasticzero.errors import UsageError
+from elasticzero.live import loop
 from elasticzero.live.bounded import LiveError, Reconfigure
 from elasticzero.live.loop import (
     LiveTraining,
@@ -181,6 +183,27 @@ def test_the_copies_options_reach_the_replicator_and_committed_says_which_attemp
             outcomes.append(attempt.committed)
         assert outcomes == [True, False, True] and [s for s, _ in live.record] == [0, 1]
         assert live.round.number == 1 and live.replicator.plan.reason == "replication is off"
+    finally:
+        live.close()
+        live.groups.abandon()
+
+
+def test_every_copies_option_reaches_each_rounds_replicator(
+    tmp_path: Path, cpu_machine: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def recording(opt: Any, **options: Any) -> Replicator:
+        seen.append({k: options[k] for k in ("enabled", "node_shift", "overlap", "early")})
+        return Replicator(opt, **options)
+
+    monkeypatch.setattr(loop, "Replicator", recording)
+    path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
+    write_round(path, NodeRound(0, 1, ((0, 0),), store, "r0/"))
+    options = {"replicate": False, "node_shift": 3, "overlap": False, "early": False}
+    live = LiveTraining.from_agent(build, sampler=sampler(0, 1), env={ROUND_FILE_ENV: path}, **options)
+    try:
+        assert seen == [{"enabled": False, "node_shift": 3, "overlap": False, "early": False}]
     finally:
         live.close()
         live.groups.abandon()

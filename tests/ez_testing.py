@@ -103,6 +103,13 @@ def run(argv: Sequence[str], timeout: float = 120, **kw: object) -> subprocess.C
     return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False, **kw)  # type: ignore[call-overload]
 
 
+def run_driver(driver: Path, out: Path, timeout: float = 300) -> None:
+    """Run ``python driver out`` — a driver that imports torch once and forks each case's ranks itself — with one
+    OpenMP thread per process; it must exit 0 (its stderr's end is the failure message)."""
+    done = run([PYTHON, str(driver), str(out)], timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
 def run_ranks(worker: Path, world: int, out: Path, timeout: float = 240) -> list[dict[str, Any]]:
     """Run ``python worker out`` as ``world`` gloo ranks on loopback (``RANK``/``WORLD_SIZE``/``MASTER_*`` set); every
     rank must exit 0 without a C++ abort, and rank r's JSON result is read from ``{out}.rank{r}``."""

@@ -9,27 +9,18 @@ torch's in the same precision)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from live_reshard_worker import CASES
+
+from ez_testing import run_driver
 
 HERE = Path(__file__).parent
 
 
 def test_live_reshard_matrix(tmp_path: Path) -> None:
     out = tmp_path / "live"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [sys.executable, str(HERE / "live_reshard_worker.py"), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_driver(HERE / "live_reshard_worker.py", out)
     for case in CASES:
         name = "_".join(map(str, case))
         alive = {"drop": [0, 1], "lose2": [0], "join": [0, 1, 2]}[case[2]]

@@ -7,27 +7,18 @@ pre-step hook). After the steps every holder's copy equals its ward's live state
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from replica_overlap_worker import CASES
+
+from ez_testing import run_driver
 
 HERE = Path(__file__).parent
 
 
 def test_copies_stay_bitwise_with_gradients_sent_during_backward(tmp_path: Path) -> None:
     out = tmp_path / "overlap"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [sys.executable, str(HERE / "replica_overlap_worker.py"), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_driver(HERE / "replica_overlap_worker.py", out)
     for case in CASES:
         name = "_".join(map(str, case))
         for r in range(2):

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,6 +52,7 @@ from live_loop_worker import (
 
 from elasticzero.data.sampler import epoch_order
 from ez_numerics import error_ratio
+from ez_testing import run_driver
 from gpt import GPT
 
 HERE = Path(__file__).parent
@@ -63,10 +62,7 @@ HERE = Path(__file__).parent
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every case run once by the driver (one process imports torch and forks each case's ranks)."""
     out = tmp_path_factory.mktemp("live") / "live"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    argv = [sys.executable, str(HERE / "live_loop_worker.py"), str(out)]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_driver(HERE / "live_loop_worker.py", out)
     return out
 
 

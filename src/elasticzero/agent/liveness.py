@@ -24,10 +24,6 @@ from elasticzero.errors import UsageError
 
 #: seconds; torch drops a node after this much heartbeat silence (with a 1 s heartbeat: 4 beats)
 DEFAULT_PEER_TIMEOUT_S = 4
-#: seconds, with ``--live-recovery``: a live node taken for gone there costs a hand-off and its own rejoin (its
-#: fresh workers join live), not a restart of every worker, so the default keeps one beat of slack above the two
-#: beats a live node's heartbeat can be old (:data:`MIN_BEATS`) instead of two — and a loss is trained past in ~4 s
-LIVE_PEER_TIMEOUT_S = 3
 #: a live node's last heartbeat can be up to two intervals old (torch's keep-alive timer restarts after each beat):
 #: the timeout must span at least three, or a busy live node is dropped
 MIN_BEATS = 3
@@ -55,11 +51,6 @@ class PeerPlan:
         return {INTERVAL_KEY: str(self.interval_s), ATTEMPT_KEY: str(self.max_attempt)}
 
 
-def default_peer_timeout(live: bool) -> int:
-    """The peer timeout when neither ``--peer-timeout`` nor ``--rdzv-conf`` gives one (``live``: live recovery)."""
-    return LIVE_PEER_TIMEOUT_S if live else DEFAULT_PEER_TIMEOUT_S
-
-
 def keep_alive_for(timeout_s: int) -> tuple[int, int]:
     """``(interval, max_attempt)`` whose product is exactly ``timeout_s``, with about :data:`TARGET_BEATS` beats."""
     divisors = [d for d in range(1, timeout_s // TARGET_BEATS + 1) if timeout_s % d == 0]
@@ -68,16 +59,12 @@ def keep_alive_for(timeout_s: int) -> tuple[int, int]:
 
 
 def peer_plan(
-    flag: str | None,
-    user_conf: Mapping[str, str],
-    torch_defaults: bool,
-    store_in_agent: str | None = None,
-    live: bool = False,
+    flag: str | None, user_conf: Mapping[str, str], torch_defaults: bool, store_in_agent: str | None = None
 ) -> PeerPlan:
     """``--peer-timeout`` (whole seconds), checked against keep-alive keys in ``--rdzv-conf``; else the timeout
-    those keys give; else the default (:func:`default_peer_timeout`; torch's 15 s with ``--torch-rdzv-defaults``).
-    ``store_in_agent``: the c10d store's ``host:port`` when an agent hosts it; ``live``: ``--live-recovery``."""
-    base = TORCH_KEEP_ALIVE if torch_defaults else keep_alive_for(default_peer_timeout(live))
+    those keys give; else the default (torch's 15 s with ``--torch-rdzv-defaults``). ``store_in_agent``: the c10d
+    store's ``host:port`` when an agent hosts it."""
+    base = TORCH_KEEP_ALIVE if torch_defaults else keep_alive_for(DEFAULT_PEER_TIMEOUT_S)
     user = _user_keep_alive(user_conf)
     if flag is None:
         interval, attempt = user.get(INTERVAL_KEY, base[0]), user.get(ATTEMPT_KEY, base[1])

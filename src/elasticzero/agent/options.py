@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 
-from elasticzero.agent.liveness import DEFAULT_PEER_TIMEOUT_S, LIVE_PEER_TIMEOUT_S, PeerPlan, keep_alive_for
+from elasticzero.agent.liveness import DEFAULT_PEER_TIMEOUT_S, PeerPlan, keep_alive_for
 
 #: rendezvous backends built on torch's DynamicRendezvousHandler (they read the keys in RDZV_DEFAULTS)
 DYNAMIC_BACKENDS = frozenset({"c10d", "elasticzero", "etcd-v2"})
@@ -26,15 +26,10 @@ RDZV_DEFAULTS = {
     "last_call_timeout": "2",
 }
 
-#: with ``--live-recovery``: the live default peer timeout's keep-alive pair (3 s,
-#: elasticzero.agent.liveness.LIVE_PEER_TIMEOUT_S) and a 1 s last call: there a node taken for gone or late for a
-#: round costs one more hand-off (the workers' own part is ~0.15 s), not a restart of every worker, so both are
-#: shorter and a loss is trained past within the 5 s goal (docs/agent.md, "Rendezvous defaults"). --rdzv-conf wins.
-LIVE_RDZV_DEFAULTS = {
-    "keep_alive_interval": str(keep_alive_for(LIVE_PEER_TIMEOUT_S)[0]),
-    "keep_alive_max_attempt": str(keep_alive_for(LIVE_PEER_TIMEOUT_S)[1]),
-    "last_call_timeout": "1",
-}
+#: with ``--live-recovery`` the last call is 1 s: there a node that misses a round costs one more hand-off (the
+#: workers' own part is ~0.15 s), not a restart of every worker, so the round closes sooner and a loss is trained
+#: past within the 5 s goal at the default 4 s peer timeout (docs/agent.md, "Live recovery"). --rdzv-conf wins.
+LIVE_RDZV_DEFAULTS = {**RDZV_DEFAULTS, "last_call_timeout": "1"}
 
 IDENTITY_FLAGS = ("--node-rank", "--node-rank-env", "--node-host", "--node-host-env")
 

@@ -438,8 +438,7 @@ def _peers(args: argparse.Namespace, backend: str, endpoint: str, user_conf: Map
         if args.peer_timeout is not None:
             raise UsageError(f"--peer-timeout needs a dynamic rendezvous ({', '.join(sorted(DYNAMIC_BACKENDS))})")
         return None
-    store = store_in_agent(backend, endpoint)
-    return peer_plan(args.peer_timeout, user_conf, args.torch_rdzv_defaults, store, bool(args.live_recovery))
+    return peer_plan(args.peer_timeout, user_conf, args.torch_rdzv_defaults, store_in_agent(backend, endpoint))
 
 
 def plan_agent(args: argparse.Namespace, environ: Mapping[str, str], facts: AgentFacts) -> AgentPlan:

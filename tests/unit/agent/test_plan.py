@@ -18,7 +18,6 @@ import torch
 from elasticzero import torchcompat
 from elasticzero.agent.binding import AGENT_PID_ENV, CPUS_ENV, JOB_ID_ENV, SHIM_STUB
 from elasticzero.agent.cli import build_parser, main
-from elasticzero.agent.liveness import DEFAULT_PEER_TIMEOUT_S, LIVE_PEER_TIMEOUT_S
 from elasticzero.agent.nodetable import HostFacts
 from elasticzero.agent.options import RDZV_DEFAULTS, TORCHRUN_RDZV_TIMEOUT, rdzv_config
 from elasticzero.agent.plan import SHARE_STORE_KNOB, AgentFacts, AgentPlan, plan_agent
@@ -242,22 +241,14 @@ def test_rdzv_config_hint_defaults_and_no_phantom_timeout() -> None:
     assert _config({}, "static", node_rank=0) == {"timeout": TORCHRUN_RDZV_TIMEOUT, "rank": 0}
 
 
-def test_live_recovery_defaults_a_3s_peer_timeout_and_a_1s_last_call_unless_the_user_set_them() -> None:
+def test_live_recovery_closes_rounds_after_a_1s_last_call_unless_the_user_set_one() -> None:
     live = _config({}, "c10d", node_rank=None, live=True)
-    assert (live["keep_alive_interval"], live["keep_alive_max_attempt"], live["last_call_timeout"]) == ("1", "3", "1")
-    assert (RDZV_DEFAULTS["keep_alive_max_attempt"], RDZV_DEFAULTS["last_call_timeout"]) == ("4", "2")
-    user = {"last_call_timeout": "3", "keep_alive_max_attempt": "5"}
-    assert {k: _config(user, "etcd-v2", node_rank=None, live=True)[k] for k in user} == user
+    assert live["last_call_timeout"] == "1" and RDZV_DEFAULTS["last_call_timeout"] == "2"
+    assert {k: v for k, v in live.items() if k != "last_call_timeout"} == {
+        k: v for k, v in RDZV_DEFAULTS.items() if k != "last_call_timeout"
+    }  # the keep-alive pair (the peer timeout) is the same with or without live recovery
+    assert _config({"last_call_timeout": "3"}, "etcd-v2", node_rank=None, live=True)["last_call_timeout"] == "3"
     assert "last_call_timeout" not in _config({}, "c10d", node_rank=None, live=True, torch_defaults=True)
-
-
-def test_the_live_peer_plan_and_the_rendezvous_keep_alive_agree() -> None:
-    for live, timeout in ((["--live-recovery"], LIVE_PEER_TIMEOUT_S), ([], DEFAULT_PEER_TIMEOUT_S)):
-        ns = parse("--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29400", *live)
-        got = plan(ns)
-        conf = dict(got.rdzv.config)
-        assert int(conf["keep_alive_interval"]) * int(conf["keep_alive_max_attempt"]) == timeout
-        assert got.peers is not None and (got.peers.timeout_s, got.peers.source) == (timeout, "default")
 
 
 @pytest.mark.parametrize("backend", ["c10d", "elasticzero"])

@@ -18,14 +18,16 @@ no module state.
 
 Forming is leavable: ``init_process_group`` waits for every member without a bound but the group's timeout (minutes),
 so a member lost before it arrives — a joiner killed while its interpreter starts, a node frozen between two rounds —
-would hold the others there. :meth:`RoundGroups.form` first connects to the round's store in short tries and then
-waits for every member's arrival key under the round's prefix (:func:`arrive`), calling ``check`` between two polls:
+would hold the others there. :meth:`RoundGroups.form` first connects to the round's store once it listens
+(:func:`listening`, probed between two calls of ``check``), then waits for every member's arrival key under the
+round's prefix (:func:`arrive`), calling ``check`` between two polls:
 the live loop's bound, which leaves with the newer round the agents write once they noticed the loss. Only members
 that all arrived a moment ago then enter ``init_process_group``.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +48,8 @@ _STORE_TIMEOUT = timedelta(minutes=5)
 _CONNECT_TRY = timedelta(seconds=1)
 #: how often a member waiting for the others' arrival polls the store (and calls ``check``)
 _ARRIVAL_POLL_S = 0.02
+#: how long a plain probe of the round's store port waits for the connection
+_PROBE_S = 0.2
 
 Check = Callable[[], None]
 
@@ -203,7 +207,20 @@ class RoundGroups:
     @staticmethod
     def _connect(spec: GroupSpec, check: Check) -> Any:
         while True:
-            try:
-                return dist.TCPStore(spec.host, spec.port, is_master=False, timeout=_CONNECT_TRY)
-            except RuntimeError:  # DistNetworkError / DistStoreError: not there (yet)
-                check()
+            if listening(spec.host, spec.port):
+                try:
+                    return dist.TCPStore(spec.host, spec.port, is_master=False, timeout=_CONNECT_TRY)
+                except RuntimeError:  # DistNetworkError / DistStoreError: gone between the probe and the client
+                    pass
+            check()
+            time.sleep(_ARRIVAL_POLL_S)
+
+
+def listening(host: str, port: int) -> bool:
+    """Whether something accepts connections at ``host:port``: a plain probe first, because every failed try of a
+    TCPStore client logs a C++ error and stack (a joiner that hosts the round's store takes seconds to start)."""
+    try:
+        socket.create_connection((host, port), timeout=_PROBE_S).close()
+    except OSError:
+        return False
+    return True

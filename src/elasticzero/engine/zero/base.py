@@ -7,7 +7,7 @@ import contextlib
 import functools
 import inspect
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -371,20 +371,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def unscale_(self, inv_scale: float) -> torch.Tensor:
         """Loss-scaler protocol: multiply this rank's gradient shards by ``inv_scale``; return a 0-dim fp32 tensor,
         1.0 if a local inf/NaN was found, else 0.0 (the scaler agrees on it over ``process_group``)."""
-        watchers = list(self._grad_watchers.values())
-        for w in watchers:
-            w.grads_changing(None)
-        found = clip.unscale_and_check_(self.grad_shards(), inv_scale, self.device)
-        for w in watchers:
-            w.grads_scaled(Factor(torch.tensor(inv_scale, dtype=torch.float64), as_tensor=False))
-        return found
+        with self._scaling(Factor(torch.tensor(inv_scale, dtype=torch.float64), as_tensor=False)):
+            return clip.unscale_and_check_(self.grad_shards(), inv_scale, self.device)
 
     def _scale_grads(self, factor: Factor) -> None:
         """Multiply every gradient shard in place by the tensor ``factor``, telling the watchers."""
+        with self._scaling(factor):
+            clip.scale_by_(self.grad_shards(), factor.value)
+
+    @contextlib.contextmanager
+    def _scaling(self, factor: Factor) -> Iterator[None]:
+        """Around an in-place multiply of every gradient shard by ``factor``: the watchers are told before (a send
+        still reading a shard completes) and after (the factor, as data)."""
         watchers = list(self._grad_watchers.values())
         for w in watchers:
             w.grads_changing(None)
-        clip.scale_by_(self.grad_shards(), factor.value)
+        yield
         for w in watchers:
             w.grads_scaled(factor)
 

@@ -220,6 +220,11 @@ class GradWindow:
     factors: list[Factor] = field(default_factory=list)
     posted: list[AnyWork] = field(default_factory=list)
 
+    @classmethod
+    def opened(cls, buckets: int) -> GradWindow:
+        """A window with nothing yet: no bucket reduced, no multiply, nothing posted."""
+        return cls([0] * buckets)
+
 
 def mirror_inbox(own: Sequence[torch.Tensor], wire: torch.device) -> list[torch.Tensor]:
     """Receive buffers on the ``wire`` for a ward's mirrored state, laid out as this rank's own (``own``: its
@@ -280,7 +285,7 @@ class Replicator:
         self.plan: BuddyPlan = place_buddies(found, enabled=enabled, node_shift=node_shift)
         self.holder = self.plan.holder[self.rank]
         self.copies = {w: self._empty_copy(w) for w in self.plan.wards(self.rank)}
-        self._window = GradWindow([0] * len(opt.masters))
+        self._window = GradWindow.opened(len(opt.masters))
         #: steps whose gradients went to the holder during backward (the others' at the pre-step hook)
         self.early_steps = 0
         self._hooks: list[Any] = [opt.optim.register_step_post_hook(self._after_step)]  # counts steps, even off
@@ -353,7 +358,7 @@ class Replicator:
     def grads_dropped(self) -> None:
         """``zero_grad`` (after a step, or after a step skipped for inf/NaN): a new window."""
         self._wait_posted()
-        self._window = GradWindow([0] * len(self.opt.masters))
+        self._window = GradWindow.opened(len(self.opt.masters))
 
     def _wait_posted(self) -> None:
         """Complete the early exchanges posted (through the communicator's waiter: bounded in a live round)."""
@@ -367,7 +372,7 @@ class Replicator:
     def _before_step(self, optim: Any, args: Any, kwargs: Any) -> None:
         self._join()  # the copies' previous step: its gradient buffers receive this step's
         self._wait_posted()
-        window, self._window = self._window, GradWindow([0] * len(self.opt.masters))
+        window, self._window = self._window, GradWindow.opened(len(self.opt.masters))
         early = early_grads_usable(window.counts, len(window.factors))
         self.early_steps += early
         recvs = [(t, w) for w, c in self.copies.items() for t in c.inbox(early)]

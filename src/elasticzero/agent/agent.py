@@ -11,18 +11,19 @@ public API; ``tests/unit/agent/test_exit_barrier.py`` checks torch still calls `
   worker starts or is handed the round;
 * ``_start_workers`` — a fresh hang watch (:mod:`elasticzero.agent.hang`), torch's, then the health file says
   ``running`` with this round's ranks and pids;
-* ``_monitor_workers`` — torch's; on a failure, the root-cause rank and its error file are reported once — unless
-  the round is changing (:func:`failure_action`): then the workers are restarted through a new rendezvous without
-  spending a restart; while healthy, first peer liveness (:mod:`~elasticzero.agent.peers`: a participant silent past
-  ``--peer-timeout`` re-forms the round, no restart spent; this node dropped rejoins; a silent c10d store ends the
-  agent with one line), then a job marked failed or a rendezvous closed by another node (it exhausted its
-  restarts) stops this node, and a hung worker (no progress for the hang timeout) is killed after dumping its
-  stacks, so the next tick sees it fail (a real failure);
-* ``_restart_workers`` / ``_invoke_run`` — before this node stops its workers for a membership change (torch's loop
-  restarts healthy workers only for nodes waiting to join) or leaves on a signal, it marks the round as changing
-  (:data:`ROUND_CHANGE_KEY`), so a peer whose workers die of it does not count a failure. With
-  ``--live-recovery`` a peer gone or nodes waiting to join stop nothing: the agent marks the round, re-rendezvouses
-  around its running workers and hands them the new round (:meth:`ElasticZeroAgent._hand_off`, no restart spent);
+* ``_monitor_workers`` / ``_restart_workers`` — each tick is a decision (:mod:`~elasticzero.agent.tick`): the
+  override gathers the tick's facts into one :class:`~elasticzero.agent.tick.Facts` (torch's verdict on the workers;
+  after a failure the round's marks; while healthy the peer verdict of :mod:`~elasticzero.agent.peers` first, then
+  the closed flag and the job-failed mark, the hang verdict of :mod:`~elasticzero.agent.hang`; torch's restart hook
+  with healthy workers: nodes waiting to join), calls :func:`~elasticzero.agent.tick.decide` and carries out its
+  one action: report a real failure (torch's loop spends a restart), re-join a round being changed for free, stop
+  (a silent c10d store, a job marked failed, a rendezvous closed by another node), a membership change (peer lost,
+  peer waiting to join, this node dropped: marked in the round's store (:data:`ROUND_CHANGE_KEY`) first where the
+  others must hear of it, then with ``--live-recovery`` a hand-off around the running workers
+  (:meth:`ElasticZeroAgent._hand_off`), else a re-formed round; no restart spent), or kill a hung worker (its stacks
+  first; the next tick sees it fail, a real failure);
+* ``_invoke_run`` — before this node leaves on a signal (the others going on), it marks the round as changing, so a
+  peer whose workers die of it does not count a failure;
 * ``_exit_barrier`` — torch's terminal-state barrier (same keys, same success condition), polled: a node whose
   workers succeeded stops waiting as soon as another node marks the job failed (:meth:`announce_failure`) or
   closes the rendezvous without completing the barrier, and fails instead of sitting out ``exit_barrier_timeout``;
@@ -42,9 +43,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from datetime import timedelta
-from enum import Enum
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import (
@@ -64,21 +63,35 @@ from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 from elasticzero.agent.binding import AGENT_PID_ENV
 from elasticzero.agent.handoff import (
-    ChangeAction,
     LivePlan,
     RoundAgreementError,
     RoundFacts,
     RoundKeeper,
-    change_action,
     handoff_line,
     retry_agreement,
 )
 from elasticzero.agent.hang import HangWatch
 from elasticzero.agent.health import HealthFile
-from elasticzero.agent.liveness import PeerPlan
-from elasticzero.agent.peers import PeerWatch, peer_change
+from elasticzero.agent.liveness import Liveness, PeerPlan
+from elasticzero.agent.peers import PeerWatch, StoreLostError
 from elasticzero.agent.proctree import descendants, kill_now, processes_with_env
 from elasticzero.agent.progress import NO_HANG, HangPlan
+from elasticzero.agent.tick import (
+    Action,
+    Continue,
+    Facts,
+    Halt,
+    HandOff,
+    KillHung,
+    Reform,
+    Rejoin,
+    ReportFailure,
+    RoundView,
+    Stop,
+    Workers,
+    decide,
+    leaving_is_membership_change,
+)
 from elasticzero.torchcompat import DEFAULT_SHUTDOWN_TIMEOUT, agent_shutdown_kwargs, stop_kwargs
 
 logger = logging.getLogger(__name__)
@@ -97,44 +110,9 @@ EXIT_BARRIER_POLL_S = 0.25
 #: counter of nodes that saw the exit barrier complete, and how long a node waits for the others to see it
 BARRIER_SEEN_KEY = "elasticzero/agent/exit_barrier_seen"
 EXIT_LINGER_S = 5.0
-#: why a node with healthy workers restarts them (torch's loop saw nodes waiting to join); logged and marked
-MEMBERSHIP_RESTART = "restarting its workers for nodes waiting to join"
 #: round-scoped key a node sets just before it stops its workers for a membership change (a node waiting to join,
 #: or this node leaving on a signal while enough nodes remain); value: ``node <group rank>: <why>``
 ROUND_CHANGE_KEY = "elasticzero/agent/round_changing"
-
-
-class FailureAction(Enum):
-    """What a node does when its workers failed."""
-
-    REJOIN = "rejoin"  # the round is changing: stop, re-rendezvous, start; the restart count is unchanged
-    RESTART = "restart"  # a real failure with restarts left: torch's loop spends one
-    GIVE_UP = "give_up"  # a real failure and no restart left: torch's loop stops and the job fails
-
-
-@dataclass(frozen=True)
-class RoundView:
-    """What the current round's store says when this node's workers have failed."""
-
-    changing: str | None = None  #: :data:`ROUND_CHANGE_KEY`'s value: another node is restarting or leaving
-    job_failed: str | None = None  #: :data:`JOB_FAILED_KEY`'s value: a node gave up, the job is over
-
-
-def failure_action(view: RoundView, remaining_restarts: int) -> FailureAction:
-    """Decide what failed workers mean: a membership change re-joins for free, a real failure spends a restart.
-
-    A node marks the round *before* it stops its workers for a membership change, and a peer's workers can only die
-    of that stop afterwards; the store is linearizable, so by the time this node sees its workers dead the mark is
-    there. Any failure seen in a round so marked counts as part of the change — the round is being torn down anyway.
-    """
-    if view.changing is not None and view.job_failed is None:
-        return FailureAction.REJOIN
-    return FailureAction.RESTART if remaining_restarts > 0 else FailureAction.GIVE_UP
-
-
-def leaving_is_membership_change(group_world_size: int, min_nodes: int) -> bool:
-    """A node leaving on a signal is a membership change only if the others can go on without it."""
-    return group_world_size - 1 >= min_nodes
 
 
 class PeerFailedError(RendezvousClosedError):
@@ -252,72 +230,103 @@ class ElasticZeroAgent(LocalElasticAgent):
         print(handoff_line(number, world, why), file=sys.stderr, flush=True)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        """torch's monitor; then this tick's facts, :func:`~elasticzero.agent.tick.decide`, its action."""
         self._hold_for_test()
         result = super()._monitor_workers(worker_group)
-        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
-            self.last_failure = root_cause(result.failures)
-            view = self._round_view()
-            if failure_action(view, self._remaining_restarts) is FailureAction.REJOIN:
-                return self._rejoin(worker_group, str(view.changing))
-            report_failure(*self.last_failure)
-        elif result.state == WorkerState.HEALTHY:
-            peer_result = self._check_peers(worker_group)
-            if peer_result is not None:
-                return peer_result
-            self._hang.check(worker_group)  # a hung worker is killed: the next tick sees it fail
-        return result
+        return self._carry_out(decide(self._tick_facts(worker_group, result)), worker_group, result)
 
-    def _raise_if_closed(self, worker_group: WorkerGroup) -> None:
-        """Another node gave up (restarts exhausted) and closed the run: stop this node too.
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        """torch's loop sets the group's state before it restarts: HEALTHY only when nodes wait to join (a change:
+        decided as a tick's); otherwise a real failure, whose restart torch's loop has spent."""
+        if worker_group.state != WorkerState.HEALTHY:
+            super()._restart_workers(worker_group)
+            return
+        facts = Facts(Workers.HEALTHY, self._rounds is not None, self._remaining_restarts, nodes_waiting=True)
+        self._carry_out(decide(facts), worker_group, RunResult(state=WorkerState.HEALTHY))
+
+    def _tick_facts(self, worker_group: WorkerGroup, result: RunResult) -> Facts:
+        """What this tick knows, read in an order that never blocks on a silent store: torch's verdict on the workers;
+        after a failure the round's marks; while healthy the peer verdict first (bounded: the store calls after it
+        find the store answering), then — unless the store was found silent — the closed flag and the job-failed
+        mark (:meth:`_closed`), and the hang verdict."""
+        live, remaining = self._rounds is not None, self._remaining_restarts
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
+            return Facts(Workers.FAILED, live, remaining, marks=self._round_view())
+        if result.state != WorkerState.HEALTHY:
+            return Facts(Workers.OTHER, live, remaining)
+        peers = self._peers
+        liveness = peers.check() if peers is not None else Liveness()
+        plan = peers.plan if peers is not None else None
+        if liveness.store_silent_s is not None:
+            return Facts(Workers.HEALTHY, live, remaining, liveness=liveness, peers=plan)
+        closed, job_failed = self._closed(worker_group)
+        marks, hang = RoundView(job_failed=job_failed), self._hang.look(worker_group)
+        return Facts(Workers.HEALTHY, live, remaining, marks, liveness=liveness, closed=closed, hang=hang, peers=plan)
+
+    def _closed(self, worker_group: WorkerGroup) -> tuple[bool, str | None]:
+        """Whether another node closed the rendezvous (it gave up: restarts exhausted), and the job-failed mark.
 
         torch's loop only looks at the wait list, so workers that never talk to that node would run on alone. With
         peer liveness the closed flag comes from its read (bounded; the failing node marks the job failed before it
-        closes), so a healthy tick makes no store call of its own that a lost c10d store could block.
+        closes) and the mark is read only once closed, so a healthy tick makes no store call of its own that a lost
+        c10d store could block. Without, both are read every tick.
         """
         closed = self._peers.closed if self._peers is not None else None
         if closed is None:
-            self._raise_if_peer_failed()
-            closed = worker_group.spec.rdzv_handler.is_closed()
-        if closed:
-            self._raise_if_peer_failed()
-            raise PeerFailedError("the rendezvous was closed by another node; stopping this node's workers")
+            return bool(worker_group.spec.rdzv_handler.is_closed()), self._job_failed_mark()
+        return closed, (self._job_failed_mark() if closed else None)
 
-    def _check_peers(self, worker_group: WorkerGroup) -> RunResult | None:
-        """Peer liveness (:mod:`~elasticzero.agent.liveness`): a participant gone, or this node dropped, re-forms the
-        round without spending a restart (a store host gone raises :class:`~elasticzero.agent.peers.StoreLostError`)."""
-        change = peer_change(self._peers)  # first: bounded, so the store calls after it find the store answering
-        self._raise_if_closed(worker_group)  # a closed run wins over a silent peer (the failing node stopped beating)
-        if change is None:
-            return None
-        if change.mark:
-            self._mark_round_changing(change.why)
-        if change_action(self._rounds is not None, not change.mark) is ChangeAction.HAND_OFF:
-            self._hand_off(worker_group, change.reason)
-            return RunResult(state=WorkerState.HEALTHY)
-        print(f"elasticzero-run: {change.why}; re-forming the round, no restart spent", file=sys.stderr, flush=True)
+    def _job_failed_mark(self) -> str | None:
+        return _get_if_set(self._store, JOB_FAILED_KEY) if self._store is not None else None
+
+    def _carry_out(self, action: Action, worker_group: WorkerGroup, result: RunResult) -> RunResult:
+        """Do what :func:`~elasticzero.agent.tick.decide` chose; the result torch's loop goes on with."""
+        match action:
+            case Continue():
+                return result
+            case ReportFailure():
+                self.last_failure = root_cause(result.failures)
+                report_failure(*self.last_failure)
+                return result
+            case Rejoin(why=why):
+                return self._rejoin(worker_group, why, root_cause(result.failures))
+            case Stop():
+                raise self._stop_error(action)
+            case KillHung(hang=hang):
+                self._hang.stop(hang)
+                return result
+            case HandOff() | Reform():
+                self._change_round(action, worker_group)
+                return RunResult(state=WorkerState.HEALTHY)
+
+    def _change_round(self, action: HandOff | Reform, worker_group: WorkerGroup) -> None:
+        """A membership change: the mark first (the others' workers may die of it), then the hand-off or re-form."""
+        if action.mark is not None:
+            self._mark_round_changing(action.mark)
+        if isinstance(action, HandOff):
+            self._hand_off(worker_group, action.why)
+            return
+        print(f"elasticzero-run: {action.line}", file=sys.stderr, flush=True)
         self._peers = None
-        super()._restart_workers(worker_group)  # not ours: no "nodes waiting to join" mark
-        return RunResult(state=WorkerState.HEALTHY)
+        super()._restart_workers(worker_group)  # not ours: the change is decided
 
-    def _rejoin(self, worker_group: WorkerGroup, why: str) -> RunResult:
+    def _stop_error(self, action: Stop) -> Exception:
+        """The error a :class:`~elasticzero.agent.tick.Stop` raises (a node that learned the job failed counts in)."""
+        if action.halt is Halt.STORE_LOST:
+            return StoreLostError(action.line)
+        if action.halt is Halt.JOB_FAILED:
+            self._count_failure_seen()
+        return PeerFailedError(action.line)
+
+    def _rejoin(self, worker_group: WorkerGroup, why: str, failure: tuple[int, ProcessFailure]) -> RunResult:
         """Restart the workers through a new rendezvous without spending a restart (the round is changing)."""
-        line = describe_failure(*self.last_failure) if self.last_failure else "workers failed"
+        line = describe_failure(*failure)
         msg = f"workers stopped while the round is changing ({why}); re-joining, no restart spent ({line})"
         logger.warning(msg)
         print(f"elasticzero-run: {msg}", file=sys.stderr, flush=True)
         self.last_failure = None
         super()._restart_workers(worker_group)  # not ours: this node is not the one changing the round
         return RunResult(state=WorkerState.HEALTHY)
-
-    def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        # torch's loop sets the group's state before it restarts: HEALTHY only when nodes wait to join
-        if worker_group.state == WorkerState.HEALTHY:
-            self._mark_round_changing(MEMBERSHIP_RESTART)
-            if change_action(self._rounds is not None, this_node_dropped=False) is ChangeAction.HAND_OFF:
-                self._hand_off(worker_group, "nodes are waiting to join")
-                return
-            print(f"elasticzero-run: {MEMBERSHIP_RESTART}; no restart spent", file=sys.stderr, flush=True)
-        super()._restart_workers(worker_group)
 
     def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
         try:

@@ -4,14 +4,14 @@ With ``--live-recovery`` every rendezvous this agent completes (the job's first 
 failure, this node rejoining, a membership change) ends in a round file for this node's workers
 (:data:`~elasticzero.live.rounds.ROUND_FILE_ENV`, format :class:`~elasticzero.live.rounds.NodeRound`): their new
 global ranks, the world size, the store every member forms the round's default group on, and a prefix no other round
-of the job uses. On a membership change the agent keeps its workers running (:func:`change_action`); they read the
-file and reconfigure in place (:mod:`elasticzero.live`).
+of the job uses. On a membership change the agent keeps its workers running (:mod:`elasticzero.agent.tick`'s
+:class:`~elasticzero.agent.tick.HandOff`); they read the file and reconfigure in place (:mod:`elasticzero.live`).
 
 The round number is agreed over the new rendezvous round's store: each agent sets the number of the last round it
 handed out (a joiner: none) under its group rank, reads all of them, and takes the highest plus one
 (:func:`next_round_number`) — the same number on every node, above any round a running worker has seen.
 
-Pure decisions here (:func:`live_plan`, :func:`change_action`, :func:`next_round_number`, :func:`node_round`);
+Pure decisions here (:func:`live_plan`, :func:`next_round_number`, :func:`node_round`);
 :class:`RoundKeeper` is the thin I/O (the store exchange and the file).
 """
 
@@ -22,7 +22,6 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from enum import Enum
 from typing import Any
 
 from elasticzero.agent.agentdirs import agent_dir
@@ -84,19 +83,6 @@ def check_live_recovery(backend: str) -> None:
             f"--live-recovery needs a dynamic rendezvous (--rdzv-backend {' or '.join(sorted(DYNAMIC_BACKENDS))}, not "
             f"{backend}): a static one cannot re-form a round around running workers"
         )
-
-
-class ChangeAction(Enum):
-    """What an agent does with its running workers when the round's membership changes."""
-
-    HAND_OFF = "hand_off"  #: keep them: re-rendezvous and write them the new round (no restart spent)
-    RESTART = "restart"  #: stop them, re-rendezvous, start fresh ones (no restart spent)
-
-
-def change_action(live: bool, this_node_dropped: bool) -> ChangeAction:
-    """A peer gone or nodes waiting to join: hand off in live mode. This node itself dropped (it was frozen or cut
-    off, the others went on): its workers are stale either way — restart, they join the new round fresh."""
-    return ChangeAction.HAND_OFF if live and not this_node_dropped else ChangeAction.RESTART
 
 
 def retry_agreement(tries_done: int) -> bool:

@@ -1,10 +1,11 @@
 """The agent's hang watch: thin I/O around :mod:`elasticzero.agent.progress` (which decides).
 
-Each monitor tick (workers healthy) :meth:`HangWatch.check` reads the local workers' progress records and process
-states, lets :func:`~elasticzero.agent.progress.verdict` decide, and on a hang: prints one line (rank, step, where),
-has the worker dump its Python stacks into its log (``faulthandler`` on
-:data:`~elasticzero.progress.STACKS_SIGNAL`; a stopped worker cannot), and SIGKILLs it. torch's loop then sees a
-failed worker — a real failure: the restart is spent and the job restarts from its newest checkpoint.
+Each monitor tick (workers healthy) :meth:`HangWatch.look` reads the local workers' progress records and process
+states and lets :func:`~elasticzero.agent.progress.verdict` decide (a fact of the tick, :mod:`elasticzero.agent.tick`);
+on a hang :meth:`HangWatch.stop` prints one line (rank, step, where), has the worker dump its Python stacks into
+its log (``faulthandler`` on :data:`~elasticzero.progress.STACKS_SIGNAL`; a stopped worker cannot), and SIGKILLs it.
+torch's loop then sees a failed worker — a real failure: the restart is spent and the job restarts from its newest
+checkpoint.
 """
 
 from __future__ import annotations
@@ -49,16 +50,20 @@ class HangWatch:
             print(f"elasticzero-run: no progress records ({exc}); hang detection is off", file=sys.stderr, flush=True)
 
     def check(self, group: WorkerGroup) -> Hang | None:
-        """Read, decide, and act on a hang (the hung worker is killed: torch's loop sees it fail)."""
+        """:meth:`look`, then :meth:`stop` a hung worker (torch's loop sees it fail)."""
+        hang = self.look(group)
+        if hang is not None:
+            self.stop(hang)
+        return hang
+
+    def look(self, group: WorkerGroup) -> Hang | None:
+        """Read the records and process states, fold them into the watch, and return the verdict (nothing done)."""
         if not self.plan.enabled:
             return None
         now = time.monotonic()
         workers = [self._observed(w.global_rank, w.local_rank, w.id) for w in group.workers if w.id is not None]
         self._watch = observe(self._watch, workers, now)
-        hang = verdict(self._watch, workers, now, self.plan)
-        if hang is not None:
-            self._act(hang)
-        return hang
+        return verdict(self._watch, workers, now, self.plan)
 
     def close(self) -> None:
         """Remove the records' directory (the agent is done)."""
@@ -70,7 +75,8 @@ class HangWatch:
         record = read_record(path) if path is not None else None
         return Observed(rank, local_rank, int(pid), record, _stopped(int(pid)))
 
-    def _act(self, hang: Hang) -> None:
+    def stop(self, hang: Hang) -> None:
+        """The hang line, the worker's stacks (unless it is stopped), then SIGKILL."""
         stacks = "none: a stopped process cannot dump them" if hang.stopped else "in its log (its stderr)"
         line = (
             f"hang: rank {hang.rank} (local rank {hang.local_rank}, pid {hang.pid}) made no progress for "

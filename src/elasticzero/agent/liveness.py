@@ -8,7 +8,8 @@ timeout from the settings a user wrote into ``--rdzv-conf``), and :func:`judge` 
 of the heartbeats, so a node the agent finds gone is one the next rendezvous drops too (it never waits for it).
 Heartbeats carry the writer's clock, as in torch: the nodes' clocks must agree well within the timeout (NTP).
 
-:mod:`elasticzero.agent.peers` reads the snapshot (thin I/O); the agent acts on the :class:`Liveness` verdict.
+:mod:`elasticzero.agent.peers` reads the snapshot (thin I/O); the verdict is one of the facts of the agent's monitor
+tick (:mod:`elasticzero.agent.tick` decides what to do about it).
 The trade-off of the timeout (docs/agent.md, "Peer liveness"): a frozen node is noticed after at most the timeout
 plus a state read, and a live agent that cannot heartbeat for that long (a machine so loaded that a Python thread
 waits seconds for a core, a stalled NFS home) is taken for gone; the job then re-forms without it and takes it back
@@ -175,6 +176,14 @@ def gone_reason(gone: tuple[str, ...], plan: PeerPlan) -> str:
 def gone_line(gone: tuple[str, ...], plan: PeerPlan) -> str:
     """:func:`gone_reason`, and what the agent does about it (without live recovery)."""
     return f"{gone_reason(gone, plan)}; stopping this node's workers"
+
+
+def dropped_line(plan: PeerPlan) -> str:
+    """The line for this node found silent: the others dropped it and went on."""
+    return (
+        f"this node was dropped from the rendezvous (no heartbeat for {plan.timeout_s} s: it was frozen or cut off) "
+        "and the others went on without it; stopping its workers and joining again as a new node"
+    )
 
 
 def store_lost_line(plan: PeerPlan, silent_s: float) -> str:

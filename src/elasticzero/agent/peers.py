@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousHandler, RendezvousInfo
 
-from elasticzero.agent.liveness import Liveness, PeerPlan, Snapshot, gone_line, gone_reason, judge, store_lost_line
+from elasticzero.agent.liveness import Liveness, PeerPlan, Snapshot, judge, store_lost_line
 
 #: etcd: seconds between two reads of the state (one small range request per agent each); c10d reads every monitor
 #: tick, since the read is also the probe that keeps the tick from blocking on a store whose host froze
@@ -30,16 +30,6 @@ READ_PERIOD_S = 0.5
 
 class StoreLostError(RendezvousConnectionError):
     """The c10d store's host (a peer's agent) has not answered for the peer timeout: this node cannot go on."""
-
-
-@dataclass(frozen=True)
-class PeerChange:
-    """What the agent does about a verdict: re-form the round (``mark``: tell the others first) and why (``reason``:
-    the cause alone, for a hand-off that stops nothing)."""
-
-    why: str
-    mark: bool
-    reason: str = ""
 
 
 @dataclass
@@ -131,24 +121,6 @@ def _read_state(handler: Any, read: _Read) -> None:
         pass
     finally:
         read.done.set()
-
-
-def peer_change(watch: PeerWatch | None) -> PeerChange | None:
-    """Check ``watch``; what to do about its verdict (``None``: nothing). Raises :class:`StoreLostError`."""
-    if watch is None:
-        return None
-    verdict = watch.check()
-    if verdict.alive:
-        return None
-    if verdict.store_silent_s is not None:
-        raise StoreLostError(store_lost_line(watch.plan, verdict.store_silent_s))
-    if verdict.self_gone:
-        why = (
-            f"this node was dropped from the rendezvous (no heartbeat for {watch.plan.timeout_s} s: it was frozen "
-            "or cut off) and the others went on without it; stopping its workers and joining again as a new node"
-        )
-        return PeerChange(why, mark=False)
-    return PeerChange(gone_line(verdict.gone, watch.plan), mark=True, reason=gone_reason(verdict.gone, watch.plan))
 
 
 T = TypeVar("T")

@@ -16,8 +16,8 @@ import pytest
 from ez_agentkit import Cluster, alive, wait_for
 from test_faults import _child_of, running_world, start_nodes
 
-from elasticzero.agent.agent import MEMBERSHIP_RESTART
 from elasticzero.agent.plan import MONITOR_HOLD_ENV
+from elasticzero.agent.tick import MEMBERSHIP_RESTART
 from ez_testing import free_port
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(280)]

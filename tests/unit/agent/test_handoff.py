@@ -1,5 +1,6 @@
-"""Live recovery, the agent's side (``--live-recovery``): the flag's checks, what a membership change does with the
-running workers, the round number the agents agree on, and the round file each node's workers get.
+"""Live recovery, the agent's side (``--live-recovery``): the flag's checks (what a membership change does with the
+running workers: tests/unit/agent/test_tick.py), the round number the agents agree on, and the round file each
+node's workers get.
 
 The agreement runs over a real c10d ``TCPStore`` with one thread per agent (the agents of one rendezvous round)."""
 
@@ -17,12 +18,10 @@ from elasticzero.agent.cli import build_parser
 from elasticzero.agent.handoff import (
     AGREE_TIMEOUTS,
     AGREE_TRIES,
-    ChangeAction,
     LivePlan,
     RoundAgreementError,
     RoundFacts,
     RoundKeeper,
-    change_action,
     check_live_recovery,
     handoff_line,
     live_plan,
@@ -95,20 +94,7 @@ def test_the_launcher_passes_the_flag_to_every_agent_and_refuses_static(tmp_path
     check_live_recovery("etcd-v2")  # every dynamic backend is fine
 
 
-# -- what a membership change does ----------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("live", "dropped", "action"),
-    [
-        (True, False, ChangeAction.HAND_OFF),  # a peer gone, nodes waiting to join: keep the workers
-        (True, True, ChangeAction.RESTART),  # this node was dropped: its workers are stale, they start fresh
-        (False, False, ChangeAction.RESTART),
-        (False, True, ChangeAction.RESTART),
-    ],
-)
-def test_change_action(live: bool, dropped: bool, action: ChangeAction) -> None:
-    assert change_action(live, dropped) is action
-
-
+# -- a failed agreement --------------------------------------------------------------------------------------------
 def test_a_failed_agreement_rendezvouses_again_a_bounded_number_of_times() -> None:
     assert AGREE_TIMEOUTS >= 2  # a node missing after 2 peer timeouts is stale: the next rendezvous drops it
     tries = [t for t in range(1, 10) if retry_agreement(t)]

@@ -1,5 +1,6 @@
-"""Membership changes are not failures: the pure decision, the round marks in a real in-process store, and the
-torch run-loop facts the agent relies on (canaries)."""
+"""Membership changes are not failures (the decision over a failure: tests/unit/agent/test_tick.py): the rule for a
+node leaving, the round marks in a real in-process store, and the torch run-loop facts the agent relies on
+(canaries)."""
 
 from __future__ import annotations
 
@@ -9,36 +10,15 @@ from types import SimpleNamespace
 
 import pytest
 from torch.distributed import HashStore, PrefixStore
-from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerState
+from torch.distributed.elastic.agent.server.api import RunResult, SimpleElasticAgent, WorkerGroup, WorkerState
 
-from elasticzero.agent.agent import (
-    JOB_FAILED_KEY,
-    ROUND_CHANGE_KEY,
-    ElasticZeroAgent,
-    FailureAction,
-    RoundView,
-    failure_action,
-    leaving_is_membership_change,
-)
+from elasticzero.agent.agent import FAILED_SEEN_KEY, JOB_FAILED_KEY, ROUND_CHANGE_KEY, ElasticZeroAgent, PeerFailedError
+from elasticzero.agent.hang import HangWatch
+from elasticzero.agent.progress import NO_HANG
+from elasticzero.agent.tick import Continue, Facts, Halt, RoundView, Stop, Workers, decide, leaving_is_membership_change
 
 CHANGING = "node 1: restarting its workers for nodes waiting to join"
-
-
-@pytest.mark.parametrize("remaining", [0, 1, 3])
-def test_failure_while_the_round_changes_rejoins_without_spending(remaining: int) -> None:
-    assert failure_action(RoundView(changing=CHANGING), remaining) is FailureAction.REJOIN
-
-
-def test_real_failure_spends_a_restart_or_gives_up() -> None:
-    assert failure_action(RoundView(), 2) is FailureAction.RESTART
-    assert failure_action(RoundView(), 1) is FailureAction.RESTART
-    assert failure_action(RoundView(), 0) is FailureAction.GIVE_UP
-
-
-def test_a_job_marked_failed_is_not_a_membership_change() -> None:
-    view = RoundView(changing=CHANGING, job_failed="node 0: root cause: rank 0 exit code 3")
-    assert failure_action(view, 0) is FailureAction.GIVE_UP
-    assert failure_action(view, 1) is FailureAction.RESTART
+CLOSED_LINE = "the rendezvous was closed by another node; stopping this node's workers"
 
 
 @pytest.mark.parametrize(("world", "min_nodes", "change"), [(3, 2, True), (2, 2, False), (2, 1, True), (1, 1, False)])
@@ -70,6 +50,32 @@ def test_no_store_reads_as_no_mark() -> None:
     agent = _agent(None, 0)
     agent._mark_round_changing("leaving on SIGTERM")  # nothing to mark, no error
     assert agent._round_view() == RoundView()
+
+
+def _ticking_agent(store: object) -> ElasticZeroAgent:
+    """An agent whose tick reads a real store and a rendezvous handler's closed flag (no peer watch, no hang watch)."""
+    agent = _agent(store, 0)
+    agent._peers, agent._rounds, agent._remaining_restarts, agent._hang = None, None, 1, HangWatch(NO_HANG)
+    return agent
+
+
+def _group(closed: bool) -> WorkerGroup:
+    handler = SimpleNamespace(is_closed=lambda: closed)
+    return SimpleNamespace(workers=[], spec=SimpleNamespace(rdzv_handler=handler))  # type: ignore[return-value]
+
+
+def test_a_healthy_tick_gathers_the_marks_and_a_job_marked_failed_stops_the_node() -> None:
+    store = PrefixStore("torch.rendezvous.job.0", HashStore())
+    agent, healthy = _ticking_agent(store), RunResult(state=WorkerState.HEALTHY)
+    assert agent._tick_facts(_group(False), healthy) == Facts(Workers.HEALTHY, False, 1)
+    assert decide(agent._tick_facts(_group(True), healthy)) == Stop(Halt.CLOSED, CLOSED_LINE)
+    store.set(JOB_FAILED_KEY, "node 1: root cause")
+    facts = agent._tick_facts(_group(False), healthy)
+    assert facts.marks == RoundView(job_failed="node 1: root cause")
+    with pytest.raises(PeerFailedError, match="whose workers failed: node 1: root cause"):
+        agent._carry_out(decide(facts), _group(False), healthy)
+    assert store.add(FAILED_SEEN_KEY, 0) == 1  # it counted itself as informed before it stopped
+    assert agent._carry_out(Continue(), _group(False), healthy) is healthy
 
 
 def test_torch_loop_sets_the_state_before_restarting_and_restarts_healthy_groups_only_for_waiting_nodes() -> None:

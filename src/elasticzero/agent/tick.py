@@ -1,0 +1,208 @@
+"""One monitor tick of the agent, as a decision: the facts the tick gathered in, one action out (pure, no I/O).
+
+torch's ``dynamic_rendezvous.py`` shape (``_RendezvousJoinOp`` returns an action over a state snapshot): the
+overrides of :class:`~elasticzero.agent.agent.ElasticZeroAgent` that torch's run loop calls each tick gather what
+they read into one frozen :class:`Facts` — torch's verdict on the workers, the round's marks in the rendezvous store,
+the peer-liveness verdict (:mod:`~elasticzero.agent.liveness`), whether the rendezvous is closed, the hang verdict
+(:mod:`~elasticzero.agent.progress`), whether torch's loop found nodes waiting to join — call :func:`decide`, and
+carry out the one :data:`Action` it returns. A membership change names its kind (:class:`Change`): a peer lost, a
+peer waiting to join, this node dropped.
+
+The rules (docs/agent.md, "Membership changes are not failures", "Peer liveness", "Live recovery"):
+
+* failed workers in a round another node marked as changing re-join for free (:class:`Rejoin`); otherwise a real
+  failure: its root cause is reported and torch's loop spends a restart, or gives up (:class:`ReportFailure`);
+* healthy workers: a silent store host (c10d) ends the agent, then a job marked failed or a rendezvous closed by
+  another node (:class:`Stop`); then a membership change: with ``--live-recovery`` the running workers are handed
+  the new round (:class:`HandOff`) unless this node itself was dropped — its workers are stale — else they are
+  stopped and the round re-formed (:class:`Reform`); neither spends a restart, and a change the other nodes must
+  hear of is marked first (``mark``); then a hung worker is stopped (:class:`KillHung`: it fails the next tick).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from elasticzero.agent.liveness import Liveness, PeerPlan, dropped_line, gone_line, gone_reason, store_lost_line
+from elasticzero.agent.progress import Hang
+
+#: why a node with healthy workers changes the round when torch's loop saw nodes waiting to join; logged and marked
+MEMBERSHIP_RESTART = "restarting its workers for nodes waiting to join"
+#: the cause of a join, in a hand-off's line
+NODES_WAITING = "nodes are waiting to join"
+
+
+class Change(Enum):
+    """The kind of membership change a tick found."""
+
+    PEER_LOST = "peer lost"  #: a participant of the round went silent past the peer timeout, or left the state
+    PEER_WAITING = "peer waiting to join"  #: torch's loop found nodes waiting to join (its restart hook)
+    NODE_DROPPED = "this node dropped"  #: this node was silent past the timeout (frozen, cut off): the others went on
+
+
+class Workers(Enum):
+    """torch's verdict on this node's workers, as the tick sees it."""
+
+    HEALTHY = "healthy"
+    FAILED = "failed"  #: failed or unhealthy, with failures to report
+    OTHER = "other"  #: succeeded, or a state torch's loop handles alone
+
+
+class Halt(Enum):
+    """Why a healthy node stops (one exception each, raised by the agent)."""
+
+    STORE_LOST = "store lost"  #: the c10d store's host has not answered for the peer timeout
+    JOB_FAILED = "job failed"  #: another node gave up (restarts exhausted) and marked the job failed
+    CLOSED = "closed"  #: another node closed the rendezvous
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """The current round's marks in the rendezvous store."""
+
+    changing: str | None = None  #: the round-change mark's value: another node is changing the round or leaving
+    job_failed: str | None = None  #: the job-failed mark's value: a node gave up, the job is over
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What one tick (or torch's restart hook) read, as plain values."""
+
+    workers: Workers
+    live: bool = False  #: ``--live-recovery``
+    remaining_restarts: int = 0
+    marks: RoundView = RoundView()  #: read after a failure; on a healthy tick, the job-failed mark where it was read
+    nodes_waiting: bool = False  #: torch's loop is restarting healthy workers: nodes wait to join
+    liveness: Liveness = field(default_factory=Liveness)  #: the peer-liveness verdict (alive without a peer watch)
+    closed: bool = False  #: the rendezvous is closed (another node gave up, or the job finished)
+    hang: Hang | None = None  #: a hung local worker
+    peers: PeerPlan | None = None  #: the peer timeout the liveness verdict used (for the lines)
+
+
+@dataclass(frozen=True)
+class Continue:
+    """Nothing to do: torch's verdict stands."""
+
+
+@dataclass(frozen=True)
+class ReportFailure:
+    """A real failure: report its root cause; torch's loop spends a restart (``restart``) or gives up."""
+
+    restart: bool
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """The workers failed while the round changes: stop, re-rendezvous, start; no restart spent."""
+
+    why: str  #: the round-change mark's value
+
+
+@dataclass(frozen=True)
+class HandOff:
+    """Keep the workers running: mark the round (``mark``), re-rendezvous, write them the new round; no restart."""
+
+    change: Change
+    mark: str | None  #: the round-change mark to set first (None: none)
+    why: str  #: the cause, in the hand-off's line
+
+
+@dataclass(frozen=True)
+class Reform:
+    """Stop the workers, re-rendezvous, start fresh ones; no restart spent. ``mark`` first, then ``line``."""
+
+    change: Change
+    mark: str | None
+    line: str  #: the stderr line
+
+
+@dataclass(frozen=True)
+class Stop:
+    """This node stops: :class:`Halt` says which error, ``line`` what it says."""
+
+    halt: Halt
+    line: str
+
+
+@dataclass(frozen=True)
+class KillHung:
+    """Stop a hung worker (stacks first): torch's loop sees it fail next tick, a real failure."""
+
+    hang: Hang
+
+
+Action = Continue | ReportFailure | Rejoin | HandOff | Reform | Stop | KillHung
+
+
+def decide(facts: Facts) -> Action:
+    """The one action for ``facts`` (see the module docstring for the rules and their order)."""
+    if facts.workers is Workers.FAILED:
+        return _failed(facts)
+    if facts.workers is not Workers.HEALTHY:
+        return Continue()
+    stop = _stop(facts)
+    if stop is not None:
+        return stop
+    change = change_of(facts)
+    if change is not None:
+        return _change(change, facts)
+    return KillHung(facts.hang) if facts.hang is not None else Continue()
+
+
+def _failed(facts: Facts) -> Action:
+    """A node marks the round *before* it stops its workers for a membership change, and a peer's workers can only
+    die of that stop afterwards; the store is linearizable, so by the time this node sees its workers dead the mark
+    is there. Any failure seen in a round so marked counts as part of the change — unless the job is marked failed."""
+    changing = facts.marks.changing
+    if changing is not None and facts.marks.job_failed is None:
+        return Rejoin(changing)
+    return ReportFailure(restart=facts.remaining_restarts > 0)
+
+
+def _stop(facts: Facts) -> Stop | None:
+    """A silent store host first (no store call was made after it), then the job marked failed, then closed."""
+    silent = facts.liveness.store_silent_s
+    if silent is not None:
+        return Stop(Halt.STORE_LOST, store_lost_line(_plan(facts), silent))
+    if facts.marks.job_failed is not None:
+        line = f"the rendezvous was closed by another node, whose workers failed: {facts.marks.job_failed}"
+        return Stop(Halt.JOB_FAILED, line)
+    if facts.closed:
+        return Stop(Halt.CLOSED, "the rendezvous was closed by another node; stopping this node's workers")
+    return None
+
+
+def change_of(facts: Facts) -> Change | None:
+    """The membership change a healthy tick found: this node dropped wins (its view of the others is stale)."""
+    if facts.liveness.self_gone:
+        return Change.NODE_DROPPED
+    if facts.liveness.gone:
+        return Change.PEER_LOST
+    return Change.PEER_WAITING if facts.nodes_waiting else None
+
+
+def _change(change: Change, facts: Facts) -> HandOff | Reform:
+    """Hand off in live mode, unless this node was dropped: its workers are stale, they join the new round fresh."""
+    if change is Change.NODE_DROPPED:
+        return Reform(change, None, f"{dropped_line(_plan(facts))}; re-forming the round, no restart spent")
+    if change is Change.PEER_WAITING:
+        if facts.live:
+            return HandOff(change, MEMBERSHIP_RESTART, NODES_WAITING)
+        return Reform(change, MEMBERSHIP_RESTART, f"{MEMBERSHIP_RESTART}; no restart spent")
+    gone, plan = facts.liveness.gone, _plan(facts)
+    if facts.live:
+        return HandOff(change, gone_line(gone, plan), gone_reason(gone, plan))
+    return Reform(change, gone_line(gone, plan), f"{gone_line(gone, plan)}; re-forming the round, no restart spent")
+
+
+def _plan(facts: Facts) -> PeerPlan:
+    """The peer plan behind a liveness verdict (a verdict other than alive comes from a peer watch, which has one)."""
+    if facts.peers is None:
+        raise ValueError("a peer-liveness verdict without the peer plan it was judged by")
+    return facts.peers
+
+
+def leaving_is_membership_change(group_world_size: int, min_nodes: int) -> bool:
+    """A node leaving on a signal is a membership change only if the others can go on without it."""
+    return group_world_size - 1 >= min_nodes

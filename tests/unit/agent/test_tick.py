@@ -1,0 +1,164 @@
+"""The agent's monitor tick as a decision (``agent/tick.py``): a table of facts → the one action, and every
+combination of the facts checked against the rules' order (a failure's rule, the stops, the membership changes, the
+hang, nothing)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from elasticzero.agent.liveness import Liveness, dropped_line, gone_line, gone_reason, peer_plan, store_lost_line
+from elasticzero.agent.progress import Hang
+from elasticzero.agent.tick import (
+    MEMBERSHIP_RESTART,
+    NODES_WAITING,
+    Action,
+    Change,
+    Continue,
+    Facts,
+    Halt,
+    HandOff,
+    KillHung,
+    Reform,
+    Rejoin,
+    ReportFailure,
+    RoundView,
+    Stop,
+    Workers,
+    change_of,
+    decide,
+)
+
+PLAN = peer_plan("4", {}, torch_defaults=False, store_in_agent="10.0.0.1:29400")
+GONE = ("10.0.0.2_77_0",)
+CHANGING = "node 1: restarting its workers for nodes waiting to join"
+FAILED = "node 0: root cause: rank 0 exit code 3"
+HANG = Hang(rank=1, local_rank=1, pid=4242, step=7, idle_s=31.0, timeout_s=30.0, where="step", stopped=False)
+ALIVE, LOST, DROPPED, SILENT = Liveness(), Liveness(gone=GONE), Liveness(self_gone=True), Liveness(store_silent_s=4.5)
+REFORMED = "; re-forming the round, no restart spent"
+CLOSED = "the rendezvous was closed by another node; stopping this node's workers"
+
+
+def healthy(**kw: object) -> Facts:
+    return Facts(Workers.HEALTHY, peers=PLAN, **kw)  # type: ignore[arg-type]
+
+
+# -- the table ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("facts", "action"),
+    [
+        # torch says the workers failed: a round being changed re-joins for free, whatever the restarts left
+        (Facts(Workers.FAILED, marks=RoundView(changing=CHANGING)), Rejoin(CHANGING)),
+        (Facts(Workers.FAILED, True, 3, RoundView(changing=CHANGING)), Rejoin(CHANGING)),
+        # a real failure: torch's loop spends a restart, or gives up
+        (Facts(Workers.FAILED, remaining_restarts=2), ReportFailure(restart=True)),
+        (Facts(Workers.FAILED, remaining_restarts=1), ReportFailure(restart=True)),
+        (Facts(Workers.FAILED, remaining_restarts=0), ReportFailure(restart=False)),
+        # a job marked failed is no membership change, even in a marked round
+        (Facts(Workers.FAILED, False, 0, RoundView(CHANGING, FAILED)), ReportFailure(restart=False)),
+        (Facts(Workers.FAILED, True, 1, RoundView(CHANGING, FAILED)), ReportFailure(restart=True)),
+        # succeeded (or a state torch's loop handles alone): nothing of ours
+        (Facts(Workers.OTHER, True, 1, RoundView(CHANGING, FAILED), True, LOST, True, HANG), Continue()),
+        # healthy, nothing found
+        (healthy(), Continue()),
+        (healthy(live=True, remaining_restarts=3), Continue()),
+        # the stops: a silent store host, a job marked failed, a closed rendezvous
+        (healthy(liveness=SILENT), Stop(Halt.STORE_LOST, store_lost_line(PLAN, 4.5))),
+        (
+            healthy(marks=RoundView(job_failed=FAILED)),
+            Stop(Halt.JOB_FAILED, f"the rendezvous was closed by another node, whose workers failed: {FAILED}"),
+        ),
+        (healthy(closed=True), Stop(Halt.CLOSED, CLOSED)),
+        # a peer lost: marked; handed off in live mode, re-formed otherwise
+        (healthy(liveness=LOST, live=True), HandOff(Change.PEER_LOST, gone_line(GONE, PLAN), gone_reason(GONE, PLAN))),
+        (healthy(liveness=LOST), Reform(Change.PEER_LOST, gone_line(GONE, PLAN), gone_line(GONE, PLAN) + REFORMED)),
+        # this node dropped: its workers are stale, re-formed in either mode, and not marked
+        (healthy(liveness=DROPPED, live=True), Reform(Change.NODE_DROPPED, None, dropped_line(PLAN) + REFORMED)),
+        (healthy(liveness=DROPPED), Reform(Change.NODE_DROPPED, None, dropped_line(PLAN) + REFORMED)),
+        # nodes waiting to join (torch's restart hook): marked; handed off in live mode
+        (healthy(nodes_waiting=True, live=True), HandOff(Change.PEER_WAITING, MEMBERSHIP_RESTART, NODES_WAITING)),
+        (
+            Facts(Workers.HEALTHY, nodes_waiting=True),  # no peer watch needed
+            Reform(Change.PEER_WAITING, MEMBERSHIP_RESTART, f"{MEMBERSHIP_RESTART}; no restart spent"),
+        ),
+        # a hung worker
+        (healthy(hang=HANG), KillHung(HANG)),
+        (healthy(hang=HANG, live=True), KillHung(HANG)),
+        # precedence: a stop over a change, a change over a hang, dropped over lost, lost over waiting
+        (healthy(liveness=SILENT, closed=True, hang=HANG), Stop(Halt.STORE_LOST, store_lost_line(PLAN, 4.5))),
+        (healthy(liveness=LOST, closed=True, live=True), Stop(Halt.CLOSED, CLOSED)),
+        (
+            healthy(liveness=LOST, hang=HANG),
+            Reform(Change.PEER_LOST, gone_line(GONE, PLAN), gone_line(GONE, PLAN) + REFORMED),
+        ),
+        (
+            healthy(liveness=DROPPED, nodes_waiting=True, live=True),
+            Reform(Change.NODE_DROPPED, None, dropped_line(PLAN) + REFORMED),
+        ),
+        (
+            healthy(liveness=LOST, nodes_waiting=True, live=True),
+            HandOff(Change.PEER_LOST, gone_line(GONE, PLAN), gone_reason(GONE, PLAN)),
+        ),
+    ],
+)
+def test_decide(facts: Facts, action: Action) -> None:
+    assert decide(facts) == action
+
+
+# -- every combination against the rules' order ------------------------------------------------------------------
+LIVENESS = {"alive": ALIVE, "lost": LOST, "dropped": DROPPED, "silent": SILENT}
+MARKS = [RoundView(), RoundView(changing=CHANGING), RoundView(job_failed=FAILED), RoundView(CHANGING, FAILED)]
+EVERY = [
+    Facts(workers, live, remaining, marks, waiting, liveness, closed, hang, PLAN)
+    for workers, live, remaining, marks, waiting, liveness, closed, hang in itertools.product(
+        Workers, (False, True), (0, 1), MARKS, (False, True), LIVENESS.values(), (False, True), (None, HANG)
+    )
+]
+
+
+def test_the_table_spans_every_combination() -> None:
+    assert len(EVERY) == 3 * 2 * 2 * 4 * 2 * 4 * 2 * 2 and len(set(EVERY)) == len(EVERY)
+
+
+def test_failed_and_finished_workers_read_only_the_marks_and_the_restarts() -> None:
+    for facts in (f for f in EVERY if f.workers is not Workers.HEALTHY):
+        if facts.workers is Workers.OTHER:
+            expected: Action = Continue()
+        elif facts.marks.changing is not None and facts.marks.job_failed is None:
+            expected = Rejoin(CHANGING)
+        else:
+            expected = ReportFailure(restart=facts.remaining_restarts > 0)
+        assert decide(facts) == expected, facts
+
+
+def _expected_kind(f: Facts) -> type:
+    """The rules' order, written as a list: the first that applies."""
+    rules: list[tuple[bool, type]] = [
+        (f.liveness.store_silent_s is not None, Stop),
+        (f.marks.job_failed is not None or f.closed, Stop),
+        (f.liveness.self_gone, Reform),
+        (bool(f.liveness.gone) or f.nodes_waiting, HandOff if f.live else Reform),
+        (f.hang is not None, KillHung),
+    ]
+    return next((kind for applies, kind in rules if applies), Continue)
+
+
+def test_healthy_ticks_follow_the_rules_order() -> None:
+    for facts in (f for f in EVERY if f.workers is Workers.HEALTHY):
+        action = decide(facts)
+        assert type(action) is _expected_kind(facts), facts
+        if isinstance(action, Stop):
+            silent, failed = facts.liveness.store_silent_s is not None, facts.marks.job_failed is not None
+            assert action.halt is (Halt.STORE_LOST if silent else Halt.JOB_FAILED if failed else Halt.CLOSED), facts
+        if isinstance(action, HandOff | Reform):
+            change = change_of(facts)
+            assert action.change is change, facts
+            assert (action.mark is None) is (change is Change.NODE_DROPPED), facts  # a dropped node's store is stale
+        if isinstance(action, Reform):
+            assert action.line.endswith("no restart spent"), facts
+
+
+def test_the_store_lost_line_needs_the_peer_plan() -> None:
+    with pytest.raises(ValueError, match="without the peer plan"):
+        decide(Facts(Workers.HEALTHY, liveness=SILENT))

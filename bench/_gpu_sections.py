@@ -412,7 +412,7 @@ def live(device: torch.device, quick: bool) -> dict[str, Any]:
     the group formed twice (NCCL on a GPU), every step committed once, the state the new optimizer (built afresh, other
     weights) starts round 1 from equal to the bit to the state round 0 ended with, on the device."""
     from elasticzero.live import LiveTraining
-    from elasticzero.live.rounds import NodeRound, RoundFile, StoreAddress, write_round
+    from elasticzero.rounds import NodeRound, RoundFile, StoreAddress, write_round
 
     work = Path(tempfile.mkdtemp(prefix="gpu_check_live-"))
     path, store = str(work / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
@@ -454,7 +454,7 @@ def live_sampler(n: int) -> Any:
 
 def live_rounds(job: Any, data: torch.Tensor, path: str, store: Any, device: torch.device) -> dict[str, Any]:
     """Train round 0, write round 1, train on; the checks."""
-    from elasticzero.live.rounds import NodeRound, write_round
+    from elasticzero.rounds import NodeRound, write_round
 
     env = environment(device)  # the first round's group is the default group now
 

@@ -2,24 +2,25 @@
 
 With ``--live-recovery`` every rendezvous this agent completes (the job's first round, a restart after a real
 failure, this node rejoining, a membership change) ends in a round file for this node's workers
-(:data:`~elasticzero.live.rounds.ROUND_FILE_ENV`, format :class:`~elasticzero.live.rounds.NodeRound`): their new
+(:data:`~elasticzero.rounds.ROUND_FILE_ENV`, format :class:`~elasticzero.rounds.NodeRound`): their new
 global ranks, the world size, the store every member forms the round's default group on, and a prefix no other round
 of the job uses. On a membership change the agent keeps its workers running (:mod:`elasticzero.agent.tick`'s
 :class:`~elasticzero.agent.tick.HandOff`); they read the file and reconfigure in place (:mod:`elasticzero.live`).
 
-The round number is agreed over the new rendezvous round's store: each agent sets the number of the last round it
-handed out (a joiner: none) under its group rank, reads all of them, and takes the highest plus one
-(:func:`next_round_number`) — the same number on every node, above any round a running worker has seen.
+The round number is agreed over the new rendezvous round's store (the protocol's keys and steps:
+:mod:`elasticzero.rounds`): each agent sets the number of the last round it handed out (a joiner: none) under its
+group rank, reads all of them, and takes the highest plus one — the same number on every node, above any round a
+running worker has seen.
 
-Pure decisions here (:func:`live_plan`, :func:`next_round_number`, :func:`node_round`);
-:class:`RoundKeeper` is the thin I/O (the store exchange and the file).
+Pure decisions here (:func:`live_plan`, :func:`node_round`); :class:`RoundKeeper` is the thin I/O (the store exchange
+and the file).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -28,14 +29,18 @@ from elasticzero.agent.agentdirs import agent_dir
 from elasticzero.agent.liveness import PeerPlan
 from elasticzero.agent.options import DYNAMIC_BACKENDS
 from elasticzero.errors import UsageError
-from elasticzero.live.rounds import ROUND_FILE_ENV, NodeRound, StoreAddress, write_round
+from elasticzero.rounds import (
+    ROUND_FILE_ENV,
+    NodeRound,
+    StoreAddress,
+    last_round_key,
+    last_round_value,
+    next_round_number,
+    parse_last,
+    round_prefix,
+    write_round,
+)
 
-#: store key prefix (in the new rendezvous round's store) under which each agent sets its last round number
-LAST_ROUND_KEY = "elasticzero/live/last_round/"
-#: what an agent that never handed out a round sets (a fresh joiner)
-NO_ROUND = "none"
-#: the prefix of each round's keys in the store its workers meet on (``<prefix><number>/``)
-ROUND_PREFIX = "elasticzero/live/"
 #: the agreement waits at most this many peer timeouts for every agent's number. An agent missing after that was
 #: lost between the rendezvous and the agreement: its heartbeat is older than the timeout by then, so every agent,
 #: having waited for the same missing key, rendezvouses again and the next round drops it (:func:`retry_agreement`)
@@ -90,23 +95,6 @@ def retry_agreement(tries_done: int) -> bool:
     return tries_done < AGREE_TRIES
 
 
-def next_round_number(lasts: Sequence[int | None]) -> int:
-    """The round every agent agrees on: one above the highest round any of them handed out (0 for the first)."""
-    known = [n for n in lasts if n is not None]
-    return max(known) + 1 if known else 0
-
-
-def parse_last(raw: bytes) -> int | None:
-    """An agent's published last round (:data:`NO_ROUND`: none)."""
-    text = raw.decode(errors="replace")
-    return None if text == NO_ROUND else int(text)
-
-
-def round_prefix(number: int) -> str:
-    """The store prefix of round ``number`` (unique per round within the job's store)."""
-    return f"{ROUND_PREFIX}{number}/"
-
-
 @dataclass(frozen=True)
 class RoundFacts:
     """What the rendezvous just completed gave this node (torch's worker group, read into plain values)."""
@@ -149,8 +137,8 @@ class RoundKeeper:
         return round_
 
     def _agree(self, store: Any, group_rank: int, group_world_size: int) -> int:
-        keys = [f"{LAST_ROUND_KEY}{r}" for r in range(group_world_size)]
-        store.set(keys[group_rank], NO_ROUND if self.last is None else str(self.last))
+        keys = [last_round_key(r) for r in range(group_world_size)]
+        store.set(keys[group_rank], last_round_value(self.last))
         try:
             store.wait(keys, timedelta(seconds=self.plan.agree_timeout_s))
         except Exception as exc:

@@ -32,8 +32,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from elasticzero.live.rounds import NodeRound, RoundError
 from elasticzero.progress import reporter
+from elasticzero.rounds import NodeRound, RoundError
 
 
 class Reconfigure(Exception):

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from elasticzero.device import Placement
 from elasticzero.live.bounded import LiveError
-from elasticzero.live.rounds import NodeRound
+from elasticzero.rounds import NodeRound, arrival_key
 
 #: the store's wait bound when the round gives no timeout (torch's TCPStore default)
 _STORE_TIMEOUT = timedelta(minutes=5)
@@ -52,11 +52,6 @@ _ARRIVAL_POLL_S = 0.02
 _PROBE_S = 0.2
 
 Check = Callable[[], None]
-
-
-def arrival_key(rank: int) -> str:
-    """The key a member sets under the round's prefix once it can form the group."""
-    return f"arrived/{rank}"
 
 
 def arrive(store: Any, rank: int, world_size: int, check: Check, poll_s: float = _ARRIVAL_POLL_S) -> None:

@@ -57,8 +57,8 @@ from elasticzero.engine.zero.reshard import Fallback, Holdings, ReshardPlan, res
 from elasticzero.errors import UsageError
 from elasticzero.live.bounded import BoundedWait, LiveError, Reconfigure
 from elasticzero.live.group import RoundGroups, RoundWatch, aborts_on_announce, group_spec
-from elasticzero.live.rounds import ROUND_FILE_ENV, NodeRound, RoundError, RoundFile
 from elasticzero.progress import reporter
+from elasticzero.rounds import ROUND_FILE_ENV, NodeRound, RoundError, RoundFile
 
 
 class ReshardFallback(LiveError):

@@ -2,7 +2,7 @@
 
 Appends to ``OUT_DIR/rounds.<pid>.jsonl`` one line when it starts (its pid, local rank, agent pid) and one line per
 round it sees in its node's round file (``ELASTICZERO_ROUND_FILE``, polled every 20 ms through
-:class:`~elasticzero.live.rounds.RoundFile`): the round as parsed, and the wall-clock time it saw it; a round file
+:class:`~elasticzero.rounds.RoundFile`): the round as parsed, and the wall-clock time it saw it; a round file
 that does not parse is written as an ``error`` line (once per reason). Exits 0 once ``OUT_DIR/stop`` exists.
 """
 
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from elasticzero.live.rounds import ROUND_FILE_ENV, NodeRound, RoundError, RoundFile
+from elasticzero.rounds import ROUND_FILE_ENV, NodeRound, RoundError, RoundFile
 
 POLL_S = 0.02
 

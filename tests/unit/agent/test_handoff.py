@@ -25,17 +25,15 @@ from elasticzero.agent.handoff import (
     check_live_recovery,
     handoff_line,
     live_plan,
-    next_round_number,
     node_round,
     retry_agreement,
-    round_prefix,
 )
 from elasticzero.agent.liveness import peer_plan
 from elasticzero.agent.plan import AgentFacts, AgentPlan, plan_agent
 from elasticzero.errors import UsageError
 from elasticzero.launch.args import parse_args
 from elasticzero.launch.cli import build_plan
-from elasticzero.live.rounds import ROUND_FILE_ENV, RoundFile, parse_node_round
+from elasticzero.rounds import ROUND_FILE_ENV, RoundFile, parse_node_round, round_prefix
 from ez_testing import free_port
 
 FACTS = AgentFacts(pid=4242, python="/py", package_root="/site", run_id="fresh-id")
@@ -101,22 +99,7 @@ def test_a_failed_agreement_rendezvouses_again_a_bounded_number_of_times() -> No
     assert tries == list(range(1, AGREE_TRIES))
 
 
-# -- the round number and the file ----------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("lasts", "number"),
-    [
-        ([None], 0),  # the job's first round
-        ([None, None, None], 0),
-        ([3, 3], 4),  # survivors at round 3
-        ([3, None], 4),  # a fresh joiner has none
-        ([2, 5, 4], 6),  # a node dropped at 2 rejoins; the others went on to 5 (and one restarted at 4)
-    ],
-)
-def test_next_round_number_is_above_every_round_handed_out(lasts: list[int | None], number: int) -> None:
-    assert next_round_number(lasts) == number
-    assert all(last is None or number > last for last in lasts)
-
-
+# -- the round file --------------------------------------------------------------------------------------------------
 FACTS2 = RoundFacts(ranks=((1, 3), (0, 2)), world_size=4, master_addr="10.0.0.1", master_port=29611, agent_store=False)
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from elasticzero import progress
 from elasticzero.live.bounded import BoundedWait, LiveError, Reconfigure
-from elasticzero.live.rounds import NodeRound, RoundError, StoreAddress
+from elasticzero.rounds import NodeRound, RoundError, StoreAddress
 
 pytestmark = pytest.mark.timeout(60)
 ROUND = NodeRound(1, 1, ((0, 0),), StoreAddress("127.0.0.1", 29500, False), "round1/")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from elasticzero.checkpoint.commit import step_dir
 from elasticzero.errors import UsageError
-from elasticzero.live.rounds import ROUND_FILE_ENV, NodeRound, StoreAddress, write_round
+from elasticzero.rounds import ROUND_FILE_ENV, NodeRound, StoreAddress, write_round
 from ez_testing import REPO, free_port
 
 SAVE, TOTAL = 5, 20

@@ -22,12 +22,11 @@ from elasticzero.live.group import (
     RoundWatch,
     abandon_calls,
     aborts_on_announce,
-    arrival_key,
     arrive,
     group_spec,
     init_args,
 )
-from elasticzero.live.rounds import NodeRound, RoundFile, StoreAddress, write_round
+from elasticzero.rounds import NodeRound, RoundFile, StoreAddress, arrival_key, write_round
 from ez_testing import free_port
 
 pytestmark = pytest.mark.timeout(60)

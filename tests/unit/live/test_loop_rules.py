@@ -28,7 +28,7 @@ from elasticzero.live.loop import (
     recut,
     resume_point,
 )
-from elasticzero.live.rounds import ROUND_FILE_ENV, NodeRound, StoreAddress, write_round
+from elasticzero.rounds import ROUND_FILE_ENV, NodeRound, StoreAddress, write_round
 from ez_testing import free_port
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,24 +1,79 @@
-"""The round the workers are in: one file per node, written by the node's agent, read by its workers.
+"""The live-round protocol between a node's agent and its workers — its store keys, its file and its steps — in one
+module: the agent→worker contract, beside :mod:`elasticzero.progress` (the worker→agent one). The agent
+(:mod:`elasticzero.agent.handoff`) and the workers (:mod:`elasticzero.live`) both import it; it imports nothing of
+either.
 
 A round (:class:`NodeRound`) is a number, the round's world size, the new global ranks of this node's workers (by
-local rank), the c10d store every member meets on and a store prefix no other round uses: every round, the first one
-too, is a fresh default process group formed there (:mod:`.group`). The agent writes the file at
-``$ELASTICZERO_ROUND_FILE`` (:data:`ROUND_FILE_ENV`) before its workers start and again at every membership change
-(:func:`write_round`: whole, then renamed into place); every worker reads it between steps and while a collective
-waits (:class:`RoundFile`, thin I/O: one ``stat`` per poll when unchanged) and decides over the bytes it read
-(:func:`decide_node`, pure): nothing new, a newer round, or a :class:`RoundError` — errors as data, never an exception
-from the reader.
+local rank), the c10d store every member meets on and a store prefix no other round uses (:func:`round_prefix`):
+every round, the first one too, is a fresh default process group formed there (:mod:`elasticzero.live.group`).
+
+The steps of one round:
+
+1. **agree** (the round's agents, over the new rendezvous round's store): each sets the number of the last round it
+   handed out (:data:`NO_ROUND`: none, a fresh joiner) under :func:`last_round_key` of its group rank, waits for all
+   of them, and takes :func:`next_round_number` — the same number on every node, above any round a running worker
+   has seen, so the round's prefix is new in the job's store;
+2. **write** (each agent, before it starts or keeps its workers): this node's round file at
+   ``$ELASTICZERO_ROUND_FILE`` (:data:`ROUND_FILE_ENV`; :func:`write_round`: whole, then renamed into place);
+3. **read** (each worker, between steps and while a collective waits): :class:`RoundFile` (thin I/O: one ``stat``
+   per poll when unchanged) and :func:`decide_node` (pure) over the bytes read: nothing new, a newer round, or a
+   :class:`RoundError` — errors as data, never an exception from the reader;
+4. **arrive** (each member, on ``PrefixStore(round.prefix, TCPStore(round.store))``): it sets its
+   :func:`arrival_key` and waits for every member's before it forms the round's default group.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 #: the worker environment variable naming this node's round file (set by the agent in live mode)
 ROUND_FILE_ENV = "ELASTICZERO_ROUND_FILE"
+#: the prefix of the protocol's keys in the rendezvous store and the job's store (each round's: :func:`round_prefix`)
+ROUND_PREFIX = "elasticzero/live/"
+#: agree: the key prefix (in the new rendezvous round's store) under which each agent sets its last round number
+LAST_ROUND_KEY = f"{ROUND_PREFIX}last_round/"
+#: agree: what an agent that never handed out a round sets (a fresh joiner)
+NO_ROUND = "none"
+
+
+# -- the steps' keys and numbers (pure) ----------------------------------------------------------------------------
+def last_round_key(group_rank: int) -> str:
+    """agree: the key the agent of ``group_rank`` sets its last round number under."""
+    return f"{LAST_ROUND_KEY}{group_rank}"
+
+
+def last_round_value(last: int | None) -> str:
+    """agree: what an agent sets (:data:`NO_ROUND` before its first round)."""
+    return NO_ROUND if last is None else str(last)
+
+
+def parse_last(raw: bytes) -> int | None:
+    """agree: an agent's published last round (:data:`NO_ROUND`: none)."""
+    text = raw.decode(errors="replace")
+    return None if text == NO_ROUND else int(text)
+
+
+def next_round_number(lasts: Sequence[int | None]) -> int:
+    """agree: the round every agent takes — one above the highest round any of them handed out (0 for the first)."""
+    known = [n for n in lasts if n is not None]
+    return max(known) + 1 if known else 0
+
+
+def round_prefix(number: int) -> str:
+    """write: the store prefix of round ``number`` (unique per round within the job's store)."""
+    return f"{ROUND_PREFIX}{number}/"
+
+
+def arrival_key(rank: int) -> str:
+    """arrive: the key a member sets under the round's prefix once it can form the group."""
+    return f"arrived/{rank}"
+
+
+# -- the file (schema, pure decision, thin I/O) -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""The round file: parsing and the worker's decision are pure (errors as data); the reader and the writer use a real
-file (the agent's side writes it, the workers poll it)."""
+"""The live-round protocol: the agreed round number and the steps' keys; the round file — parsing and the worker's
+decision are pure (errors as data); the reader and the writer use a real file (the agent's side writes it, the
+workers poll it)."""
 
 from __future__ import annotations
 
@@ -8,19 +9,58 @@ from pathlib import Path
 
 import pytest
 
-from elasticzero.live.rounds import (
+from elasticzero.rounds import (
+    LAST_ROUND_KEY,
+    NO_ROUND,
+    ROUND_PREFIX,
     NodeRound,
     RoundError,
     RoundFile,
     StoreAddress,
+    arrival_key,
     decide_node,
+    last_round_key,
+    last_round_value,
+    next_round_number,
+    parse_last,
     parse_node_round,
+    round_prefix,
     write_round,
 )
 
 STORE = StoreAddress("10.0.0.1", 29400, False)
 
 
+# -- agree, write, arrive: the numbers and keys -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("lasts", "number"),
+    [
+        ([None], 0),  # the job's first round
+        ([None, None, None], 0),
+        ([3, 3], 4),  # survivors at round 3
+        ([3, None], 4),  # a fresh joiner has none
+        ([2, 5, 4], 6),  # a node dropped at 2 rejoins; the others went on to 5 (and one restarted at 4)
+    ],
+)
+def test_next_round_number_is_above_every_round_handed_out(lasts: list[int | None], number: int) -> None:
+    assert next_round_number(lasts) == number
+    assert all(last is None or number > last for last in lasts)
+
+
+def test_an_agents_last_round_round_trips_through_its_key() -> None:
+    assert [last_round_key(r) for r in range(2)] == [f"{LAST_ROUND_KEY}0", f"{LAST_ROUND_KEY}1"]
+    assert last_round_value(None) == NO_ROUND and parse_last(last_round_value(None).encode()) is None
+    assert parse_last(last_round_value(7).encode()) == 7
+
+
+def test_each_round_has_its_own_prefix_and_the_protocols_keys_share_one() -> None:
+    prefixes = {round_prefix(n) for n in range(50)}
+    assert len(prefixes) == 50 and all(p.startswith(ROUND_PREFIX) and p.endswith("/") for p in prefixes)
+    assert LAST_ROUND_KEY.startswith(ROUND_PREFIX) and LAST_ROUND_KEY not in prefixes
+    assert arrival_key(3) != arrival_key(4)  # set under a round's prefix, one per member
+
+
+# -- the file -------------------------------------------------------------------------------------------------------
 def raw(**doc: object) -> bytes:
     return json.dumps(doc).encode()
 

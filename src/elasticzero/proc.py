@@ -7,6 +7,8 @@
   whose setting survives ``execve``).
 * **Exit codes.** A process killed by signal N exits ``128+N``, as a shell reports it (:func:`signal_exit_code`,
   :func:`exit_status` for ``Popen``/torch return codes, which are ``-N``).
+* **Stop signals.** The signals that stop a job everywhere (:data:`STOP_SIGNALS`): the launcher forwards them to
+  its commands, and the agent exits on them while it starts.
 * **Job id.** Every process of a job carries ``ELASTICZERO_JOB_ID=<id>`` (:data:`JOB_ID_ENV`); cleanup
   (``elasticzero-run --kill-job``) is scoped by it. :func:`check_job_id` is the one rule for a valid id.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable
 
@@ -30,6 +33,9 @@ AGENT_PID_ENV = "ELASTICZERO_AGENT_PID"
 #: a job id: safe as an etcd key part, an environment value and a remote-shell word without quoting surprises
 JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 JOB_ID_RULE = "letters, digits, '.', '_', '-', starting with a letter or digit, at most 128 characters"
+
+#: signals that stop the job everywhere (SIGHUP: the terminal was closed): the launcher's and torch's stop signals
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 #: ``prctl`` option: the signal this process gets when its parent (thread) dies
 PR_SET_PDEATHSIG = 1

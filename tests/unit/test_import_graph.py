@@ -3,29 +3,44 @@ it: every ``import`` counts wherever it stands (module level, inside a function,
 lazy import still makes two modules depend on each other.
 
 - No import circles between modules.
-- The dependency direction of docs/architecture.md (config ← engine ← checkpoint) never runs backwards into the
-  engine, and between top-level packages no circle passes through the engine or the checkpoint.
+- No arrow up the layers of docs/architecture.md: a module imports only the shared modules, its own layer and the
+  layers below its own (:data:`BELOW`, the diagram written as data).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = (ROOT / "src" / "elasticzero", ROOT / "plugins" / "elasticzero_plugins")
-# what the engine may import of elasticzero: itself and the shared pieces (config is below it, nothing else)
-ENGINE_MAY_IMPORT = (
-    "elasticzero.engine",
-    "elasticzero.config",
-    *(
-        f"elasticzero.{m}" for m in ("errors", "proc", "fileio", "_lazy", "torchcompat", "progress")
-    ),  # shared by every piece
+#: shared by every piece (docs/architecture.md, "Shared by every piece"); they import only each other. The package
+#: itself is one: its ``__init__`` is lazy names only
+SHARED = tuple(
+    f"elasticzero{m}"
+    for m in ("", ".errors", ".proc", ".fileio", "._lazy", ".torchcompat", ".device", ".progress", ".rounds")
 )
-ACYCLIC_PACKAGES = ("elasticzero.engine", "elasticzero.checkpoint")
+#: the layers, as docs/architecture.md draws them (``a ← b``: b sits on a): each layer and the layers right below it.
+#: A module's layer is the longest name here that it is or lies in
+BELOW: dict[str, tuple[str, ...]] = {
+    "elasticzero.config": (),
+    "elasticzero.rendezvous": ("elasticzero.config",),
+    "elasticzero.agent": ("elasticzero.config",),
+    "elasticzero.launch": ("elasticzero.rendezvous", "elasticzero.agent"),
+    "elasticzero.engine": ("elasticzero.config",),
+    "elasticzero.checkpoint": ("elasticzero.engine",),
+    "elasticzero.config.build": ("elasticzero.checkpoint",),  # the builder of the engine pieces from a config
+    "elasticzero.data": ("elasticzero.config", "elasticzero.engine"),
+    "elasticzero.live": ("elasticzero.engine", "elasticzero.data"),
+    "elasticzero.autotune": ("elasticzero.launch", "elasticzero.engine"),  # the engine: the measure window's timers
+    "elasticzero.entry": ("elasticzero.autotune",),  # elasticzero-launch: the launcher, or --autotuning the tuner
+    "elasticzero_plugins": ("elasticzero.launch",),  # the launcher backends
+}
 
 
+@functools.cache
 def _modules() -> dict[str, Path]:
     """Dotted module name → file, for every ``.py`` of :data:`PACKAGES` (a package is its ``__init__``)."""
     found: dict[str, Path] = {}
@@ -89,13 +104,37 @@ def _in(module: str, packages: tuple[str, ...]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in packages)
 
 
-def _packages(edges: dict[str, set[str]]) -> dict[str, set[str]]:
-    """The graph between top-level packages (``elasticzero.engine``, …): a module's imports are its package's."""
-    top = {m: ".".join(m.split(".")[:2]) for m in edges}
-    out: dict[str, set[str]] = {p: set() for p in top.values()}
-    for m, targets in edges.items():
-        out[top[m]] |= {top[t] for t in targets} - {top[m]}
+def _layer(module: str) -> str | None:
+    """The layer ``module`` lies in (:data:`BELOW`'s longest match; ``None``: shared or in none)."""
+    if module in SHARED:
+        return None
+    found = [layer for layer in BELOW if _in(module, (layer,))]
+    return max(found, key=len) if found else None
+
+
+def _under(layer: str) -> set[str]:
+    """Every layer below ``layer``, directly or through others."""
+    out: set[str] = set()
+    todo = list(BELOW[layer])
+    while todo:
+        below = todo.pop()
+        if below not in out:
+            out.add(below)
+            todo.extend(BELOW[below])
     return out
+
+
+def _upward(edges: dict[str, set[str]]) -> list[str]:
+    """Every import that runs up (or across) the layers, as ``a -> b (layer of a -> layer of b)``."""
+    bad = []
+    for m, targets in sorted(edges.items()):
+        mine = _layer(m)
+        for t in sorted(targets):
+            theirs = _layer(t)
+            if t in SHARED or theirs == mine or (mine is not None and theirs in _under(mine)):
+                continue
+            bad.append(f"{m} -> {t} ({mine or 'shared'} -> {theirs})")
+    return bad
 
 
 def test_the_reader_sees_imports_of_every_kind() -> None:
@@ -113,23 +152,33 @@ def test_no_import_circles() -> None:
     assert cycle is None, "import circle: " + " -> ".join(cycle or []) + "; move the shared piece down a layer"
 
 
-def test_the_engine_imports_nothing_above_it() -> None:
-    edges = _edges(_modules())
-    upward = {m: sorted(t for t in ts if not _in(t, ENGINE_MAY_IMPORT)) for m, ts in edges.items()}
-    assert {m: ups for m, ups in upward.items() if ups and _in(m, ("elasticzero.engine",))} == {}
+def test_every_module_has_a_layer() -> None:
+    assert [m for m in _modules() if m not in SHARED and _layer(m) is None] == [], "add it to BELOW or SHARED"
+    assert all(below in BELOW for belows in BELOW.values() for below in belows)
 
 
-def test_no_package_circle_through_the_engine_or_the_checkpoint() -> None:
-    packages = _packages(_edges(_modules()))
-    through = {p: ts for p, ts in packages.items() if _in(p, ACYCLIC_PACKAGES)}
-    # a circle through one of them has every edge inside the subgraph reachable from it; test each start alone
-    for start in through:
-        reach, todo = {start}, [start]
-        while todo:
-            for t in packages[todo.pop()]:
-                if t not in reach:
-                    reach.add(t)
-                    todo.append(t)
-        sub = {p: packages[p] & reach for p in reach}
-        cycle = _cycle(sub)
-        assert cycle is None or start not in cycle, "package circle: " + " -> ".join(cycle)
+def test_the_layers_are_a_hierarchy() -> None:
+    assert [layer for layer in BELOW if layer in _under(layer)] == []  # no layer below itself
+
+
+def test_no_import_runs_up_the_layers() -> None:
+    bad = _upward(_edges(_modules()))
+    assert bad == [], "imports against docs/architecture.md's layers: " + "; ".join(bad)
+
+
+def test_the_layer_check_sees_an_arrow_up() -> None:
+    edges = {
+        "elasticzero.agent.cli": {"elasticzero.launch.execute"},  # the agent reaching up into the launcher
+        "elasticzero.launch.cli": {"elasticzero.autotune.cli", "elasticzero.agent.plan", "elasticzero.config.load"},
+        "elasticzero.config.load": {"elasticzero.config.build"},  # config's builder sits above the engine
+        "elasticzero.proc": {"elasticzero.agent.cli"},  # a shared module reaching into a layer
+        "elasticzero.live.loop": {"elasticzero.rounds", "elasticzero.data.sampler", "elasticzero.config.schema"},
+        "elasticzero.checkpoint.disk": {"elasticzero.data.sampler"},  # across: data is no layer below checkpoint
+    }
+    assert _upward(edges) == [
+        "elasticzero.agent.cli -> elasticzero.launch.execute (elasticzero.agent -> elasticzero.launch)",
+        "elasticzero.checkpoint.disk -> elasticzero.data.sampler (elasticzero.checkpoint -> elasticzero.data)",
+        "elasticzero.config.load -> elasticzero.config.build (elasticzero.config -> elasticzero.config.build)",
+        "elasticzero.launch.cli -> elasticzero.autotune.cli (elasticzero.launch -> elasticzero.autotune)",
+        "elasticzero.proc -> elasticzero.agent.cli (shared -> elasticzero.agent)",
+    ]

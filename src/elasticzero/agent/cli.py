@@ -24,8 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from elasticzero.errors import UsageError, cli_main
-from elasticzero.launch.execute import STOP_SIGNALS  # the launcher's and torch's stop signals
-from elasticzero.proc import check_job_id, exit_status, signal_exit_code
+from elasticzero.proc import STOP_SIGNALS, check_job_id, exit_status, signal_exit_code
 
 if TYPE_CHECKING:
     from elasticzero.agent.plan import AgentPlan

@@ -305,8 +305,7 @@ def _become_launcher(argv: list[str]) -> int:
     """Replace this process by ``elasticzero-launch argv`` (``execv``: same pid, so signals reach the launch and its
     exit code is ours), started as the trials' launcher is (``python -m elasticzero.launch.cli``); 127 if it cannot.
 
-    Never an in-process call: the launcher's ``--autotuning`` hands over to this module, so this module importing
-    the launcher's would make an import circle.
+    A process, not an in-process call: the final run is a launch like any trial's, with no tuner state in it.
     """
     sys.stderr.flush()
     try:

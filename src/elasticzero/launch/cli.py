@@ -350,10 +350,17 @@ def _run(argv: Sequence[str] | None) -> int:
         args, entry = parse_args(sys.argv[1:] if argv is None else argv)
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
-    if args.autotuning:  # docs/autotuning.md; lazy: a plain launch never loads the tuner
-        from elasticzero.autotune.cli import run_from_launch
+    if args.autotuning:
+        raise UsageError(
+            f"--autotuning {args.autotuning}: the tuner runs from the elasticzero-launch console script (python -m "
+            "elasticzero.entry) or elasticzero-autotune; python -m elasticzero.launch.cli is the launcher alone"
+        )
+    return run(args, entry)
 
-        return run_from_launch(args, entry, args.autotuning)
+
+def run(args: argparse.Namespace, entry: Sequence[str]) -> int:
+    """A parsed launch without ``--autotuning`` (:mod:`elasticzero.entry` hands that to the tuner): bind the plan,
+    then print it (``--dry-run``) or execute it; the exit code."""
     bound, backend = bind_plan(args, entry, os.environ, os.getcwd())
     return _show(args, bound, backend) if args.dry_run else _execute(bound, backend)
 
@@ -390,7 +397,8 @@ def _execute(bound: BoundPlan, backend: backend_mod.LauncherBackend) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console script ``elasticzero-launch``: returns the exit code (2 on bad input, nothing started)."""
+    """The launcher alone (``python -m elasticzero.launch.cli``: the tuner's trials and final run); the console
+    script ``elasticzero-launch`` is :func:`elasticzero.entry.launch`. Returns the exit code (2 on bad input)."""
     return cli_main(PROG, _run, argv)
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from elasticzero.errors import UsageError
-from elasticzero.proc import exit_status, parent_death_preexec, signal_exit_code
+from elasticzero.proc import STOP_SIGNALS, exit_status, parent_death_preexec, signal_exit_code
 
 if TYPE_CHECKING:
     import subprocess  # imported when commands start: a launcher that execs its one command never needs it
@@ -54,8 +54,6 @@ STOP_GRACE = 15.0
 FAIL_GRACE = 30.0
 #: seconds between looks at the commands (their exit is noticed POLL/2 late on average; 50 wake-ups/s cost nothing)
 POLL = 0.02
-#: signals that stop the job everywhere (SIGHUP: the terminal was closed)
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 @runtime_checkable
@@ -215,7 +213,8 @@ def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
 
 
 def _install_handlers(on_signal: Callable[[int], None]) -> Callable[[], None]:
-    """Record :data:`STOP_SIGNALS` instead of dying; returns a function restoring the previous handlers."""
+    """Record :data:`~elasticzero.proc.STOP_SIGNALS` instead of dying; returns a function restoring the previous
+    handlers."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     sigs = STOP_SIGNALS

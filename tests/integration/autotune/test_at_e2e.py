@@ -43,7 +43,7 @@ def _argv(prog: str = "autotune") -> list[str]:
         else [
             sys.executable,
             "-m",
-            "elasticzero.launch.cli",
+            "elasticzero.entry",  # the console script elasticzero-launch
             "--autotuning",
             prog,
         ]

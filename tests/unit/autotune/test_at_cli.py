@@ -133,16 +133,23 @@ def test_dry_run_json_is_the_checked_plan(tmp_path, monkeypatch, capsys, no_laun
 
 
 def test_launch_autotuning_takes_the_tuners_flags(tmp_path, monkeypatch, capsys, no_launch) -> None:
+    """``elasticzero-launch`` (the console script, :func:`elasticzero.entry.launch`) hands ``--autotuning`` to the
+    tuner; the launcher alone (``python -m elasticzero.launch.cli``, the trials' launcher) refuses it in one line."""
+    from elasticzero.entry import launch
     from elasticzero.launch import cli as launch_cli
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "cfg.yaml").write_text(NATIVE)
     (tmp_path / "tune.yaml").write_text("metric: latency\nspace: {micro_batch: [1, 4]}\n")
     argv = ["--nproc-per-node", "2", "--fresh", "--results-dir", "out", "--tuning", "tune.yaml"]
-    code = launch_cli.main(["--autotuning", "tune", "--dry-run=json", *argv, "t.py", "--config", "cfg.yaml"])
+    code = launch(["--autotuning", "tune", "--dry-run=json", *argv, "t.py", "--config", "cfg.yaml"])
     shown = json.loads(capsys.readouterr().out)
     assert code == 0 and (shown["metric"], shown["resume"]) == ("latency", False)
     assert shown["results_dir"] == str(tmp_path / "out") and not (tmp_path / "out").exists()
-    assert launch_cli.main([*argv, "t.py", "--config", "cfg.yaml"]) == 2  # a plain launch: nothing to tune
+    assert launch([*argv, "t.py", "--config", "cfg.yaml"]) == 2  # a plain launch: nothing to tune
     err = capsys.readouterr().err
     assert "elasticzero-launch: error: --tuning is an autotuning flag: add --autotuning tune|run" in err
+    assert launch_cli.main(["--autotuning", "tune", "--dry-run=json", *argv, "t.py", "--config", "cfg.yaml"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("elasticzero-launch: error: --autotuning tune: the tuner runs from the ")
+    assert not (tmp_path / "out").exists()

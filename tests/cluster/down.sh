@@ -6,6 +6,16 @@ set -uo pipefail
 RUN=/run/elasticzero-testbed
 stop_pidfile() { [ -f "$1" ] && kill "$(cat "$1")" 2>/dev/null; rm -f "$1"; }
 for f in "$RUN"/slurmd-*.pid "$RUN"/slurmctld.pid "$RUN"/sshd-*.pid; do [ -e "$f" ] && stop_pidfile "$f"; done
+# munged after the Slurm daemons (they authenticate through it), and only the one slurm_up.sh started: the pid it
+# recorded, if that pid is still a munged (a reused pid is left alone)
+if [ -f "$RUN/munged.pid" ]; then
+  pid=$(cat "$RUN/munged.pid")
+  if [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = munged ]; then
+    kill "$pid" 2>/dev/null
+    for _ in $(seq 1 50); do [ -e "/proc/$pid" ] || break; sleep 0.1; done
+  fi
+  rm -f "$RUN/munged.pid"
+fi
 for ns in $(ip netns list 2>/dev/null | awk '/^ezn[0-9]+/{print $1}'); do
   for p in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
   ip netns del "$ns" 2>/dev/null

@@ -14,9 +14,13 @@ mkdir -p /etc/munge /run/munge /var/lib/munge /var/log/munge
 [ -s /etc/munge/munge.key ] || dd if=/dev/urandom of=/etc/munge/munge.key bs=1 count=128 status=none
 chown -R munge:munge /etc/munge /run/munge /var/lib/munge /var/log/munge
 chmod 700 /etc/munge; chmod 400 /etc/munge/munge.key; chmod 755 /run/munge
+# a munged already answering (the system's, or ours from an earlier run) is used as it is; one started here has its
+# pid recorded in $RUN/munged.pid, so down.sh stops exactly that one (munged writes its own pid file as user munge)
 if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
   runuser -u munge -- /usr/sbin/munged
   for _ in $(seq 1 50); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
+  mkdir -p "$RUN"
+  cp /run/munge/munged.pid "$RUN/munged.pid"
 fi
 munge -n | unmunge >/dev/null
 

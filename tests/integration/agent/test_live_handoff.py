@@ -65,11 +65,15 @@ def latest(cluster: Cluster, pid: int) -> dict[str, Any] | None:
 
 
 def round_of(cluster: Cluster, agents: list[Agent], world: int, after: int) -> tuple[int] | None:
-    """``(number,)``: the round above ``after`` at ``world`` that every running worker of ``agents`` now sees."""
-    pids = [pid for a in agents for pid in pids_of(a)]
+    """``(number,)``: the round above ``after`` at ``world`` that every running worker of ``agents`` now sees.
+
+    Every agent must have running workers: one between two rounds (a dropped node restarting its workers: its health
+    file says ``stopped``) has not seen the round yet, it is not absent."""
+    running = [pids_of(a) for a in agents]
+    pids = [pid for pids in running for pid in pids]
     seen = [latest(cluster, pid) for pid in pids]
     views = {(s["round"]["round"], s["round"]["world_size"]) for s in seen if s is not None}
-    if not pids or None in seen or len(views) != 1:
+    if not all(running) or None in seen or len(views) != 1:
         return None
     number, size = views.pop()
     return (number,) if size == world and number > after else None

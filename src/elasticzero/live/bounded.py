@@ -1,6 +1,6 @@
 """Bounded waits: gloo cannot abort a collective, so the engine's waits are made leavable.
 
-A :class:`BoundedWait` is a :data:`~elasticzero.engine.zero.comm.Waiter`: given to the engine's communicators
+A :class:`BoundedWait` is a :data:`~elasticzero.engine.zero.comm.work.Waiter`: given to the engine's communicators
 (``Communicator(group, waiter=bound)``, ``Replicator(..., waiter=bound)``), every wait of their works runs on the
 bound's helper thread while the calling thread waits for it ``poll_s`` at a time and, between two, polls the round
 source. When a newer round is announced the caller leaves with :class:`Reconfigure` (the round); when the work fails

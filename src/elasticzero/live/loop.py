@@ -51,7 +51,7 @@ import torch.distributed as dist
 from elasticzero.data.sampler import ElasticSampler
 from elasticzero.device import Facts, Placement, placement
 from elasticzero.engine.zero.base import ZeroOptimizer
-from elasticzero.engine.zero.comm import Communicator
+from elasticzero.engine.zero.comm.communicator import Communicator
 from elasticzero.engine.zero.replica import Replicator
 from elasticzero.engine.zero.reshard import Fallback, Holdings, ReshardPlan, reshard_from
 from elasticzero.errors import UsageError

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 from ckpt_model import PlainState, build, continue_plainly, full_state, mismatches, train
 
-from elasticzero.engine.zero.comm import Communicator, wire_for
+from elasticzero.engine.zero.comm.backends import wire_for
+from elasticzero.engine.zero.comm.communicator import Communicator
 from elasticzero.engine.zero.replica import Replicator
 from elasticzero.engine.zero.reshard import Fallback, Holdings, ReshardPlan, reshard_from
 from ez_numerics import error_ratio

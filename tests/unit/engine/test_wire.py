@@ -15,7 +15,7 @@ from torch import nn
 
 from elasticzero import ZeroStage2
 from elasticzero.engine.zero.base import Factor
-from elasticzero.engine.zero.comm import p2p_batched, wire_for
+from elasticzero.engine.zero.comm.backends import p2p_batched, wire_for
 from elasticzero.engine.zero.replica import (
     NOTE_LEN,
     Replicator,

@@ -57,7 +57,9 @@ from torch import nn
 
 from elasticzero.engine.zero.base import Factor, ZeroOptimizer
 from elasticzero.engine.zero.buddy import BuddyPlan, place_buddies
-from elasticzero.engine.zero.comm import AnyWork, Communicator, Waiter, wire_for
+from elasticzero.engine.zero.comm.backends import wire_for
+from elasticzero.engine.zero.comm.communicator import Communicator
+from elasticzero.engine.zero.comm.work import AnyWork, Waiter
 from elasticzero.engine.zero.reshard import Holdings
 from elasticzero.engine.zero.sharded import ShardedState
 from elasticzero.proc import AGENT_PID_ENV
@@ -156,8 +158,8 @@ def node_key(environ: Mapping[str, str], hostname: str) -> int:
 
 def grad_message(masters: Sequence[nn.Parameter], wire: torch.device) -> list[torch.Tensor]:
     """What a rank sends its holder in a step with its final gradients, on the ``wire``
-    (:func:`~elasticzero.engine.zero.comm.wire_for`): which buckets have a gradient, then each bucket's gradient shard
-    (as it is when it lives on the wire; zeros where there is none)."""
+    (:func:`~elasticzero.engine.zero.comm.backends.wire_for`): which buckets have a gradient, then each bucket's
+    gradient shard (as it is when it lives on the wire; zeros where there is none)."""
     grads = [
         on(m.grad, wire) if m.grad is not None else torch.zeros(m.shape, dtype=m.dtype, device=wire) for m in masters
     ]
@@ -248,8 +250,8 @@ class Replicator:
         step: the training step ``opt``'s state is at (the census reports steps from there).
         overlap: step the copies on a background thread, overlapping this rank's next forward and backward (joined
             before the next exchange and by every method that reads the copies); False: inside ``opt.step()``.
-        waiter: how the copies' communicator waits (:data:`~elasticzero.engine.zero.comm.Waiter`; a bounded wait for
-            live reconfiguration).
+        waiter: how the copies' communicator waits (:data:`~elasticzero.engine.zero.comm.work.Waiter`; a bounded
+            wait for live reconfiguration).
         early: post each bucket's gradient shard to the holder as soon as its reduction completes during backward
             (:meth:`ZeroOptimizer.watch_grads <elasticzero.engine.zero.base.ZeroOptimizer.watch_grads>`), overlapping
             the rest of backward; the pre-step hook then waits for them and sends a note of what happened to the

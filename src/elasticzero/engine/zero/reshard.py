@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorPr
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from elasticzero.engine.zero.base import ZeroOptimizer
-from elasticzero.engine.zero.comm import wire_for
+from elasticzero.engine.zero.comm.backends import wire_for
 from elasticzero.engine.zero.dcp_state import ZeroCheckpointState
 from elasticzero.engine.zero.layout import Piece, ZeroLayout
 from elasticzero.engine.zero.sharded import ShardedState
@@ -230,7 +230,7 @@ def _fill(
 ) -> None:
     """Run this rank's transfers into ``template``: local ones as copies, the others one packed message per peer and
     state key (every rank posts them in the same order: keys, then peer pairs), sent and received on the wire
-    (:func:`~elasticzero.engine.zero.comm.wire_for`) and unpacked into ``template`` wherever it lives."""
+    (:func:`~elasticzero.engine.zero.comm.backends.wire_for`) and unpacked into ``template`` wherever it lives."""
     me, sends, recvs = opt.rank, [], []
     trees = {r: st.state_dict() for r, st in held.items()}
     peers = sorted({(t.src, t.dst) for t in plan.transfers if me in (t.src, t.dst)})

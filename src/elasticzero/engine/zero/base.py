@@ -19,7 +19,8 @@ from torch.utils.hooks import RemovableHandle
 
 from elasticzero.engine.bucketer import DEFAULT_BUCKET_BYTES, GradBucketer, phase
 from elasticzero.engine.precision import PrecisionPolicy, as_policy
-from elasticzero.engine.zero import clip, comm
+from elasticzero.engine.zero import clip
+from elasticzero.engine.zero.comm.communicator import Communicator, OwnsCommunicator
 from elasticzero.engine.zero.flat import FlatBucket, Grouping, _device_of, layout_buckets, size_groups
 from elasticzero.engine.zero.layout import ParamSlot, ZeroLayout
 from elasticzero.engine.zero.memory import storage_report
@@ -54,7 +55,7 @@ class GradWatcher(Protocol):
         """``zero_grad``: the shards are gone (or zeroed)."""
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(OwnsCommunicator, torch.optim.Optimizer):
     """Base of the ZeRO stages: a ``torch.optim.Optimizer`` whose real work is done by ``optimizer_class`` built on
     this rank's fp32 master shards.
 
@@ -122,7 +123,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not dist.is_initialized():
             raise UsageError(f"{type(self).__name__} needs torch.distributed initialised (init_process_group)")
         self.module = module
-        self._communicator = comm.Communicator(process_group, owner=type(self).__name__)
+        self._communicator = Communicator(process_group, owner=type(self).__name__)
         self.world_size = self._communicator.size
         self.rank = self._communicator.rank
         self.policy = as_policy(precision)
@@ -178,30 +179,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._register_state_dict_hooks()
 
     # -- stage hooks (overridden; those called while constructing read only what the base set before) -----------
-    @property
-    def process_group(self) -> Any:
-        """The data-parallel group (held weakly: a :class:`UsageError` once it was destroyed)."""
-        return self._communicator.group
-
-    @property
-    def communicator(self) -> comm.Communicator:
-        """Issues, counts and settles this optimizer's collectives and its bucketer's."""
-        return self._communicator
-
-    @communicator.setter
-    def communicator(self, new: comm.Communicator) -> None:
-        """Replace it by ``new`` (a group of the same ranks, e.g. rebuilt in this process); the old one is closed
-        first (:meth:`~elasticzero.engine.zero.comm.Communicator.close`: if its group failed, close it yourself and
-        handle the error, then assign)."""
-        comm.check_replacement(self._communicator, new, type(self).__name__)
-        self._communicator.close()
-        self._communicator = new
+    def _communicator_replaced(self, new: Communicator) -> None:
         self.bucketer.communicator = new
-
-    @property
-    def comm_stats(self) -> comm.CommStats:
-        """Counters of this optimizer's collectives (its communicator's)."""
-        return self._communicator.stats
 
     def _bucket_key(self, p: nn.Parameter) -> tuple[int, torch.dtype, torch.dtype]:
         """Parameters share a bucket when they share (param group, dtype, compute dtype)."""

@@ -58,7 +58,7 @@ from torch import nn
 from elasticzero.engine.zero.base import Factor, ZeroOptimizer
 from elasticzero.engine.zero.buddy import BuddyPlan, place_buddies
 from elasticzero.engine.zero.comm.backends import wire_for
-from elasticzero.engine.zero.comm.communicator import Communicator
+from elasticzero.engine.zero.comm.communicator import Communicator, OwnsCommunicator
 from elasticzero.engine.zero.comm.work import AnyWork, Waiter
 from elasticzero.engine.zero.reshard import Holdings
 from elasticzero.engine.zero.sharded import ShardedState
@@ -239,7 +239,7 @@ def on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.detach() if t.device == device else t.detach().to(device)
 
 
-class Replicator:
+class Replicator(OwnsCommunicator):
     """Keeps a copy of every rank's ZeRO state on its buddy, current at the last committed step (see the module).
 
     Args:
@@ -259,7 +259,8 @@ class Replicator:
 
     Collective: every rank of ``opt``'s group builds one at the same point (it mirrors the current state to the
     holders). The replicator has its own :class:`Communicator` on ``opt.process_group`` (``replicator.comm_stats``:
-    the copies' bytes, apart from the training collectives')."""
+    the copies' bytes, apart from the training collectives': ops ``send``/``recv``, ``all_reduce`` of the gate; tag
+    ``"replica"``)."""
 
     def __init__(
         self,
@@ -276,7 +277,7 @@ class Replicator:
         self.opt = opt
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ez-replica") if overlap else None
         self._applying: Future[None] | None = None
-        self.communicator = Communicator(opt.process_group, owner="Replicator", waiter=waiter)
+        self._communicator = Communicator(opt.process_group, owner="Replicator", waiter=waiter)
         #: the device every message travels on: the optimizer's under NCCL, the host under gloo (the copies and the
         #: shadow optimizers stay on the host either way)
         self.wire = wire_for(self.communicator.backend, opt.device)
@@ -298,11 +299,6 @@ class Replicator:
             self._hooks.append(opt.watch_grads(self))
 
     # -- what this rank holds -----------------------------------------------------------------------------------------
-    @property
-    def comm_stats(self) -> Any:
-        """Counters of the copies' traffic (ops ``send``/``recv``, ``all_reduce`` of the gate; tag ``"replica"``)."""
-        return self.communicator.stats
-
     def census(self) -> dict[int, int]:
         """``{rank: step}`` of every state this rank holds (its own, its wards' copies), ranks of ``opt``'s group."""
         self._join()

@@ -36,7 +36,7 @@ One module per concern: :mod:`.stats` (the counters), :mod:`.work` (the handles 
 from __future__ import annotations
 
 from elasticzero.engine.zero.comm.backends import p2p_batched, ring_applies, settles, wire_for
-from elasticzero.engine.zero.comm.communicator import Communicator, check_replacement
+from elasticzero.engine.zero.comm.communicator import Communicator, OwnsCommunicator, check_replacement
 from elasticzero.engine.zero.comm.patching import default_group_pinned, unpin_default_group
 from elasticzero.engine.zero.comm.stats import CommStats
 from elasticzero.engine.zero.comm.work import AnyWork, LocalWork, PendingWork, WaitedWork, Waiter, same_memory
@@ -46,6 +46,7 @@ __all__ = [
     "CommStats",
     "Communicator",
     "LocalWork",
+    "OwnsCommunicator",
     "PendingWork",
     "WaitedWork",
     "Waiter",

@@ -288,3 +288,39 @@ def check_replacement(current: Communicator, new: Communicator, owner: str) -> N
             f"{owner} is laid out for rank {current.rank} of {current.size}; the new communicator's group has this "
             f"process as rank {new.rank} of {new.size}: build a new {owner} (or load a checkpoint) for another world"
         )
+
+
+class OwnsCommunicator:
+    """An engine object whose collectives one :class:`Communicator` issues (``self._communicator``, set by the
+    object's constructor): its ``communicator``, ``process_group`` and ``comm_stats``, written once for every such
+    object (a ZeRO optimizer, a bucketer, a replicator)."""
+
+    _communicator: Communicator
+
+    @property
+    def process_group(self) -> Any:
+        """The group (held weakly: a :class:`UsageError` once it was destroyed)."""
+        return self._communicator.group
+
+    @property
+    def communicator(self) -> Communicator:
+        """Issues, counts and settles this object's collectives."""
+        return self._communicator
+
+    @communicator.setter
+    def communicator(self, new: Communicator) -> None:
+        """Replace it by ``new`` (a group of the same ranks, e.g. rebuilt in this process); the old one is closed
+        first (:meth:`Communicator.close`: if its group failed, close it yourself and handle the error, then
+        assign). What shares it follows (:meth:`_communicator_replaced`)."""
+        check_replacement(self._communicator, new, type(self).__name__)
+        self._communicator.close()
+        self._communicator = new
+        self._communicator_replaced(new)
+
+    def _communicator_replaced(self, new: Communicator) -> None:
+        """Hand ``new`` on to the objects sharing the communicator (a ZeRO optimizer: its bucketer)."""
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Counters of this object's collectives (its communicator's)."""
+        return self._communicator.stats

@@ -11,7 +11,6 @@ from torch import nn
 
 from elasticzero import ZeroStage1, ZeroStage2, ZeroStage3
 from elasticzero.engine.zero import clip
-from elasticzero.engine.zero.base import Factor
 from elasticzero.engine.zero.replica import (
     MAX_FACTORS,
     Replicator,
@@ -22,6 +21,7 @@ from elasticzero.engine.zero.replica import (
     note_of,
 )
 from elasticzero.engine.zero.reshard import ReshardPlan, reshard_from
+from elasticzero.engine.zero.watch import Factor
 
 
 def test_node_key_prefers_torchelastic_node_rank() -> None:

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from elasticzero import ZeroStage2
-from elasticzero.engine.zero.base import Factor
 from elasticzero.engine.zero.comm.backends import p2p_batched, wire_for
 from elasticzero.engine.zero.replica import (
     NOTE_LEN,
@@ -27,6 +26,7 @@ from elasticzero.engine.zero.replica import (
     step_message,
 )
 from elasticzero.engine.zero.reshard import Transfer, _pack
+from elasticzero.engine.zero.watch import Factor
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 

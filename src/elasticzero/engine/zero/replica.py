@@ -10,7 +10,7 @@ gradients, not by state: built, it mirrors each rank's state to its holder once;
    that gradient shard to its holder and its wards' shards of the bucket into their inboxes, asynchronously
    (:meth:`ZeroOptimizer.watch_grads <elasticzero.engine.zero.base.ZeroOptimizer.watch_grads>`: the optimizer tells
    its watchers of reductions, of every in-place multiply of the shards — the loss scaler's unscale, the clip — as
-   data (:class:`~elasticzero.engine.zero.base.Factor`), and of ``zero_grad``). Before a shard is multiplied in place
+   data (:class:`~elasticzero.engine.zero.watch.Factor`), and of ``zero_grad``). Before a shard is multiplied in place
    the posted sends complete (they read it); on a device wire each send is issued after its reduction's stream work;
 1. at the step (pre-step hook on the wrapped optimizer): each rank waits for what it posted and sends its holder which
    buckets have a gradient and a *note* of the multiplies applied since (:func:`step_message`); the holder replays
@@ -55,13 +55,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elasticzero.engine.zero.base import Factor, ZeroOptimizer
+from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.buddy import BuddyPlan, place_buddies
 from elasticzero.engine.zero.comm.backends import wire_for
 from elasticzero.engine.zero.comm.communicator import Communicator, OwnsCommunicator
 from elasticzero.engine.zero.comm.work import AnyWork, Waiter
 from elasticzero.engine.zero.reshard import Holdings
 from elasticzero.engine.zero.sharded import ShardedState
+from elasticzero.engine.zero.watch import Factor
 from elasticzero.proc import AGENT_PID_ENV
 
 #: Linux pids are below 2^22 (``PID_MAX_LIMIT``): a host hash shifted past them keeps every (host, pid) apart

@@ -16,14 +16,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from elasticzero.engine.bucketer import DEFAULT_BUCKET_BYTES, GradBucketer, phase
-from elasticzero.engine.precision import PrecisionPolicy, as_policy
+from elasticzero.engine.bucketer import GradBucketer, phase
+from elasticzero.engine.precision import as_policy
 from elasticzero.engine.zero import clip
 from elasticzero.engine.zero.casting import compute_dtypes, input_caster, keep_fp32_hooks
 from elasticzero.engine.zero.comm.communicator import Communicator
 from elasticzero.engine.zero.flat import FlatBucket, Grouping, _device_of, layout_buckets, size_groups
 from elasticzero.engine.zero.inner import assign_groups, build_optimizer
 from elasticzero.engine.zero.layout import ParamSlot, ZeroLayout
+from elasticzero.engine.zero.options import ZeroOptions
 from elasticzero.engine.zero.views import ZeroStateViews
 from elasticzero.engine.zero.watch import Factor, GradWatcher
 from elasticzero.errors import UsageError
@@ -40,19 +41,15 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
             ``nn.Parameter`` is kept, only ``.data`` changes). Frozen parameters are left alone (cast to the compute
             dtype under a low-precision policy).
         optimizer_class: any ``torch.optim.Optimizer`` class, e.g. ``torch.optim.AdamW``.
-        process_group: data-parallel group (default: the default group); exposed as ``opt.process_group``.
-        precision: ``"fp32" | "bf16" | "fp16"`` or a :class:`~elasticzero.engine.precision.PrecisionPolicy`.
         param_groups: optional list of dicts ``{"params": [model parameters], **options}`` (like torch's); every
             trainable parameter must appear in exactly one. Default: one group with all of them.
-        bucket_bytes: bucket bound in bytes of ``reduce_dtype`` (ZeRO-3 ignores it: one bucket per unit).
-        max_inflight: outstanding gradient collectives during backward (bounds transient buffers).
-        timers: optional ``PhaseTimers`` (phases ``"reduce"``, ``"step"``, ``"allgather"``); None costs nothing.
-        sync_module_states: broadcast parameters and buffers from group rank 0 at construction.
-        cast_forward_inputs: under a low-precision policy, cast floating-point forward inputs of ``module`` to the
-            compute dtype.
+        options: the stage's :class:`~elasticzero.engine.zero.options.ZeroOptions` (precision, bucket_bytes,
+            process_group, ...; default: the defaults), which its fields given as keyword arguments override
+            (``precision="bf16"``); kept as ``opt.options``.
         grouping: how the trainable parameters form buckets (a stage's bucketing; stage 3 passes its units).
             Default: by ``bucket_bytes``, per param group, dtype and compute dtype, in registration order.
-        **optimizer_kwargs: passed to ``optimizer_class`` (``lr=...``, ``weight_decay=...``). Where they choose
+        **kwargs: the :class:`~elasticzero.engine.zero.options.ZeroOptions` fields, the rest passed to
+            ``optimizer_class`` (``lr=...``, ``weight_decay=...``). Where they choose
             neither ``fused`` nor ``foreach`` and ``optimizer_class`` takes ``fused`` (torch's Adam, AdamW, SGD,
             Adagrad), the engine asks for ``fused=True``: one kernel per flat master shard per step (see
             :func:`optimizer_kwargs_for`); ``fused=False`` gets torch's default implementation back.
@@ -85,27 +82,22 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
         module: nn.Module,
         optimizer_class: type[torch.optim.Optimizer],
         *,
-        process_group: Any = None,
-        precision: str | PrecisionPolicy = "fp32",
+        options: ZeroOptions | None = None,
         param_groups: Sequence[dict[str, Any]] | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        max_inflight: int = 2,
-        timers: Any = None,
-        sync_module_states: bool = True,
-        cast_forward_inputs: bool = True,
         grouping: Grouping | None = None,
-        **optimizer_kwargs: Any,
+        **kwargs: Any,
     ) -> None:
         if not dist.is_initialized():
             raise UsageError(f"{type(self).__name__} needs torch.distributed initialised (init_process_group)")
+        self.options, optimizer_kwargs = ZeroOptions.split(kwargs, self.stage, options)
         self.module = module
-        self._communicator = Communicator(process_group, owner=type(self).__name__)
+        self._communicator = Communicator(self.options.process_group, owner=type(self).__name__)
         self.world_size = self._communicator.size
         self.rank = self._communicator.rank
-        self.policy = as_policy(precision)
-        self.timers = timers
-        self.bucket_bytes = bucket_bytes
-        self.max_inflight = max_inflight
+        self.policy = as_policy(self.options.precision)
+        self.timers = self.options.timers
+        self.bucket_bytes = self.options.bucket_bytes
+        self.max_inflight = self.options.max_inflight
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -114,9 +106,9 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
         self.device: torch.device = _device_of(p for _, p in named)
         self._group_of, group_options = assign_groups(named, param_groups)
         self._compute_dtype = compute_dtypes(module, self.policy)  # id(param) -> dtype of its compute copy
-        if sync_module_states:
+        if self.options.sync_module_states:
             self._broadcast_module()
-        grouping = grouping or _by_size(bucket_bytes, self.policy.reduce_dtype)
+        grouping = grouping or _by_size(self.bucket_bytes, self.policy.reduce_dtype)
         self.buckets: list[FlatBucket] = layout_buckets(
             grouping(named, self._bucket_key),
             world_size=self.world_size,
@@ -146,7 +138,7 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
         self._grad_watchers: OrderedDict[int, GradWatcher] = OrderedDict()  # a RemovableHandle refers to it weakly
         self.bucketer = self._make_bucketer()
         self._input_hook = None
-        if cast_forward_inputs and self.policy.param_dtype != torch.float32:
+        if self.options.cast_forward_inputs and self.policy.param_dtype != torch.float32:
             self._input_hook = module.register_forward_pre_hook(input_caster(self.policy.param_dtype), with_kwargs=True)
         self._fp32_hooks = keep_fp32_hooks(module, self.policy)
         self._own_module_state_dict = False  # set while full_state_dict/load_full_state_dict read the module

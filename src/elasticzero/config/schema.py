@@ -42,7 +42,7 @@ class Precision(Enum):
 
 @dataclass
 class ReplicaConfig:
-    """Live recovery's buddy copies (:class:`~elasticzero.engine.zero.replica.Replicator`), used under
+    """Live recovery's buddy copies (:class:`~elasticzero.live.copies.Replicator`), used under
     ``elasticzero-run --live-recovery``: every rank's ZeRO state copied to a rank of another node."""
 
     enabled: bool = True  # off: a lost node's shards come from the disk checkpoint (one node: always off)

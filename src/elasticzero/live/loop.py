@@ -19,7 +19,7 @@ fresh processes alike (:meth:`LiveTraining._enter`):
 1. the round's group is formed: a fresh default group on the round's store and prefix (:mod:`.group`; the previous
    one, if any, is left and kept referenced);
 2. ``build(group)`` at the round's world, its communicator bounded by a watch of the round file;
-   :func:`~elasticzero.engine.zero.reshard.reshard_from` fills it from what the members hold (a survivor: its own
+   :func:`~elasticzero.live.reshard.reshard_from` fills it from what the members hold (a survivor: its own
    state and its wards' copies, :meth:`Replicator.holdings`; a fresh process: nothing);
 3. the group decides where training goes on (:func:`resume_point`, pure over the plan and the members' sampler
    positions, all-gathered): nobody holds state → the job's first round (the state as built, or the caller's
@@ -52,11 +52,11 @@ from elasticzero.data.sampler import ElasticSampler
 from elasticzero.device import Facts, Placement, placement
 from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.comm.communicator import Communicator
-from elasticzero.engine.zero.replica import Replicator
-from elasticzero.engine.zero.reshard import Fallback, Holdings, ReshardPlan, reshard_from
 from elasticzero.errors import UsageError
 from elasticzero.live.bounded import BoundedWait, LiveError, Reconfigure
+from elasticzero.live.copies import Replicator
 from elasticzero.live.group import RoundGroups, RoundWatch, aborts_on_announce, group_spec
+from elasticzero.live.reshard import Fallback, Holdings, ReshardPlan, reshard_from
 from elasticzero.live.rounds import ROUND_FILE_ENV, NodeRound, RoundError, RoundFile
 from elasticzero.progress import reporter
 

@@ -13,12 +13,11 @@ import torch
 import torch.distributed as dist
 
 from elasticzero.data.sampler import ElasticSampler
-from elasticzero.engine.zero.replica import Replicator
-from elasticzero.engine.zero.reshard import Fallback, ReshardPlan
 from elasticzero.engine.zero.stage2 import ZeroStage2
 from elasticzero.errors import UsageError
 from elasticzero.live import loop
 from elasticzero.live.bounded import LiveError, Reconfigure
+from elasticzero.live.copies import Replicator
 from elasticzero.live.loop import (
     LiveTraining,
     ReshardFallback,
@@ -28,6 +27,7 @@ from elasticzero.live.loop import (
     recut,
     resume_point,
 )
+from elasticzero.live.reshard import Fallback, ReshardPlan
 from elasticzero.live.rounds import ROUND_FILE_ENV, NodeRound, StoreAddress, write_round
 from ez_testing import free_port
 

@@ -20,7 +20,7 @@ most ``world_size - 1`` padding elements per bucket) of ``reduce_scatter`` and a
 carries a ``tag`` saying why it was issued: ``"grad"`` (gradient reduction), ``"param"`` (parameter all-gather),
 ``"norm"`` (global gradient norm, one scalar), ``"init"`` (one-time broadcast of the initial state), ``"state_dict"``
 (:meth:`full_state_dict`), ``"found_inf"`` (the loss scaler's overflow flag), ``"replica"`` (a
-:class:`~elasticzero.engine.zero.replica.Replicator`'s buddy copies: ops ``send``/``recv`` of
+:class:`~elasticzero.live.copies.Replicator`'s buddy copies: ops ``send``/``recv`` of
 :meth:`Communicator.exchange`, and the commit gate), ``"reshard"`` (an in-memory reshard). A benchmark counting
 traffic per step sums the ``grad`` and ``param`` tags between two :meth:`CommStats.snapshot` calls; stats of several
 objects add up with ``+``.

@@ -1,10 +1,10 @@
 """The wire: the one device a group's buddy-copy and reshard messages travel on (``comm.wire_for``), and the builders
-that put them there (engine/zero/replica.py, engine/zero/reshard.py), checked without a GPU.
+that put them there (live/copies.py, live/reshard.py), checked without a GPU.
 
 NCCL sends only CUDA tensors, so a host tensor handed to an NCCL group fails the live path at its first copy. On the
 CPU the wire is the host and every tensor is on it anyway; here the builders are given ``torch.device("meta")`` as
 the wire (a device that is not the host, with no data), so a buffer built on the host by mistake shows up as a CPU
-tensor among meta ones. tests/integration/engine/test_live_reshard.py checks every tensor handed to the real
+tensor among meta ones. tests/integration/live/test_live_reshard.py checks every tensor handed to the real
 communicators of a replicator and a reshard (real gloo ranks) is on the wire the rule gives."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from torch import nn
 
 from elasticzero import ZeroStage2
 from elasticzero.engine.zero.comm.backends import p2p_batched, wire_for
-from elasticzero.engine.zero.replica import (
+from elasticzero.engine.zero.watch import Factor
+from elasticzero.live.copies import (
     NOTE_LEN,
     Replicator,
     WardCopy,
@@ -25,8 +26,7 @@ from elasticzero.engine.zero.replica import (
     on,
     step_message,
 )
-from elasticzero.engine.zero.reshard import Transfer, _pack
-from elasticzero.engine.zero.watch import Factor
+from elasticzero.live.reshard import Transfer, _pack
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 

@@ -1,4 +1,4 @@
-"""The cost of buddy copies (engine/zero/replica.py): step time with and without a ``Replicator``, bytes the copies
+"""The cost of buddy copies (live/copies.py): step time with and without a ``Replicator``, bytes the copies
 send per step per rank beside the training collectives', host memory of the copies per rank.
 
 Two gloo ranks on 127.0.0.1, each told it is its own node (``nodes=[0, 1]``: each holds the other's copy), forked
@@ -8,9 +8,9 @@ time is the median over every timed step of every round. Arms: ``off`` (no copie
 during backward: ``Replicator(early=True)``), with ``--compare-late`` also ``late`` (``early=False``: every gradient
 at the pre-step hook, the path before the overlap). Not a test: nothing asserts, every number is this run's.
 
-    .venv/bin/python bench/replica_bench.py                       # small GPT (~3.4M), ZeRO-2, fp32
-    .venv/bin/python bench/replica_bench.py --size bench --stage 1 --rounds 3   # the 29.5M GPT of the issue's goal
-    .venv/bin/python bench/replica_bench.py --size bench --compare-late --rounds 3  # + copies sent at the step only
+    .venv/bin/python bench/copies_bench.py                       # small GPT (~3.4M), ZeRO-2, fp32
+    .venv/bin/python bench/copies_bench.py --size bench --stage 1 --rounds 3   # the 29.5M GPT of the issue's goal
+    .venv/bin/python bench/copies_bench.py --size bench --compare-late --rounds 3  # + copies sent at the step only
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from elasticzero import ZeroStage1, ZeroStage2, ZeroStage3  # noqa: E402
-from elasticzero.engine.zero.replica import Replicator  # noqa: E402
+from elasticzero.live.copies import Replicator  # noqa: E402
 from ez_ports import free_port  # noqa: E402
 from gpt import GPT, config_for  # noqa: E402
 
@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="a third arm: copies with every gradient sent at the pre-step hook (Replicator(early=False))",
     )
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/replica_bench-<utc>.json)")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/copies_bench-<utc>.json)")
     return p.parse_args(argv)
 
 
@@ -213,7 +213,7 @@ def summary(ranks: list[dict[str, Any]], world: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out = args.out or HERE / "results" / f"replica_bench-{stamp}.json"
+    out = args.out or HERE / "results" / f"copies_bench-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     port, pids = str(free_port()), []
     for r in range(2):

@@ -1,4 +1,4 @@
-"""The Replicator's pure pieces (engine/zero/replica.py) and its off path on a one-rank group: one node means no
+"""The Replicator's pure pieces (live/copies.py) and its off path on a one-rank group: one node means no
 copies, no exchange, nothing sent, and the holdings are this rank's own live state at the step it is at (the census
 counts its own steps: a live job's reshard resumes from it); holdings taken before the first step reshard into an
 optimizer that then trains exactly as a fresh one (a node joined or left before step 1)."""
@@ -11,7 +11,8 @@ from torch import nn
 
 from elasticzero import ZeroStage1, ZeroStage2, ZeroStage3
 from elasticzero.engine.zero import clip
-from elasticzero.engine.zero.replica import (
+from elasticzero.engine.zero.watch import Factor
+from elasticzero.live.copies import (
     MAX_FACTORS,
     Replicator,
     WardCopy,
@@ -20,8 +21,7 @@ from elasticzero.engine.zero.replica import (
     node_key,
     note_of,
 )
-from elasticzero.engine.zero.reshard import ReshardPlan, reshard_from
-from elasticzero.engine.zero.watch import Factor
+from elasticzero.live.reshard import ReshardPlan, reshard_from
 
 
 def test_node_key_prefers_torchelastic_node_rank() -> None:

@@ -1,4 +1,4 @@
-"""Driver for test_replica_overlap: ``replica_overlap_worker.py OUT`` forks a world of 2 gloo ranks per case (torch
+"""Driver for test_copies_overlap: ``copies_overlap_worker.py OUT`` forks a world of 2 gloo ranks per case (torch
 imported once, in the driver), each its own node (each holds the other's copy), and writes ``[problems]`` per rank to
 ``OUT.<case>.rank<r>``.
 
@@ -35,7 +35,7 @@ from tiny_net import GLOBAL_BATCH, LR, WD, Net, batch, loss_of
 
 from elasticzero.engine.loss_scaler import LossScaler
 from elasticzero.engine.step import optimizer_step
-from elasticzero.engine.zero.replica import Replicator
+from elasticzero.live.copies import Replicator
 from ez_testing import free_port
 
 STEPS, SKIP = 4, 1  # steps trained; the one whose loss is made inf (every rank skips it)

@@ -35,8 +35,8 @@ from ckpt_model import PlainState, build, continue_plainly, full_state, mismatch
 
 from elasticzero.engine.zero.comm.backends import wire_for
 from elasticzero.engine.zero.comm.communicator import Communicator
-from elasticzero.engine.zero.replica import Replicator
-from elasticzero.engine.zero.reshard import Fallback, Holdings, ReshardPlan, reshard_from
+from elasticzero.live.copies import Replicator
+from elasticzero.live.reshard import Fallback, Holdings, ReshardPlan, reshard_from
 from ez_numerics import error_ratio
 from ez_testing import free_port
 

@@ -1,7 +1,7 @@
 """Redundant ZeRO shards: every rank's state has a current copy on its buddy (the holder), in host memory.
 
 A :class:`Replicator` on a ZeRO optimizer keeps, on every rank, a copy of the state of each of its *wards* (the ranks
-:func:`~elasticzero.engine.zero.buddy.place_buddies` gives it): fp32 master shards, the wrapped optimizer's state
+:func:`~elasticzero.live.buddy.place_buddies` gives it): fp32 master shards, the wrapped optimizer's state
 (moments, step counters), advanced by a shadow optimizer of the same class. Checkmate-style, the copies follow by
 gradients, not by state: built, it mirrors each rank's state to its holder once; then in every optimizer step:
 
@@ -38,7 +38,7 @@ step apart; the reshard plan then reports it (:mod:`.reshard`), and the disk che
 
 :meth:`Replicator.held` is what this rank holds, as :class:`~elasticzero.engine.zero.sharded.ShardedState` s by old
 rank (its own live state and its wards' copies), and :meth:`Replicator.census` the steps they are at: what
-:func:`~elasticzero.engine.zero.reshard.reshard_from` moves into a new optimizer at another world size.
+:func:`~elasticzero.live.reshard.reshard_from` moves into a new optimizer at another world size.
 """
 
 from __future__ import annotations
@@ -56,13 +56,13 @@ import torch.distributed as dist
 from torch import nn
 
 from elasticzero.engine.zero.base import ZeroOptimizer
-from elasticzero.engine.zero.buddy import BuddyPlan, place_buddies
 from elasticzero.engine.zero.comm.backends import wire_for
 from elasticzero.engine.zero.comm.communicator import Communicator, OwnsCommunicator
 from elasticzero.engine.zero.comm.work import AnyWork, Waiter
-from elasticzero.engine.zero.reshard import Holdings
 from elasticzero.engine.zero.sharded import ShardedState
 from elasticzero.engine.zero.watch import Factor
+from elasticzero.live.buddy import BuddyPlan, place_buddies
+from elasticzero.live.reshard import Holdings
 from elasticzero.proc import AGENT_PID_ENV
 
 #: Linux pids are below 2^22 (``PID_MAX_LIMIT``): a host hash shifted past them keeps every (host, pid) apart
@@ -312,7 +312,7 @@ class Replicator(OwnsCommunicator):
 
     def holdings(self) -> Holdings:
         """:meth:`held` and :meth:`census` with this rank as their owner: what it brings to
-        :func:`~elasticzero.engine.zero.reshard.reshard_from` in a new group."""
+        :func:`~elasticzero.live.reshard.reshard_from` in a new group."""
         return Holdings(self.rank, self.held(), self.census())
 
     def nbytes(self) -> int:

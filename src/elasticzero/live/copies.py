@@ -1,6 +1,6 @@
 """Redundant ZeRO shards: every rank's state has a current copy on its buddy (the holder), in host memory.
 
-A :class:`Replicator` on a ZeRO optimizer keeps, on every rank, a copy of the state of each of its *wards* (the ranks
+A :class:`BuddyCopies` on a ZeRO optimizer keeps, on every rank, a copy of the state of each of its *wards* (the ranks
 :func:`~elasticzero.live.buddy.place_buddies` gives it): fp32 master shards, the wrapped optimizer's state
 (moments, step counters), advanced by a shadow optimizer of the same class. Checkmate-style, the copies follow by
 gradients, not by state: built, it mirrors each rank's state to its holder once; then in every optimizer step:
@@ -20,7 +20,7 @@ gradients, not by state: built, it mirrors each rank's state to its holder once;
    step — every rank sends its final gradient shards here instead (the pure decision :func:`early_grads_usable`; every
    rank decides alike: reductions are collectives). A step skipped for inf/NaN never reaches the hook; its
    ``zero_grad`` completes what was posted and starts afresh. In a live round the waits are the communicator's
-   (bounded); a round change mid-backward abandons what is posted with the old group and its replicator;
+   (bounded); a round change mid-backward abandons what is posted with the old group and its copies;
 2. the *commit gate*: a one-element all-reduce; once it returns, every holder has the gradients of step N of all its
    wards, so every shard of step N can be made twice — step N is committed;
 3. the wrapped optimizer steps (the owner's shard), then each holder steps its wards' copies with their gradients and
@@ -36,8 +36,8 @@ is either before the gate of step N (nothing of step N applied anywhere it survi
 from the copies). A failure between the gate completing on one survivor and failing on another leaves survivors one
 step apart; the reshard plan then reports it (:mod:`.reshard`), and the disk checkpoint is the fallback.
 
-:meth:`Replicator.held` is what this rank holds, as :class:`~elasticzero.engine.zero.sharded.ShardedState` s by old
-rank (its own live state and its wards' copies), and :meth:`Replicator.census` the steps they are at: what
+:meth:`BuddyCopies.held` is what this rank holds, as :class:`~elasticzero.engine.zero.sharded.ShardedState` s by old
+rank (its own live state and its wards' copies), and :meth:`BuddyCopies.census` the steps they are at: what
 :func:`~elasticzero.live.reshard.reshard_from` moves into a new optimizer at another world size.
 """
 
@@ -231,7 +231,7 @@ class GradWindow:
 
 def mirror_inbox(own: Sequence[torch.Tensor], wire: torch.device) -> list[torch.Tensor]:
     """Receive buffers on the ``wire`` for a ward's mirrored state, laid out as this rank's own (``own``: its
-    :meth:`Replicator._state_tensors`, every rank's the same shapes), flat."""
+    :meth:`BuddyCopies._state_tensors`, every rank's the same shapes), flat."""
     return [torch.empty(t.numel(), dtype=t.dtype, device=wire) for t in own]
 
 
@@ -240,7 +240,7 @@ def on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.detach() if t.device == device else t.detach().to(device)
 
 
-class Replicator(OwnsCommunicator):
+class BuddyCopies(OwnsCommunicator):
     """Keeps a copy of every rank's ZeRO state on its buddy, current at the last committed step (see the module).
 
     Args:
@@ -259,9 +259,9 @@ class Replicator(OwnsCommunicator):
             gradients since (:func:`early_grads_usable` decides per step). False: every gradient at the pre-step hook.
 
     Collective: every rank of ``opt``'s group builds one at the same point (it mirrors the current state to the
-    holders). The replicator has its own :class:`Communicator` on ``opt.process_group`` (``replicator.comm_stats``:
+    holders). BuddyCopies has its own :class:`Communicator` on ``opt.process_group`` (``copies.comm_stats``:
     the copies' bytes, apart from the training collectives': ops ``send``/``recv``, ``all_reduce`` of the gate; tag
-    ``"replica"``)."""
+    ``"copies"``)."""
 
     def __init__(
         self,
@@ -276,9 +276,9 @@ class Replicator(OwnsCommunicator):
         early: bool = True,
     ) -> None:
         self.opt = opt
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="ez-replica") if overlap else None
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="ez-copies") if overlap else None
         self._applying: Future[None] | None = None
-        self._communicator = Communicator(opt.process_group, owner="Replicator", waiter=waiter)
+        self._communicator = Communicator(opt.process_group, owner="BuddyCopies", waiter=waiter)
         #: the device every message travels on: the optimizer's under NCCL, the host under gloo (the copies and the
         #: shadow optimizers stay on the host either way)
         self.wire = wire_for(self.communicator.backend, opt.device)
@@ -378,7 +378,7 @@ class Replicator(OwnsCommunicator):
         self.communicator.exchange(self._step_sends(window.factors if early else [], early), recvs)
         wire = self.wire
         gate = torch.ones(1, device=wire)
-        self.communicator.all_reduce(gate, op=dist.ReduceOp.MIN, tag="replica")  # the commit gate
+        self.communicator.all_reduce(gate, op=dist.ReduceOp.MIN, tag="copies")  # the commit gate
         if wire.type != "cpu":  # NCCL's wait only orders the stream: the step counts as committed once the host saw
             gate.item()  # the gate complete (a peer lost there: the round watch aborts the group, and this raises)
         self._landed = self._land()
@@ -425,7 +425,7 @@ class Replicator(OwnsCommunicator):
     def _gather_nodes(self) -> list[int]:
         mine = torch.tensor([node_key(os.environ, socket.gethostname())], dtype=torch.int64, device=self.wire)
         out = torch.empty(self.communicator.size, dtype=torch.int64, device=self.wire)
-        self.communicator.all_gather(out, mine, tag="replica")
+        self.communicator.all_gather(out, mine, tag="copies")
         return out.tolist()
 
     def _empty_copy(self, ward: int) -> WardCopy:

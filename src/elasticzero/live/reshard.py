@@ -194,7 +194,7 @@ def reshard_from(opt: ZeroOptimizer, holdings: Holdings) -> ReshardPlan | Fallba
     ranks of its group hold; collective. Returns the plan it ran, or the :class:`Fallback` (on every rank alike) when
     the state is not complete in memory — then ``opt`` is untouched: load the disk checkpoint.
 
-    ``holdings``: what this process holds (:meth:`~elasticzero.live.copies.Replicator.holdings`; a joining
+    ``holdings``: what this process holds (:meth:`~elasticzero.live.copies.BuddyCopies.holdings`; a joining
     process passes ``Holdings()``). The held tensors must stay unchanged until this returns: build ``opt`` on a model
     built afresh (the held states of fp32 stages 1/2 view the old optimizer's buffers, which the old module's
     parameters view; the old optimizer's hooks stay on its module)."""

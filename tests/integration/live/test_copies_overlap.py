@@ -1,4 +1,4 @@
-"""Buddy copies whose gradients go to the holder during backward (live/copies.py, ``Replicator(early=True)``)
+"""Buddy copies whose gradients go to the holder during backward (live/copies.py, ``BuddyCopies(early=True)``)
 with real gloo ranks: one driver process forks a world of 2 per case (``copies_overlap_worker.py``): ZeRO-1/2/3 in
 fp32, bf16 and fp16, through the engine's step path with a loss scaler (one step skipped for an inf) and a clip that
 bites, with one backward per step and with accumulation (``no_sync``: still sent early; repeated backward: sent at the

@@ -19,8 +19,8 @@ output of an all-gather, the tensor of an all-reduce or broadcast. So a ZeRO-2 s
 most ``world_size - 1`` padding elements per bucket) of ``reduce_scatter`` and as many of ``all_gather``. Every call
 carries a ``tag`` saying why it was issued: ``"grad"`` (gradient reduction), ``"param"`` (parameter all-gather),
 ``"norm"`` (global gradient norm, one scalar), ``"init"`` (one-time broadcast of the initial state), ``"state_dict"``
-(:meth:`full_state_dict`), ``"found_inf"`` (the loss scaler's overflow flag), ``"replica"`` (a
-:class:`~elasticzero.live.copies.Replicator`'s buddy copies: ops ``send``/``recv`` of
+(:meth:`full_state_dict`), ``"found_inf"`` (the loss scaler's overflow flag), ``"copies"`` (a
+:class:`~elasticzero.live.copies.BuddyCopies`'s buddy copies: ops ``send``/``recv`` of
 :meth:`Communicator.exchange`, and the commit gate), ``"reshard"`` (an in-memory reshard). A benchmark counting
 traffic per step sums the ``grad`` and ``param`` tags between two :meth:`CommStats.snapshot` calls; stats of several
 objects add up with ``+``.

@@ -181,7 +181,7 @@ class Communicator:
         sends: Sequence[tuple[torch.Tensor, int]],
         recvs: Sequence[tuple[torch.Tensor, int]],
         *,
-        tag: str = "replica",
+        tag: str = "copies",
         async_op: bool = False,
     ) -> AnyWork | None:
         """Point-to-point: send each ``(tensor, group_rank)`` of ``sends`` and receive into each of ``recvs`` (every
@@ -293,7 +293,7 @@ def check_replacement(current: Communicator, new: Communicator, owner: str) -> N
 class OwnsCommunicator:
     """An engine object whose collectives one :class:`Communicator` issues (``self._communicator``, set by the
     object's constructor): its ``communicator``, ``process_group`` and ``comm_stats``, written once for every such
-    object (a ZeRO optimizer, a bucketer, a replicator)."""
+    object (a ZeRO optimizer, a bucketer, a BuddyCopies)."""
 
     _communicator: Communicator
 

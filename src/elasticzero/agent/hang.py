@@ -20,7 +20,7 @@ import time
 import psutil
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 
-from elasticzero.agent.progress import Hang, HangPlan, Observed, Watch, observe, timeout_source, verdict
+from elasticzero.agent.progress import Hang, HangPlan, Observed, Watch, observe, stopping, timeout_source, verdict
 from elasticzero.progress import STACKS_SIGNAL, read_record
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class HangWatch:
             _signal(hang.pid, STACKS_SIGNAL)
             time.sleep(DUMP_WAIT_S)
         _signal(hang.pid, signal.SIGKILL)
+        self._watch = stopping(self._watch, hang.pid)
 
 
 def _stopped(pid: int) -> bool:

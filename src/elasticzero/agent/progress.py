@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from elasticzero.agent.agentdirs import agent_dir
@@ -108,6 +108,13 @@ class Watch:
 
     seen: Mapping[int, Seen] = field(default_factory=lambda: MappingProxyType({}))
     gaps: tuple[float, ...] = ()
+    #: pids already stopped as hung: never named again (the kill takes a tick or more to show as a failure)
+    stopped: frozenset[int] = frozenset()
+
+
+def stopping(watch: Watch, pid: int) -> Watch:
+    """The watch once ``pid`` was stopped as hung."""
+    return replace(watch, stopped=watch.stopped | {pid})
 
 
 def observe(watch: Watch, workers: Sequence[Observed], now: float) -> Watch:
@@ -124,7 +131,7 @@ def observe(watch: Watch, workers: Sequence[Observed], now: float) -> Watch:
         gap = step_interval(old, w.pid, rec)
         if gap is not None:
             gaps.append(gap)
-    return Watch(MappingProxyType(seen), tuple(gaps[-HISTORY:]))
+    return Watch(MappingProxyType(seen), tuple(gaps[-HISTORY:]), watch.stopped)
 
 
 def step_interval(old: Seen | None, pid: int, rec: ProgressRecord) -> float | None:
@@ -175,7 +182,7 @@ def verdict(watch: Watch, workers: Sequence[Observed], now: float, plan: HangPla
         return None
     timeout = hang_timeout(plan, watch.gaps)
     idle = {w.local_rank: now - watch.seen[w.local_rank].since for w in workers if _watched(watch, w)}
-    stalled = [w for w in workers if idle.get(w.local_rank, 0.0) >= timeout]
+    stalled = [w for w in workers if idle.get(w.local_rank, 0.0) >= timeout and w.pid not in watch.stopped]
     culprits = [w for w in stalled if w.stopped or not _waiting(w)]
     if culprits:
         w = min(culprits, key=lambda w: (not w.stopped, _collectives(w), w.rank))

@@ -14,6 +14,7 @@ from elasticzero.agent.progress import (
     hang_plan,
     hang_timeout,
     observe,
+    stopping,
     timeout_source,
     verdict,
 )
@@ -75,6 +76,17 @@ def test_a_stalled_worker_outside_the_collectives_is_hung_at_the_timeout() -> No
     hang, _ = run(FIXED, [(0.0, ranks), (5.0, ranks)])
     assert hang is not None and (hang.rank, hang.step, hang.idle_s, hang.stopped) == (0, 4, 5.0, False)
     assert hang.where == "outside the engine's collectives, after its collective #37 (its peers wait for it)"
+
+
+def test_a_worker_stopped_as_hung_is_not_named_again() -> None:
+    """The kill takes a tick or more to show as a failure (torch reaps the process): no second hang line for it."""
+    ranks = [w(0, rec(100, step=4, collectives=37))]
+    hang, watch = run(FIXED, [(0.0, ranks), (5.0, ranks)])
+    assert hang is not None
+    watch = stopping(watch, hang.pid)
+    assert verdict(observe(watch, ranks, 5.7), ranks, 5.7, FIXED) is None
+    fresh = [Observed(0, 0, 200, rec(200, step=4, collectives=37))]  # another process in the slot is watched
+    assert verdict(observe(observe(watch, fresh, 6.0), fresh, 11.0), fresh, 11.0, FIXED) is not None
 
 
 def test_progress_restarts_the_clock() -> None:

@@ -20,10 +20,13 @@ from torch.utils.hooks import RemovableHandle
 from elasticzero.engine.bucketer import DEFAULT_BUCKET_BYTES, GradBucketer, phase
 from elasticzero.engine.precision import PrecisionPolicy, as_policy
 from elasticzero.engine.zero import clip, comm
+from elasticzero.engine.zero.bindings import ParamBindings, guard_conversions
+from elasticzero.engine.zero.eager import outside_graph
 from elasticzero.engine.zero.flat import FlatBucket, Grouping, _device_of, layout_buckets, size_groups
 from elasticzero.engine.zero.layout import ParamSlot, ZeroLayout
 from elasticzero.engine.zero.memory import storage_report
 from elasticzero.engine.zero.sharded import Origin, ShardedState
+from elasticzero.engine.zero.standin import GradStandIns, is_stand_in
 from elasticzero.errors import UsageError
 
 
@@ -154,6 +157,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.masters: list[nn.Parameter] = [master for master, _ in made]
         self._flat: list[torch.Tensor] = [flat for _, flat in made]  # per bucket: the buffer its parameters view
         self._cast_frozen()
+        self._bindings: ParamBindings = ParamBindings.of(module, self.buckets, self._flat, type(self).__name__)
+        guard_conversions(module, self._bindings)  # module.to()/.half()/...: followed or refused (bindings.py)
+        self._stand_ins = GradStandIns(
+            [(n, p) for b in self.buckets for n, p in zip(b.names, b.params, strict=True)], type(self).__name__
+        )
 
         inner_groups = []
         for gi, opts in enumerate(group_options):
@@ -168,6 +176,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._ready = True
         self._grad_watchers: OrderedDict[int, GradWatcher] = OrderedDict()  # a RemovableHandle refers to it weakly
         self.bucketer = self._make_bucketer()
+        self._bound_hook = module.register_forward_pre_hook(outside_graph(self._before_forward), prepend=True)
         self._input_hook = None
         if cast_forward_inputs and self.policy.param_dtype != torch.float32:
             self._input_hook = module.register_forward_pre_hook(
@@ -229,8 +238,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             on_reduced=self._reduced,
             max_inflight=self.max_inflight,
             timers=self.timers,
+            on_finalize=self._stand_ins.post,  # torch's clip_grad_norm_ on the module now raises (standin.py)
             **overrides,
         )
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        """The root module's first forward pre-hook: the gradient stand-ins go (autograd must not accumulate into
+        them), and every parameter must still be the engine's (:meth:`ParamBindings.check`)."""
+        self._stand_ins.lift()
+        self._bindings.check(f"{type(module).__name__}.forward")
 
     def _reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
         """The bucketer's ``on_reduced``: the stage's :meth:`_on_reduced`, between telling the watchers."""
@@ -279,6 +295,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._bindings.check("opt.step()")  # a step of masters the module no longer views would train nothing
         with phase(self.timers, "step"):
             self.optim.step()
         with phase(self.timers, "allgather"):
@@ -532,7 +549,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         [m.grad for m in self.masters]
                         + self._held_grad_storage()
                         + self.bucketer.held_buffers()
-                        + [p.grad for p in trainable],
+                        + [p.grad for p in trainable if not is_stand_in(p.grad)],
                     ),
                     ("optim_state", state),
                     ("frozen", frozen),

@@ -288,6 +288,11 @@ CANARIES = [
         "engine/zero/bindings.py (guard_conversions: module.to()/.half()/... followed or refused, FSDP2's hook)",
         _apply_reaches_instances_and_skips_none,
     ),
+    Canary(
+        "torch.nn.parallel.distributed:_ddp_params_and_buffers_to_ignore",
+        "engine/zero/bindings.py (refuse_ddp: DDP around a ZeRO module finds nothing to reduce and raises)",
+        _mentions("module._ddp_params_and_buffers_to_ignore"),
+    ),
     Canary("torch.Tensor._make_wrapper_subclass", "engine/zero/standin.py (ShardedGrad: p.grad with no storage)"),
     Canary("torch._C._disabled_torch_function_impl", "engine/zero/standin.py (ShardedGrad: ops reach its dispatch)"),
     # -- checkpoint --------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import zero_worker as zw
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import elasticzero
 from elasticzero.errors import UsageError
@@ -60,6 +61,11 @@ def _torch_clip(model: nn.Module, opt: Any) -> None:
         opt.zero_grad()
 
 
+def _ddp_wrap(model: nn.Module, opt: Any) -> None:
+    """What accelerate's ``prepare`` does at world > 1 (stage 3: a SIGSEGV reading the freed parameters)."""
+    DistributedDataParallel(model)
+
+
 def _forward(model: nn.Module) -> None:
     x, _ = zw.batch(0, 0)
     model(x[:1])
@@ -79,6 +85,7 @@ CASES: dict[str, tuple[Call, bool]] = {
     "new_parameter": (lambda m, o: (_new_parameter(m, o), _forward(m)), False),
     "param_data_before_step": (_rebind_before_step, False),
     "torch_clip": (_torch_clip, False),
+    "ddp_wrap": (_ddp_wrap, False),
 }
 
 
@@ -90,8 +97,8 @@ def run_case(stage: int, call: Call) -> dict[str, Any]:
     refused = None
     try:
         call(model, opt)
-    except UsageError as exc:
-        refused = str(exc)
+    except (UsageError, RuntimeError) as exc:  # RuntimeError: DistributedDataParallel's own refusal
+        refused = f"{type(exc).__name__}: {exc}"
     dtypes = sorted({str(p.dtype) for p in model.parameters()})
     zw.train(model, opt, zw.sched(opt), range(zw.STEPS))
     return {"refused": refused, "dtypes": dtypes, "ratio": zw.ratio(opt.full_state_dict())}

@@ -33,6 +33,8 @@ REFUSALS = {
     "new_parameter": ("Tiny.forward found fc2.weight rebound", "opt.load_full_state_dict"),
     "param_data_before_step": ("opt.step() found fc1.weight rebound", "opt.load_full_state_dict"),
     "torch_clip": ("aten.linalg_vector_norm", "opt.clip_grad_norm_(max_norm)"),
+    # DDP's own line, raised before it reads a parameter: the engine left it none to reduce (no SIGSEGV on stage 3)
+    "ddp_wrap": ("RuntimeError: DistributedDataParallel is not needed", ""),
 }
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
@@ -58,5 +60,5 @@ def test_each_call_is_followed_or_refused_and_the_model_trains(
             call, fix = (s.format(stage=stage) for s in REFUSALS[case])
             message = got["refused"] or ""
             assert call in message and fix in message and "\n" not in message, message
-            assert message.startswith(f"ZeroStage{stage}: ")
+            assert message.startswith(f"UsageError: ZeroStage{stage}: ") or case == "ddp_wrap"
         assert got["ratio"] <= RATIO_MAX

@@ -141,3 +141,13 @@ def test_torchs_clip_on_the_module_raises_and_the_engines_clip_works(group: None
     assert opt.memory_report()["total"] > 0  # the stand-ins hold no storage and are not counted
     model(torch.ones(3, 4))  # the next forward takes the stand-ins down
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("cls", STAGES)
+def test_ddp_around_a_zero_module_raises_before_reading_a_parameter(group: None, cls: type) -> None:
+    model = _model()
+    model._ddp_params_and_buffers_to_ignore = ["a.buffer"]  # the user's own list is kept
+    cls(model, torch.optim.SGD, lr=0.1)
+    assert set(model._ddp_params_and_buffers_to_ignore) == {"a.buffer", "0.weight", "0.bias", "2.weight", "2.bias"}
+    with pytest.raises(RuntimeError, match="DistributedDataParallel is not needed"):
+        torch.nn.parallel.DistributedDataParallel(model)

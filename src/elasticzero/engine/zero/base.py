@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from elasticzero.engine.bucketer import DEFAULT_BUCKET_BYTES, GradBucketer, phase
 from elasticzero.engine.precision import PrecisionPolicy, as_policy
 from elasticzero.engine.zero import clip, comm
-from elasticzero.engine.zero.bindings import ParamBindings, guard_conversions
+from elasticzero.engine.zero.bindings import ParamBindings, guard_conversions, refuse_ddp
 from elasticzero.engine.zero.eager import outside_graph
 from elasticzero.engine.zero.flat import FlatBucket, Grouping, _device_of, layout_buckets, size_groups
 from elasticzero.engine.zero.layout import ParamSlot, ZeroLayout
@@ -159,6 +159,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._cast_frozen()
         self._bindings: ParamBindings = ParamBindings.of(module, self.buckets, self._flat, type(self).__name__)
         guard_conversions(module, self._bindings)  # module.to()/.half()/...: followed or refused (bindings.py)
+        refuse_ddp(module, self._bindings)  # DistributedDataParallel(module) raises instead of reading them
         self._stand_ins = GradStandIns(
             [(n, p) for b in self.buckets for n, p in zip(b.names, b.params, strict=True)], type(self).__name__
         )

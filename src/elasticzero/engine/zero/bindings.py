@@ -173,6 +173,15 @@ def hidden(bindings: Sequence[Binding]) -> Iterator[None]:
             b.module._parameters[b.key] = b.param
 
 
+def refuse_ddp(module: nn.Module, bindings: ParamBindings) -> None:
+    """``DistributedDataParallel(module)`` (accelerate and the HF ``Trainer`` wrap any model at world > 1) would
+    broadcast the managed parameters — stage 3's read freed storage: SIGSEGV — and reduce gradients the engine
+    reduces. Every managed parameter's name joins ``module._ddp_params_and_buffers_to_ignore`` (torch's list of
+    what DDP leaves alone), so DDP finds no trainable parameter and raises at once, before it touches any."""
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    module._ddp_params_and_buffers_to_ignore = sorted(ignored | {b.name for b in bindings.bindings})  # type: ignore[assignment]
+
+
 def guard_conversions(module: nn.Module, bindings: ParamBindings) -> None:
     """Give ``module`` and every submodule holding a managed parameter below it a guarded ``_apply`` (an instance
     attribute over the class's, which it calls): the conversion is checked once, at the outermost module called."""

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from elasticzero.engine.zero.flat import FlatBucket
+from elasticzero.engine.zero.standin import GradStandIns
 from elasticzero.errors import UsageError
 
 
@@ -91,6 +92,18 @@ class ParamBindings:
         for b in stale:
             b.restore()
         raise UsageError(stale_message(self.owner, call, [b.name for b in stale]))
+
+
+def hold_params(
+    module: nn.Module, buckets: Sequence[FlatBucket], flats: Sequence[torch.Tensor], owner: str
+) -> tuple[ParamBindings, GradStandIns]:
+    """Once ``module``'s managed parameters view ``flats``: their bindings, conversions of ``module`` guarded
+    (:func:`guard_conversions`), DDP refused (:func:`refuse_ddp`), and their gradient stand-ins (``standin.py``)."""
+    bindings = ParamBindings.of(module, buckets, flats, owner)
+    guard_conversions(module, bindings)
+    refuse_ddp(module, bindings)
+    named = [(n, p) for b in buckets for n, p in zip(b.names, b.params, strict=True)]
+    return bindings, GradStandIns(named, owner)
 
 
 def stale_message(owner: str, call: str, names: Sequence[str]) -> str:

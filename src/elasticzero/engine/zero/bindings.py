@@ -68,7 +68,9 @@ class ParamBindings:
     owner: str
 
     @classmethod
-    def of(cls, module: nn.Module, buckets: Sequence[FlatBucket], flats: Sequence[torch.Tensor], owner: str) -> Any:
+    def of(
+        cls, module: nn.Module, buckets: Sequence[FlatBucket], flats: Sequence[torch.Tensor], owner: str
+    ) -> ParamBindings:
         """The bindings of ``module`` once its managed parameters view ``flats`` (one buffer per bucket)."""
         where = {id(p): (flats[b.index], off) for b in buckets for p, off in zip(b.params, b.offsets, strict=True)}
         found = [

@@ -223,7 +223,9 @@ class Training:
         directory, ckpt = self.checkpoint_dir, None
         if directory is not None:
             options = {"keep_last": self.keep_last, "async_save": self.async_save, "phase_hook": self._phase}
-            ckpt = Checkpointer(directory, process_group=group, **options)
+            # live: the round's group (its saves are synchronous, bounded); plain: a gloo group of its own (None),
+            # which a background write may use while the steps' collectives run on the default group
+            ckpt = Checkpointer(directory, process_group=group if self.live else None, **options)
         return Kit(model, pieces.wrap(model), pieces, world, rank, ckpt)
 
     def _phase(self, phase: str, step: int) -> None:
@@ -409,7 +411,10 @@ class Training:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         """Close the round's copies and checkpointer (an error too: no background save is left running); a plain
         run's group is destroyed, a live job's process left at once on a clean end (see ``leave_process``)."""
-        rounds = getattr(self, "rounds", None)
+        rounds, (_, stream) = getattr(self, "rounds", None), self._stream
+        self._stream = (None, iter(()))
+        if hasattr(stream, "close"):
+            stream.close()  # the DataLoader's worker processes stop now (os._exit below would leave them running)
         try:
             if rounds is not None:
                 rounds.close()

@@ -26,12 +26,19 @@ fresh processes alike (:meth:`LiveTraining._enter`):
    ``resume``: a disk checkpoint); else the reshard's step, the sampler position from the holder of old rank 0's state
    (a fresh process learns both from its peers); some state lost → :class:`ReshardFallback` (the restart path);
 4. a survivor whose step in flight had passed its commit gate everywhere counts it done (the reshard is one step
-   ahead); the sampler is re-cut at the new rank and world (the global batch is kept);
+   ahead; its attempt reports it committed, once); the sampler is re-cut at the new rank and world (the global batch
+   is kept);
 5. a new :class:`Replicator` for the new world.
 
+All of it is one :class:`RoundState`, built whole and assigned once: an entry a newer round interrupts is thrown away
+with everything it built, and starts over with that round from the same holdings.
+
 The attempt's ``with`` leaves on :class:`~elasticzero.live.bounded.Reconfigure` (any wait of the step's collectives
-left for a newer round) and enters the new round in the same process; a newer round arriving while it does starts the
-entry over with it. No committed step is redone.
+left for a newer round) and enters the new round in the same process. No committed step is redone. Errors are
+classified once (:func:`peer_failure`): a lost peer's waits for the agent's round, the step's own (a ``ValueError``
+in the loss, an out-of-memory) is raised at once. :meth:`LiveTraining.bounded` is the one verb for other collectives
+of the round's group. A plain run (no round file) is one :class:`StaticTraining` round with the same attempts; the
+training object of both is :class:`elasticzero.live.Training` (:mod:`.training`).
 """
 
 from __future__ import annotations

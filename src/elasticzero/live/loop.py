@@ -19,8 +19,8 @@ fresh processes alike (:meth:`LiveTraining._enter`):
 1. the round's group is formed: a fresh default group on the round's store and prefix (:mod:`.group`; the previous
    one, if any, is left and kept referenced);
 2. ``build(group)`` at the round's world, its communicator bounded by a watch of the round file;
-   :func:`~elasticzero.engine.zero.reshard.reshard_from` fills it from what the members hold (a survivor: its own
-   state and its wards' copies, :meth:`Replicator.holdings`; a fresh process: nothing);
+   :func:`~elasticzero.live.reshard.reshard_from` fills it from what the members hold (a survivor: its own
+   state and its wards' copies, :meth:`BuddyCopies.holdings`; a fresh process: nothing);
 3. the group decides where training goes on (:func:`resume_point`, pure over the plan and the members' sampler
    positions, all-gathered): nobody holds state → the job's first round (the state as built, or the caller's
    ``resume``: a disk checkpoint); else the reshard's step, the sampler position from the holder of old rank 0's state
@@ -28,7 +28,7 @@ fresh processes alike (:meth:`LiveTraining._enter`):
 4. a survivor whose step in flight had passed its commit gate everywhere counts it done (the reshard is one step
    ahead; its attempt reports it committed, once); the sampler is re-cut at the new rank and world (the global batch
    is kept);
-5. a new :class:`Replicator` for the new world.
+5. a new :class:`BuddyCopies` for the new world.
 
 All of it is one :class:`RoundState`, built whole and assigned once: an entry a newer round interrupts is thrown away
 with everything it built, and starts over with that round from the same holdings.
@@ -60,12 +60,12 @@ import torch.distributed as dist
 from elasticzero.data.sampler import ElasticSampler
 from elasticzero.device import Facts, Placement, placement
 from elasticzero.engine.zero.base import ZeroOptimizer
-from elasticzero.engine.zero.comm import Communicator
-from elasticzero.engine.zero.replica import Replicator
-from elasticzero.engine.zero.reshard import Fallback, Holdings, ReshardPlan, reshard_from
+from elasticzero.engine.zero.comm.communicator import Communicator
 from elasticzero.errors import UsageError
 from elasticzero.live.bounded import BoundedWait, LiveError, Reconfigure, Unbounded
+from elasticzero.live.copies import BuddyCopies
 from elasticzero.live.group import RoundGroups, RoundWatch, aborts_on_announce, group_spec
+from elasticzero.live.reshard import Fallback, Holdings, ReshardPlan, reshard_from
 from elasticzero.live.rounds import ROUND_FILE_ENV, NodeRound, RoundError, RoundFile
 from elasticzero.progress import reporter
 
@@ -191,7 +191,7 @@ class RoundState:
     watch: RoundWatch | None
     built: Any
     opt: Any
-    replicator: Replicator | None
+    copies: BuddyCopies | None
     sampler: ElasticSampler
     step: int
 
@@ -228,8 +228,8 @@ class _Rounds:
         return self.now.bound
 
     @property
-    def replicator(self) -> Replicator | None:
-        return self.now.replicator
+    def copies(self) -> BuddyCopies | None:
+        return self.now.copies
 
     @property
     def round(self) -> NodeRound | None:
@@ -299,8 +299,8 @@ class _Rounds:
 
     def close(self) -> None:
         """Stop the copies and the bound's thread."""
-        if self.replicator is not None:
-            self.replicator.close()
+        if self.copies is not None:
+            self.copies.close()
         self.bound.close()
         if self.now.watch is not None:
             self.now.watch.close()
@@ -352,8 +352,8 @@ class LiveTraining(_Rounds):
 
     Args:
         build: ``build(group)``: a fresh model and its ZeRO optimizer on ``group`` — the optimizer, or an object
-            whose ``optimizer`` it is (called once per round entered; its ``replicas``, when it has one, a config's
-            ``zero.replicas``, set the copies instead of the four options below).
+            whose ``optimizer`` it is (called once per round entered; its ``copies_config``, when it has one, a config's
+            ``zero.copies``, set the copies instead of the four options below).
         sampler: the job's :class:`ElasticSampler` at its start position, or ``sampler(built)`` making it from the
             first ``build`` result (the loop re-cuts it for each round's rank and world, and moves it; never iterate
             it). A process joining a running job takes the position from its peers; the settings (samples, global
@@ -368,8 +368,8 @@ class LiveTraining(_Rounds):
             checkpoint into what ``build`` returned and the job's sampler, and returns its step; default: the state as
             built, at ``start_step``.
         start_step: the step a fresh job starts at without ``resume``.
-        replicate, node_shift, overlap, early: the buddy copies (:class:`Replicator`'s ``enabled``, ``node_shift``,
-            ``overlap``, ``early``; a config's ``zero.replicas``): without copies a lost node's state is lost, and its
+        replicate, node_shift, overlap, early: the buddy copies (:class:`BuddyCopies`'s ``enabled``, ``node_shift``,
+            ``overlap``, ``early``; a config's ``zero.copies``): without copies a lost node's state is lost, and its
             loss falls back to the disk checkpoint (``ReshardFallback``).
     """
 
@@ -435,9 +435,7 @@ class LiveTraining(_Rounds):
         left_at = time.monotonic()
         now = self.now
         start = Start(now.step, now.sampler)
-        entered = self._enter_until_settled(
-            round_, now.replicator.holdings() if now.replicator else Holdings(), start, now
-        )
+        entered = self._enter_until_settled(round_, now.copies.holdings() if now.copies else Holdings(), start, now)
         self.events.append(RoundEvent(entered, left_at, time.monotonic(), self.step))
 
     def _enter_until_settled(
@@ -505,8 +503,8 @@ class LiveTraining(_Rounds):
             at = ResumeAt(step, template.state_dict(), 0)
         caught_up = holdings.owner is not None and caught_up_with(at.step, start.step)
         sampler = recut(template, at.position, at.behind, opt.rank, opt.world_size)
-        replicator = self._replicate(opt, at.step, bound, getattr(built, "replicas", None))
-        return RoundState(round_, bound, watch, built, opt, replicator, sampler, at.step), caught_up
+        copies = self._make_copies(opt, at.step, bound, getattr(built, "copies_config", None))
+        return RoundState(round_, bound, watch, built, opt, copies, sampler, at.step), caught_up
 
     def _watch(self, round_: NodeRound, group: Any) -> RoundWatch | None:
         """Under NCCL (:func:`aborts_on_announce`), a watch that aborts ``group`` once a newer round is announced."""
@@ -519,14 +517,14 @@ class LiveTraining(_Rounds):
         poll = functools.partial(self.rounds.poll, round_.number)
         return BoundedWait(poll, poll_s=self.poll_s, failure_grace_s=self.failure_grace_s)
 
-    def _replicate(self, opt: ZeroOptimizer, step: int, bound: BoundedWait, replicas: Any) -> Replicator:
-        """The round's copies: the constructor's settings, or ``replicas`` (what ``build`` returned says: a config's
-        ``zero.replicas``, with ``enabled``, ``node_shift``, ``overlap``, ``early``) when given."""
+    def _make_copies(self, opt: ZeroOptimizer, step: int, bound: BoundedWait, config: Any) -> BuddyCopies:
+        """The round's copies: the constructor's settings, or ``config`` (what ``build`` returned says: a config's
+        ``zero.copies``, with ``enabled``, ``node_shift``, ``overlap``, ``early``) when given."""
         nodes = self.nodes(opt.world_size) if self.nodes is not None else None
-        r = replicas
+        r = config
         on, shift = (self.replicate, self.node_shift) if r is None else (r.enabled, r.node_shift)
         overlap, early = (self.overlap, self.early) if r is None else (r.overlap, r.early)
-        return Replicator(
+        return BuddyCopies(
             opt, nodes=nodes, step=step, waiter=bound, enabled=on, node_shift=shift, overlap=overlap, early=early
         )
 

@@ -97,8 +97,9 @@ class Kit:
         return self.pieces.optimizer
 
     @property
-    def replicas(self) -> Any:
-        return self.pieces.config.zero.replicas
+    def copies_config(self) -> Any:
+        """The buddy copies' settings of this round (the config's ``zero.copies``)."""
+        return self.pieces.config.zero.copies
 
 
 @dataclass(frozen=True)

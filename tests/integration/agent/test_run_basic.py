@@ -16,9 +16,17 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 def test_one_agent_two_workers_bound_to_slots_and_cores(cluster: Cluster) -> None:
     # identity found by matching this host ("localhost" resolves to a local address); cores split per rank
     table = json.dumps([["localhost", [3, 5]]])
-    argv = cluster.argv(f"127.0.0.1:{free_port()}", "1", node_table=table, extra=["--bind-cores-to-rank"])
+    logs = cluster.tmp / "logs"
+    extra = ["--bind-cores-to-rank", "--log-dir", str(logs), "--tee", "1"]
+    argv = cluster.argv(f"127.0.0.1:{free_port()}", "1", node_table=table, extra=extra)
     agent = cluster.start(argv)
     assert agent.proc.wait(timeout=150) == 0, agent.output()
+    # per-rank log files: elasticzero-run uses the elasticzero logs spec by default (plain torchrun's entry point:
+    # test_logs_specs.py)
+    run_dir = logs / cluster.job_id
+    assert sorted(p.name for p in run_dir.glob("*.log")) == ["rank0.attempt0.stdout.log", "rank1.attempt0.stdout.log"]
+    assert (run_dir / "rank1.attempt0.stdout.log").read_text().strip() == "hello from rank 1"
+    assert "hello from rank 0" in agent.output()  # --tee 1: also on the agent's console
     reports = sorted(cluster.reports(), key=lambda r: r["rank"])
     assert [r["rank"] for r in reports] == [0, 1]
     assert all(r["world_size"] == 2 and r["sum"] == 3.0 for r in reports)

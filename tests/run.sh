@@ -2,7 +2,7 @@
 # The full test suite, from a fresh clone, as root: installs everything (apt + a venv with torch==2.13.0 CPU),
 # brings up the real-part test bed (namespace hosts with sshd, pdsh, OpenMPI, MPICH, Slurm; etcd servers are
 # started by the tests), runs ruff and pytest, then the numerical tests again under every other CPU kernel set torch
-# supports here (ATEN_CPU_CAPABILITY), then the unit suite and a smoke on every other supported torch version
+# supports here (ATEN_CPU_CAPABILITY), then unit tests and a smoke on every other supported torch version
 # (tests/torch_range.sh), and tears the test bed down again.
 #   bash tests/run.sh [pytest args…]          (EZ_KEEP_TESTBED=1 leaves the test bed up; EZ_SKIP_TORCH_RANGE=1 skips
 #                                              the torch versions other than the pinned one)
@@ -19,8 +19,19 @@ command -v python3 >/dev/null || { apt-get update -qq && apt-get install -y -qq 
 # torch is pinned here (the local CPU build); the package itself declares a range
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[etcd,test]"
 t1=$(date +%s)
-
-if [ -z "${EZ_KEEP_TESTBED:-}" ]; then trap 'bash "$REPO/tests/cluster/down.sh" >/dev/null 2>&1 || true' EXIT; fi
+# the torch range's installs are bound by the network and the disk: start them now, beside the main run, at the
+# lowest priority (see tests/torch_range.sh)
+if [ -z "${EZ_SKIP_TORCH_RANGE:-}" ]; then
+  prepare_log=$(mktemp /tmp/elasticzero-torch-prepare.XXXXXX)
+  setsid bash tests/torch_range.sh --prepare >"$prepare_log" 2>&1 &  # its own process group: stopped whole at exit
+  prepare_pid=$!
+fi
+# at exit: stop the torch range's installs if still running (a run that failed early), tear the test bed down
+finish() {
+  [ -n "${prepare_pid:-}" ] && kill -- "-$prepare_pid" 2>/dev/null
+  [ -n "${EZ_KEEP_TESTBED:-}" ] || bash "$REPO/tests/cluster/down.sh" >/dev/null 2>&1 || true
+}
+trap finish EXIT
 bash tests/cluster/up.sh
 t2=$(date +%s)
 echo "tests/run.sh: install $((t1 - t0))s, test bed $((t2 - t1))s"
@@ -58,9 +69,14 @@ for cap in default avx2 avx512; do
   echo "tests/run.sh: numerical tests under ATEN_CPU_CAPABILITY=$cap: $([ "$crc" = 0 ] && echo passed || echo "FAILED (exit $crc)") in $(($(date +%s) - t))s"
   [ "$rc" = 0 ] && rc=$crc
 done
-# torch range: the unit suite and the smoke on every other supported torch, each from a venv cached outside the clone
+# torch range: unit tests and the smoke on every other supported torch, each from a venv cached outside the clone
 if [ -z "${EZ_SKIP_TORCH_RANGE:-}" ]; then
   t=$(date +%s)
+  wait "$prepare_pid"  # a failed install is no failure here: the stage installs what is missing itself
+  grep '^tests/torch_range.sh' "$prepare_log"
+  echo "tests/run.sh: torch range installs waited for: $(($(date +%s) - t))s"
+  rm -f "$prepare_log"
+  prepare_pid=
   bash tests/torch_range.sh
   trc=$?
   echo "tests/run.sh: torch range: $([ "$trc" = 0 ] && echo passed || echo "FAILED (exit $trc)") in $(($(date +%s) - t))s"

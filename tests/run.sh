@@ -4,8 +4,10 @@
 # started by the tests), runs ruff and pytest, then the numerical tests again under every other CPU kernel set torch
 # supports here (ATEN_CPU_CAPABILITY), then unit tests and a smoke on every other supported torch version
 # (tests/torch_range.sh), and tears the test bed down again.
-#   bash tests/run.sh [pytest args…]          (EZ_KEEP_TESTBED=1 leaves the test bed up; EZ_SKIP_TORCH_RANGE=1 skips
-#                                              the torch versions other than the pinned one)
+#   bash tests/run.sh [pytest args…]          (pytest args replace the main run's default: the single-process unit
+#                                              tests on 2 xdist workers, then the rest serially; EZ_KEEP_TESTBED=1 leaves
+#                                              the test bed up; EZ_SKIP_TORCH_RANGE=1 skips the torch versions other
+#                                              than the pinned one)
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -55,9 +57,26 @@ capability() { ATEN_CPU_CAPABILITY=$1 "$VENV/bin/python" -c 'import torch; print
 pytest_rc() { local rc=$1; [ "$rc" = 5 ] && { echo "tests/run.sh: pytest collected no tests" >&2; rc=1; }; return "$rc"; }
 
 set +e
-"$VENV/bin/python" -m pytest -q "$@"
-pytest_rc $?
-rc=$?
+if [ $# -gt 0 ]; then
+  "$VENV/bin/python" -m pytest -q "$@"
+  pytest_rc $?
+  rc=$?
+else
+  # the unit tests are independent and single-process: two xdist workers, one per core; those that start several
+  # torch processes (marker multiproc) and the integration tests (real process groups: agents, ranks, test-bed
+  # hosts) stay serial
+  "$VENV/bin/python" -m pytest -q -n 2 -m "not multiproc" tests/unit
+  pytest_rc $?
+  rc=$?
+  "$VENV/bin/python" -m pytest -q -m multiproc tests/unit
+  urc=$?
+  [ "$urc" = 5 ] && urc=0  # no multi-process unit test is no broken suite
+  [ "$rc" = 0 ] && rc=$urc
+  "$VENV/bin/python" -m pytest -q tests/integration
+  pytest_rc $?
+  irc=$?
+  [ "$rc" = 0 ] && rc=$irc
+fi
 main=$(capability "${ATEN_CPU_CAPABILITY:-}")  # the kernels the main run used
 for cap in default avx2 avx512; do
   [ "$cap" = "$main" ] && { echo "tests/run.sh: ATEN_CPU_CAPABILITY=$cap: the main run's kernels"; continue; }

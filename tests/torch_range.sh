@@ -74,8 +74,7 @@ check() {
 # summary LOG N → pytest's Nth summary line in LOG ("3 failed, 1026 passed in 80.12s"), without its decoration
 summary() { grep -E '^=*[ ]*[0-9]+ [a-z]+.* in [0-9.]+s' "$1" | sed -n "$2p" | tr -d '=' | sed 's/^ *//; s/ *$//'; }
 
-# unit_tests VERSION → pytest's arguments for the unit tests VERSION runs: all at the ends of TORCH_VERSIONS,
-# UNIT_BETWEEN between them
+# unit_tests VERSION → the unit tests VERSION runs: all at the ends of TORCH_VERSIONS, UNIT_BETWEEN between them
 unit_tests() {
   if [ "$1" = "${TORCH_VERSIONS[0]}" ] || [ "$1" = "${TORCH_VERSIONS[-1]}" ]; then
     echo tests/unit

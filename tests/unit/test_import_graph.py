@@ -33,7 +33,7 @@ BELOW: dict[str, tuple[str, ...]] = {
     "elasticzero.checkpoint": ("elasticzero.engine",),
     "elasticzero.config.build": ("elasticzero.checkpoint",),  # the builder of the engine pieces from a config
     "elasticzero.data": ("elasticzero.config", "elasticzero.engine"),
-    "elasticzero.live": ("elasticzero.engine", "elasticzero.data"),
+    "elasticzero.live": ("elasticzero.engine", "elasticzero.data", "elasticzero.checkpoint"),  # Training: its saves
     "elasticzero.autotune": ("elasticzero.launch", "elasticzero.engine"),  # the engine: the measure window's timers
     "elasticzero.entry": ("elasticzero.autotune",),  # elasticzero-launch: the launcher, or --autotuning the tuner
     "elasticzero_plugins": ("elasticzero.launch",),  # the launcher backends

@@ -56,8 +56,8 @@ from elasticzero.device import Facts, init_distributed, placement
 from elasticzero.engine.accumulation import GradAccumulation
 from elasticzero.errors import UsageError
 from elasticzero.live.loop import Attempt, LiveTraining, RoundState, StaticTraining, _Rounds
-from elasticzero.rounds import ROUND_FILE_ENV
 from elasticzero.progress import heartbeat
+from elasticzero.rounds import ROUND_FILE_ENV
 
 #: ``build(group, device) -> (model, pieces)``: a fresh model on ``device`` and its engine pieces
 #: (:func:`elasticzero.config.build_pieces`) on ``group``, at that group's world size

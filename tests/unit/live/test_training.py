@@ -22,8 +22,8 @@ from elasticzero.checkpoint.commit import step_dir
 from elasticzero.errors import UsageError
 from elasticzero.live import Hooks, Training
 from elasticzero.live.loop import Attempt
-from elasticzero.rounds import ROUND_FILE_ENV, NodeRound, StoreAddress, write_round
 from elasticzero.live.training import due
+from elasticzero.rounds import ROUND_FILE_ENV, NodeRound, StoreAddress, write_round
 from ez_testing import REPO, free_port
 
 pytestmark = pytest.mark.timeout(120)

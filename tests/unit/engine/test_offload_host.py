@@ -123,7 +123,7 @@ def test_offloader_moves_masters_steps_and_pushes_on_the_cpu() -> None:
     target = torch.empty(10, dtype=torch.bfloat16)
     off.push_into(0, target)
     try:
-        away.grad = off.reduced(0, torch.full((10,), 2.0), accumulate=False)
+        off.reduced(0, torch.full((10,), 2.0))
         resident.grad = torch.ones(2)
         off.end_backward()
         off.step()
@@ -142,7 +142,7 @@ def test_armed_offloader_steps_during_backward() -> None:
     off.bind(torch.optim.SGD([master], lr=1.0), [master], [torch.float32])
     try:
         off.armed = True
-        master.grad = off.reduced(0, torch.ones(4), accumulate=False)
+        off.reduced(0, torch.ones(4))
         off.step()  # waits for the step the landing started; steps nothing twice
         assert torch.equal(master.detach(), torch.full((4,), -1.0))
     finally:

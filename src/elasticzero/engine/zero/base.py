@@ -21,8 +21,16 @@ from elasticzero.engine.bucketer import DEFAULT_BUCKET_BYTES, GradBucketer, phas
 from elasticzero.engine.precision import PrecisionPolicy, as_policy
 from elasticzero.engine.zero import clip, comm
 from elasticzero.engine.zero.flat import FlatBucket, Grouping, _device_of, layout_buckets, size_groups
+from elasticzero.engine.zero.host import Offloader, state_bytes_per_element
 from elasticzero.engine.zero.layout import ParamSlot, ZeroLayout
 from elasticzero.engine.zero.memory import storage_report
+from elasticzero.engine.zero.offload import (
+    BucketHome,
+    OffloadOptions,
+    check_stage,
+    early_step_blocker,
+    plan_homes,
+)
 from elasticzero.engine.zero.sharded import Origin, ShardedState
 from elasticzero.errors import UsageError
 
@@ -75,6 +83,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             compute dtype.
         grouping: how the trainable parameters form buckets (a stage's bucketing; stage 3 passes its units).
             Default: by ``bucket_bytes``, per param group, dtype and compute dtype, in registration order.
+        offload: ZeRO-Offload (:class:`~elasticzero.engine.zero.offload.OffloadOptions`): the fp32 masters, the
+            optimizer state and the step in host memory, for the buckets its budget picks (docs/engine.md,
+            "ZeRO-Offload"). On a CPU device it changes nothing. None: everything on the device.
         **optimizer_kwargs: passed to ``optimizer_class`` (``lr=...``, ``weight_decay=...``). Where they choose
             neither ``fused`` nor ``foreach`` and ``optimizer_class`` takes ``fused`` (torch's Adam, AdamW, SGD,
             Adagrad), the engine asks for ``fused=True``: one kernel per flat master shard per step (see
@@ -117,6 +128,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         sync_module_states: bool = True,
         cast_forward_inputs: bool = True,
         grouping: Grouping | None = None,
+        offload: OffloadOptions | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if not dist.is_initialized():
@@ -150,8 +162,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.layout = ZeroLayout(self.world_size, tuple(b.layout for b in self.buckets))
         self.partition: dict[str, ParamSlot] = self.layout.params
         self.numel = self.layout.numel
+        check_stage(offload, self.stage)
+        self._offload = _offloader(offload, self.device, self.buckets, optimizer_class, optimizer_kwargs)
         made = [self._materialize(b) for b in self.buckets]
-        self.masters: list[nn.Parameter] = [master for master, _ in made]
+        self.masters: list[nn.Parameter] = [self._adopt(i, master) for i, (master, _) in enumerate(made)]
         self._flat: list[torch.Tensor] = [flat for _, flat in made]  # per bucket: the buffer its parameters view
         self._cast_frozen()
 
@@ -166,6 +180,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.state = self.optim.state
         self.defaults = self.optim.defaults
         self._ready = True
+        if self._offload is not None:
+            self._offload.bind(self.optim, self.masters, [self._compute_dtype_of(b) for b in self.buckets])
+            self._bind_offload(self._offload)
+            self._offload.push_all()
         self._grad_watchers: OrderedDict[int, GradWatcher] = OrderedDict()  # a RemovableHandle refers to it weakly
         self.bucketer = self._make_bucketer()
         self._input_hook = None
@@ -215,6 +233,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """This rank's fp32 master shard of ``bucket``, and the full flat buffer the bucket's parameters now view."""
         raise NotImplementedError
 
+    def _adopt(self, index: int, master: nn.Parameter) -> nn.Parameter:
+        """The master of bucket ``index`` where its offload home says: itself, or a host copy."""
+        return master if self._offload is None else self._offload.adopt(index, master)
+
+    def _bind_offload(self, offloader: Offloader) -> None:
+        """Tell ``offloader`` where each offloaded bucket's updated shard goes on the device (a stage's choice)."""
+
+    def home(self, index: int) -> BucketHome:
+        """Where bucket ``index``'s optimizer state lives (:class:`~elasticzero.engine.zero.offload.BucketHome`)."""
+        return BucketHome() if self._offload is None else self._offload.home(index)
+
     def _make_bucketer(self) -> GradBucketer:
         raise NotImplementedError
 
@@ -229,8 +258,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             on_reduced=self._reduced,
             max_inflight=self.max_inflight,
             timers=self.timers,
+            on_finalize=self._end_backward,
             **overrides,
         )
+
+    def _end_backward(self) -> None:
+        """The bucketer's ``on_finalize``: every gradient shard of this backward is where it lives (offload: landed
+        in host memory)."""
+        if self._offload is not None:
+            self._offload.end_backward()
 
     def _reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
         """The bucketer's ``on_reduced``: the stage's :meth:`_on_reduced`, between telling the watchers."""
@@ -238,6 +274,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for w in watchers:
             w.grads_changing(bucket.index)
         self._on_reduced(bucket, shard)
+        if watchers and self.home(bucket.index).host:
+            self._offload.settle(bucket.index)  # type: ignore[union-attr]  # the watchers read the host gradient
         grad = self.masters[bucket.index].grad
         if grad is not None:  # every stage sets it here
             for w in watchers:
@@ -280,10 +318,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with phase(self.timers, "step"):
-            self.optim.step()
+            if self._offload is None:
+                self.optim.step()
+            else:
+                self._offload.step()  # bucket by bucket, the offloaded ones on the host, each pushed as it steps
         with phase(self.timers, "allgather"):
             self._gather_params()
         return loss
+
+    @contextlib.contextmanager
+    def stepping_in_backward(self, *, clipping: bool = False, loss_scaling: bool = False) -> Iterator[str | None]:
+        """Around the backward that ends an optimizer step: each offloaded bucket takes its step on the host as soon
+        as its gradient lands, overlapped with the rest of backward; :meth:`step` then steps what is left and waits.
+        Only where :func:`~elasticzero.engine.zero.offload.early_step_blocker` allows it (no clipping, no loss
+        scaler, no gradient watcher); yields why not (None: armed). Without offloaded buckets it does nothing."""
+        reason = early_step_blocker(
+            armed=True, clipping=clipping, loss_scaling=loss_scaling, watched=bool(self._grad_watchers)
+        )
+        if self._offload is None or not self._offload.plan.any_host:
+            yield "no bucket is offloaded"
+            return
+        self._offload.armed = reason is None
+        try:
+            yield reason
+        finally:
+            self._offload.armed = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (``set_to_none``) or zero the gradient shards, and any gradient still held for accumulation."""
@@ -417,8 +476,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         full: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for b, m in zip(self.buckets, self.masters, strict=True):
-                out = torch.empty(b.padded_numel, dtype=torch.float32, device=m.device)
-                self.communicator.all_gather(out, m.detach(), tag="state_dict")
+                out = torch.empty(b.padded_numel, dtype=torch.float32, device=self.device)
+                self.communicator.all_gather(out, m.detach().to(self.device), tag="state_dict")
                 for p, off in zip(b.params, b.offsets, strict=True):
                     full[id(p)] = out[off : off + p.numel()].view(p.shape).clone()
         sd = {}
@@ -448,7 +507,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for k, v in self.module_state().items():
             if k in state_dict:
                 v.copy_(state_dict[k])
-        self._gather_params()
+        self.refresh_params()
 
     # -- sharded state (checkpoints, resharding) --------------------------------------------------------------------
     @property
@@ -501,7 +560,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def refresh_params(self) -> None:
         """Bring the module's parameters up to date with the masters after they were written to (a load): stages
-        1/2 all-gather them (collective), stage 3 drops what is gathered (the next forward gathers afresh)."""
+        1/2 all-gather them (collective), stage 3 drops what is gathered (the next forward gathers afresh); the
+        offloaded buckets' device copies are pushed first."""
+        if self._offload is not None:
+            self._offload.push_all()
         self._gather_params()
 
     def memory_report(self) -> dict[str, float]:
@@ -532,7 +594,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         [m.grad for m in self.masters]
                         + self._held_grad_storage()
                         + self.bucketer.held_buffers()
-                        + [p.grad for p in trainable],
+                        + [p.grad for p in trainable]
+                        + self._offload_buffers(),
                     ),
                     ("optim_state", state),
                     ("frozen", frozen),
@@ -546,6 +609,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return rep
 
     # -- helpers ---------------------------------------------------------------------------------------------------
+    def _offload_buffers(self) -> list[torch.Tensor | None]:
+        """The offload's own host buffers (gradient shards, staging, compute-dtype shards)."""
+        return [] if self._offload is None else list(self._offload.host_buffers())
+
     def _managed_params(self) -> list[nn.Parameter]:
         return [p for b in self.buckets for p in b.params]
 
@@ -571,6 +638,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
             f"{type(self).__name__}({type(self.optim).__name__}, world_size={self.world_size}, "
             f"buckets={len(self.buckets)}, numel={self.numel}, precision={self.policy})"
         )
+
+
+def _offloader(
+    options: OffloadOptions | None,
+    device: torch.device,
+    buckets: Sequence[FlatBucket],
+    optimizer_class: type[torch.optim.Optimizer],
+    kwargs: Mapping[str, Any],
+) -> Offloader | None:
+    """The offload of these buckets on ``device`` (None when no bucket leaves it: no options, a CPU device)."""
+    if options is None or not options.enabled:
+        return None
+    per_element = 4 + state_bytes_per_element(optimizer_class, dict(kwargs))  # fp32 master + optimizer state
+    plan = plan_homes(options, str(device), [b.shard_numel * per_element for b in buckets])
+    return Offloader(plan, device) if plan.any_host else None
 
 
 def optimizer_kwargs_for(optimizer_class: type[torch.optim.Optimizer], kwargs: Mapping[str, Any]) -> dict[str, Any]:

@@ -234,30 +234,29 @@ class Offloader:
         self._grads = HostGrads({i: masters[i].numel() for i in offloaded}, self.plan.homes, self.copier)
         self._steps = BucketSteps(optim, masters)
         for i in offloaded:
-            m = masters[i]
-            same = compute[i] == torch.float32
-            self._sources[i] = m.detach() if same else host_empty(m.numel(), compute[i], self.home(i).pinned)
-            if not same:
-                self._sources[i].copy_(m.detach())
+            if compute[i] != torch.float32:  # fp32: the master itself is the source
+                self._sources[i] = host_copy(masters[i].to(compute[i]), self.home(i).pinned)
 
     def push_into(self, index: int, target: torch.Tensor) -> None:
         """After each step of offloaded bucket ``index``, copy its updated shard into the device tensor ``target``."""
         self._targets[index] = target
 
     def source(self, index: int) -> torch.Tensor:
-        """The host shard of offloaded bucket ``index`` in its compute dtype (what a push or a gather copies)."""
-        return self._sources[index]
+        """The host shard of offloaded bucket ``index`` in its compute dtype (what a push or a gather copies): the
+        master itself when that is fp32 (read afresh: a load may have given the master new storage)."""
+        source = self._sources.get(index)
+        return self._masters[index].detach() if source is None else source
 
     # -- backward ----------------------------------------------------------------------------------------------------
-    def reduced(self, index: int, shard: torch.Tensor, *, accumulate: bool) -> torch.Tensor:
-        """Land the reduced ``shard`` of offloaded bucket ``index`` (added to the gradient when ``accumulate``); when
-        armed, its step follows on the worker as soon as it has landed. Returns the host gradient (its values are
-        there once settled: :meth:`settle`, :meth:`end_backward`, the step)."""
-        grads = self._host_grads()
-        grads.land(index, shard, accumulate)
+    def reduced(self, index: int, shard: torch.Tensor) -> None:
+        """Land the reduced ``shard`` of offloaded bucket ``index``: its master's ``.grad`` becomes the host gradient
+        (added to when the master has one: accumulation), its values there once settled (:meth:`settle`,
+        :meth:`end_backward`, the step); when armed, its step follows on the worker as soon as it has landed."""
+        grads, master = self._host_grads(), self._masters[index]
+        grads.land(index, shard, accumulate=master.grad is not None)
+        master.grad = grads.grads[index]  # before the worker may step it
         if self.armed:
             self._submit(index)
-        return grads.grads[index]
 
     def settle(self, index: int) -> None:
         self._host_grads().settle(index)
@@ -292,10 +291,9 @@ class Offloader:
 
     def _push(self, index: int) -> Any:
         """On the worker, after bucket ``index`` stepped: refresh its compute-dtype host shard, start its H2D copy."""
-        source = self._sources[index]
-        master = self._masters[index].detach()
-        if source.data_ptr() != master.data_ptr():
-            source.copy_(master)
+        source = self.source(index)
+        if index in self._sources:
+            source.copy_(self._masters[index].detach())
         target = self._targets.get(index)
         return None if target is None else self.copier.copy(target, source, after_current=False)
 
@@ -317,7 +315,7 @@ class Offloader:
     def host_buffers(self) -> list[torch.Tensor]:
         """The host gradient shards and staging buffers, and the compute-dtype host shards (memory accounting)."""
         grads = self._grads.buffers() if self._grads is not None else []
-        return [*grads, *(s for i, s in self._sources.items() if s.data_ptr() != self._masters[i].data_ptr())]
+        return [*grads, *self._sources.values()]
 
     def close(self) -> None:
         if self._steps is not None:

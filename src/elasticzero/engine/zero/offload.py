@@ -97,9 +97,6 @@ class BucketHome:
     params_on_host: bool = False
 
 
-RESIDENT = BucketHome()
-
-
 @dataclass(frozen=True)
 class OffloadPlan:
     """Every bucket's :class:`BucketHome` (equal on every rank: bucket shard sizes are)."""
@@ -147,10 +144,10 @@ def plan_homes(options: OffloadOptions | None, device: str, sizes: Sequence[int]
     :func:`elasticzero.device.placement`) with ``sizes`` bytes of optimizer state per bucket. No options, or a CPU
     device without ``cpu_copies``: every bucket stays where it is (on the CPU that is host memory already)."""
     if options is None or not options.enabled:
-        return OffloadPlan((RESIDENT,) * len(sizes))
+        return OffloadPlan((BucketHome(),) * len(sizes))
     cuda = device.split(":")[0] == "cuda"
     if not cuda and not options.cpu_copies:
-        return OffloadPlan((RESIDENT,) * len(sizes))
+        return OffloadPlan((BucketHome(),) * len(sizes))
     chosen = plan_offload(sizes, budget_for(options, sizes))
     away = BucketHome(
         host=True,
@@ -159,7 +156,7 @@ def plan_homes(options: OffloadOptions | None, device: str, sizes: Sequence[int]
         side_stream=cuda,
         params_on_host=options.params,
     )
-    return OffloadPlan(tuple(away if c else RESIDENT for c in chosen))
+    return OffloadPlan(tuple(away if c else BucketHome() for c in chosen))
 
 
 def early_step_blocker(*, armed: bool, clipping: bool, loss_scaling: bool, watched: bool) -> str | None:

@@ -35,12 +35,13 @@ import torch
 from elasticzero.config.batch import check_batch_sizes, resolve_world_size
 from elasticzero.config.elastic import BatchPlan, batch_plan
 from elasticzero.config.load import load_config, optimizer_class
-from elasticzero.config.schema import EngineConfig, Precision
+from elasticzero.config.schema import EngineConfig, OffloadConfig, Precision
 from elasticzero.engine.accumulation import GradAccumulation
 from elasticzero.engine.loss_scaler import LossScaler
 from elasticzero.engine.precision import PrecisionPolicy
 from elasticzero.engine.step import StepResult, backward, clip_grad_norm, optimizer_step
 from elasticzero.engine.timers import PhaseTimers
+from elasticzero.engine.zero.offload import OffloadOptions
 
 __all__ = ["EnginePieces", "build_loss_scaler", "build_pieces"]
 
@@ -72,8 +73,19 @@ class EnginePieces:
         return None if self.clip_grad_norm is None else clip_grad_norm(self.optimizer, self.clip_grad_norm)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, through the loss scaler when there is one."""
-        backward(loss, self.scaler)
+        """``loss.backward()``, through the loss scaler when there is one; on the micro-batch that ends an optimizer
+        step, with ZeRO-Offload's step in backward armed (where the clip and the scaler allow it)."""
+        with self._arming():
+            backward(loss, self.scaler)
+
+    def _arming(self) -> AbstractContextManager[Any]:
+        """``optimizer.stepping_in_backward`` on the accumulation boundary when the config asks for it, else a
+        plain context."""
+        arm = getattr(self.optimizer, "stepping_in_backward", None)
+        wanted = self.config.zero.offload.optimizer and self.config.zero.offload.step_in_backward
+        if arm is None or not wanted or not self.accumulation.is_boundary:
+            return nullcontext()
+        return arm(clipping=self.clip_grad_norm is not None, loss_scaling=self.scaler is not None)
 
     def step(self) -> StepResult:
         """End the optimizer step: unscale → clip → step → update the scale → zero_grad
@@ -177,6 +189,8 @@ def build_pieces(
                 log.warning("zero.%s is not used by ZeroStage%d", key, cfg.zero.stage)
         if cfg.timers.enabled and "timers" in accepted:
             kwargs["timers"] = timers
+        if cfg.zero.offload.optimizer:
+            kwargs["offload"] = offload_options(cfg.zero.offload)
         optimizer = stage_cls(model, opt_cls, **kwargs, **params)
 
     group = getattr(optimizer, "process_group", None) or process_group
@@ -194,6 +208,18 @@ def build_pieces(
 
 
 _ZERO_OPTIONS = ("bucket_bytes", "prefetch", "reshard_after_forward")
+
+
+def offload_options(cfg: OffloadConfig) -> OffloadOptions:
+    """The engine's :class:`~elasticzero.engine.zero.offload.OffloadOptions` for a ``zero.offload`` block."""
+    return OffloadOptions(
+        optimizer=cfg.optimizer,
+        params=cfg.params,
+        pin_memory=cfg.pin_memory,
+        ratio=cfg.ratio,
+        device_budget_bytes=cfg.device_budget_bytes,
+        step_in_backward=cfg.step_in_backward,
+    )
 
 
 def _with_plan(cfg: EngineConfig, plan: BatchPlan) -> EngineConfig:

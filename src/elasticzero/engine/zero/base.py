@@ -163,6 +163,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.partition: dict[str, ParamSlot] = self.layout.params
         self.numel = self.layout.numel
         check_stage(offload, self.stage)
+        self.offload = offload  # what was asked; where each bucket went: home(i)
         self._offload = _offloader(offload, self.device, self.buckets, optimizer_class, optimizer_kwargs)
         made = [self._materialize(b) for b in self.buckets]
         self.masters: list[nn.Parameter] = [self._adopt(i, master) for i, (master, _) in enumerate(made)]

@@ -289,19 +289,22 @@ class Offloader:
         self.settle(index)
         fence(self._pushed.pop(index, None))
 
-    def _push(self, index: int) -> Any:
-        """On the worker, after bucket ``index`` stepped: refresh its compute-dtype host shard, start its H2D copy."""
+    def _push(self, index: int, after_current: bool = False) -> Any:
+        """After bucket ``index`` stepped (on the worker): refresh its compute-dtype host shard, start its H2D copy.
+        Not ordered after the current stream: every kernel that read the target (the bucket's parameters in this
+        forward/backward) was queued before the reduction its landing was fenced on. ``after_current``: ordered
+        after it anyway (a push outside the step: a load, construction)."""
         source = self.source(index)
         if index in self._sources:
             source.copy_(self._masters[index].detach())
         target = self._targets.get(index)
-        return None if target is None else self.copier.copy(target, source, after_current=False)
+        return None if target is None else self.copier.copy(target, source, after_current=after_current)
 
     def push_all(self) -> None:
         """Bring every offloaded bucket's host source and device copy up to date with its master (after a load)."""
         for i in self.plan.offloaded():
             fence(self._pushed.pop(i, None))
-            self._pushed[i] = self._push(i)
+            self._pushed[i] = self._push(i, after_current=True)
 
     def order(self, index: int) -> None:
         """The current stream waits for bucket ``index``'s last push (before it reads the pushed shard)."""

@@ -14,15 +14,14 @@
 The same loop runs every stage; ``pieces.stateful(model)`` is what a checkpoint of it holds. Stage 0 returns a plain
 ``torch.optim`` optimizer over ``model.parameters()`` (``pieces.wrap`` puts the model in DDP); with bf16/fp16 it sets
 ``autocast_dtype`` for ``torch.autocast`` (the model stays fp32, torch AMP style; ``pieces.autocast()``). Stages 1-3
-return ``ZeroStageN(model, torch.optim.<type>, precision=..., bucket_bytes=..., prefetch=..., **params)`` (each
-``zero.*`` option only when set and taken by that stage).
+return ``ZeroStageN(model, torch.optim.<type>, options=ZeroOptions(precision=..., bucket_bytes=..., prefetch=...),
+**params)`` (each ``zero.*`` option only when set and taken by that stage: ``ZeroOptions.taken_by``).
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
-import inspect
 import logging
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -42,6 +41,7 @@ from elasticzero.engine.precision import PrecisionPolicy
 from elasticzero.engine.step import StepResult, backward, clip_grad_norm, optimizer_step
 from elasticzero.engine.timers import PhaseTimers
 from elasticzero.engine.zero.offload import OffloadOptions
+from elasticzero.engine.zero.options import ZeroOptions
 
 __all__ = ["EnginePieces", "build_loss_scaler", "build_pieces"]
 
@@ -177,21 +177,7 @@ def build_pieces(
                 log.warning("zero.%s has no effect at stage 0 (DDP has its own bucket_cap_mb)", key)
     else:
         stage_cls = getattr(importlib.import_module("elasticzero.engine.zero"), f"ZeroStage{cfg.zero.stage}")
-        kwargs: dict[str, Any] = {"process_group": process_group, "precision": policy}
-        accepted = _keyword_names(stage_cls)
-        for key in _ZERO_OPTIONS:
-            value = getattr(cfg.zero, key)
-            if value is None:
-                continue
-            if key in accepted:
-                kwargs[key] = value
-            else:
-                log.warning("zero.%s is not used by ZeroStage%d", key, cfg.zero.stage)
-        if cfg.timers.enabled and "timers" in accepted:
-            kwargs["timers"] = timers
-        if cfg.zero.offload.optimizer:
-            kwargs["offload"] = offload_options(cfg.zero.offload)
-        optimizer = stage_cls(model, opt_cls, **kwargs, **params)
+        optimizer = stage_cls(model, opt_cls, options=_zero_options(cfg, process_group, policy, timers), **params)
 
     group = getattr(optimizer, "process_group", None) or process_group
     return EnginePieces(
@@ -232,18 +218,22 @@ def _with_plan(cfg: EngineConfig, plan: BatchPlan) -> EngineConfig:
     return cfg
 
 
-def _keyword_names(stage_cls: type) -> set[str]:
-    """Named constructor arguments of ``stage_cls`` and of its bases up to ``torch.optim.Optimizer`` (a stage may
-    forward ``**kwargs`` to the shared base), so options are passed only to stages that take them."""
-    names: set[str] = set()
-    for klass in stage_cls.__mro__:
-        if not (isinstance(klass, type) and issubclass(klass, torch.optim.Optimizer)) or klass is torch.optim.Optimizer:
-            continue
-        if "__init__" in vars(klass):
-            for p in inspect.signature(klass.__init__).parameters.values():
-                if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
-                    names.add(p.name)
-    return names
+def _zero_options(cfg: EngineConfig, process_group: Any, policy: PrecisionPolicy, timers: PhaseTimers) -> ZeroOptions:
+    """The stage's options from ``cfg``: each ``zero.*`` option set there and taken by the stage (a warning names one
+    it does not take, :meth:`ZeroOptions.taken_by`), the timers when enabled, ``zero.offload`` when it is on."""
+    taken = ZeroOptions.taken_by(cfg.zero.stage)
+    chosen: dict[str, Any] = {}
+    for key in _ZERO_OPTIONS:
+        value = getattr(cfg.zero, key)
+        if value is not None and key in taken:
+            chosen[key] = value
+        elif value is not None:
+            log.warning("zero.%s is not used by ZeroStage%d", key, cfg.zero.stage)
+    if cfg.zero.offload.optimizer:
+        chosen["offload"] = offload_options(cfg.zero.offload)
+    return ZeroOptions(
+        process_group=process_group, precision=policy, timers=timers if cfg.timers.enabled else None, **chosen
+    )
 
 
 def _world_size(process_group: Any) -> int | None:

@@ -136,6 +136,8 @@ def config_from_dict(
     world_size: int | None = None,
 ) -> EngineConfig:
     """Validate a native-schema mapping (plus dotlist ``overrides``) into an :class:`EngineConfig`."""
+    data = _renamed(data, source)
+    overrides = [_renamed_override(o) for o in overrides]
     _check_keys(data, EngineConfig, "", source)
     merged = OmegaConf.structured(EngineConfig)
     try:
@@ -216,7 +218,7 @@ def validate(cfg: EngineConfig, *, source: str = "<config>", world_size: int | N
     z = cfg.zero
     need(z.stage in (0, 1, 2, 3), "zero.stage", "must be 0, 1, 2 or 3", z.stage)
     need(z.bucket_bytes is None or z.bucket_bytes > 0, "zero.bucket_bytes", "must be > 0 (or null)", z.bucket_bytes)
-    need(z.replicas.node_shift >= 1, "zero.replicas.node_shift", "must be >= 1", z.replicas.node_shift)
+    need(z.copies.node_shift >= 1, "zero.copies.node_shift", "must be >= 1", z.copies.node_shift)
     _check_offload(z, need)
     ls = cfg.precision.loss_scale
     need(ls.init_scale > 0, "precision.loss_scale.init_scale", "must be > 0", ls.init_scale)
@@ -289,6 +291,33 @@ def optimizer_class(name: str, source: str = "<config>") -> type:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+#: renamed blocks of the native schema: old key -> new key (the old one is still read, files and overrides alike)
+RENAMED = {"zero.replicas": "zero.copies"}
+
+
+def _renamed(data: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``data`` with every block under an old name of :data:`RENAMED` moved to its new name (one line naming both
+    when a config gives both)."""
+    out = dict(data)
+    for old, new in RENAMED.items():
+        (section, old_key), new_key = old.split("."), new.split(".")[1]
+        block = out.get(section)
+        if not isinstance(block, Mapping) or old_key not in block:
+            continue
+        if new_key in block:
+            raise UsageError(f"{source}: '{old}' is the old name of '{new}'; give only '{new}'")
+        out[section] = {(new_key if k == old_key else k): v for k, v in block.items()}
+    return out
+
+
+def _renamed_override(override: str) -> str:
+    """A dotlist override under an old name of :data:`RENAMED`, under the new one."""
+    for old, new in RENAMED.items():
+        if override.startswith((f"{old}.", f"{old}=")):
+            return new + override[len(old) :]
+    return override
+
+
 def _stated_batch_keys(data: Mapping[str, Any], overrides: Sequence[str]) -> set[str]:
     """Batch keys the user stated. An override of the global or micro batch re-derives the file's accumulation."""
     named = {o.split("=", 1)[0].strip() for o in overrides} & set(BATCH_KEYS)

@@ -42,9 +42,10 @@ class Precision(Enum):
 
 
 @dataclass
-class ReplicaConfig:
-    """Live recovery's buddy copies (:class:`~elasticzero.engine.zero.replica.Replicator`), used under
-    ``elasticzero-run --live-recovery``: every rank's ZeRO state copied to a rank of another node."""
+class CopiesConfig:
+    """Live recovery's buddy copies (:class:`~elasticzero.live.copies.BuddyCopies`), used under
+    ``elasticzero-run --live-recovery``: every rank's ZeRO state copied to a rank of another node (``zero.copies``;
+    ``zero.replicas``, its old name, is still read)."""
 
     enabled: bool = True  # off: a lost node's shards come from the disk checkpoint (one node: always off)
     node_shift: int = 1  # copies go this many nodes further along the ring of nodes
@@ -75,7 +76,7 @@ class ZeroConfig:
     bucket_bytes: int | None = None
     prefetch: bool | None = None  # stage 3: all-gather the next unit while the current one computes
     reshard_after_forward: bool | None = None  # stage 3: free each unit after its forward (3Ψ) or keep it (2Ψ)
-    replicas: ReplicaConfig = field(default_factory=ReplicaConfig)  # live recovery's in-memory copies
+    copies: CopiesConfig = field(default_factory=CopiesConfig)  # live recovery's in-memory buddy copies
     offload: OffloadConfig = field(default_factory=OffloadConfig)  # ZeRO-Offload: state in host memory
 
 

@@ -21,15 +21,23 @@ from __future__ import annotations
 import concurrent.futures
 import inspect
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from elasticzero.engine.zero.offload import BucketHome, OffloadPlan
+from elasticzero.engine.zero.offload import BucketHome, OffloadOptions, OffloadPlan, plan_homes
 
-__all__ = ["BucketSteps", "CopyStream", "HostGrads", "Offloader", "host_empty", "state_bytes_per_element"]
+__all__ = [
+    "BucketSteps",
+    "CopyStream",
+    "HostGrads",
+    "Offloader",
+    "host_empty",
+    "offloader_for",
+    "state_bytes_per_element",
+]
 
 
 def host_empty(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
@@ -333,6 +341,22 @@ class Offloader:
         if self._steps is None:
             raise RuntimeError("Offloader used before bind()")
         return self._steps
+
+
+def offloader_for(
+    options: OffloadOptions | None,
+    device: torch.device,
+    shard_numels: Sequence[int],
+    optimizer_class: type[torch.optim.Optimizer],
+    optimizer_kwargs: Mapping[str, Any],
+) -> Offloader | None:
+    """The offload of buckets of ``shard_numels`` elements on ``device`` (None when none leaves it: no options, a CPU
+    device): sized by the fp32 master and the optimizer state each bucket holds."""
+    if options is None or not options.enabled:
+        return None
+    per_element = 4 + state_bytes_per_element(optimizer_class, dict(optimizer_kwargs))
+    plan = plan_homes(options, str(device), [n * per_element for n in shard_numels])
+    return Offloader(plan, device) if plan.any_host else None
 
 
 @torch.no_grad()

@@ -127,7 +127,7 @@ def test_offload_reaches_the_stage_and_the_boundary_backward_arms_its_early_step
 
     cfg = {**CFG, "clip_grad_norm": clip, "zero": {"stage": 2, "offload": {"optimizer": True}}}
     pieces = build_pieces(_model(), cfg)
-    assert pieces.optimizer.offload == OffloadOptions(optimizer=True)  # type: ignore[attr-defined]
+    assert pieces.optimizer.options.offload == OffloadOptions(optimizer=True)  # type: ignore[attr-defined]
     assert not pieces.optimizer.home(0).host  # type: ignore[attr-defined]  # the CPU: state already in host memory
     host = ZeroStage2(_model(), torch.optim.AdamW, lr=0.01, offload=OffloadOptions(optimizer=True, cpu_copies=True))
     pieces = dataclasses.replace(pieces, optimizer=host)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import inspect
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -155,6 +156,7 @@ class BucketSteps:
         self._group = {id(p): gi for gi, g in enumerate(optim.param_groups) for p in g["params"]}
         self._single = {i: _single_optimizer(optim, m, self._group[id(m)]) for i, m in enumerate(masters)}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ez-offload-step")
+        weakref.finalize(self, self._pool.shutdown, wait=False)  # its thread ends with the optimizer
         self._inflight: dict[int, concurrent.futures.Future[Any]] = {}
         self.stepped: set[int] = set()  # buckets stepped since the last done()
 

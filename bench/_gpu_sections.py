@@ -536,7 +536,7 @@ def _offload(device: torch.device, quick: bool) -> dict[str, Any]:
     from ez_numerics import error_ratio
 
     cfg = config_for("tiny" if quick else "small", block_size=64)
-    data = batches(cfg, 4, 4, 64, device)
+    data = batches(cfg, 2 if quick else 4, 4, 64, device)
     truth = offload_truth(cfg, device, data)
     checks, out = [], {}
     for stage in (1, 2, 3):

@@ -9,13 +9,16 @@
             with timers.phase("backward"):
                 pieces.backward(loss)         # through the loss scaler when there is one
         if acc.advance():
-            pieces.step()                     # unscale → clip → step → update the scale → zero_grad
+            pieces.step()                     # unscale → clip → step → update the scale → zero_grad → schedule
 
 The same loop runs every stage; ``pieces.stateful(model)`` is what a checkpoint of it holds. Stage 0 returns a plain
 ``torch.optim`` optimizer over ``model.parameters()`` (``pieces.wrap`` puts the model in DDP); with bf16/fp16 it sets
 ``autocast_dtype`` for ``torch.autocast`` (the model stays fp32, torch AMP style; ``pieces.autocast()``). Stages 1-3
 return ``ZeroStageN(model, torch.optim.<type>, options=ZeroOptions(precision=..., bucket_bytes=..., prefetch=...),
-**params)`` (each ``zero.*`` option only when set and taken by that stage: ``ZeroOptions.taken_by``).
+**params)`` (each ``zero.*`` option only when set and taken by that stage: ``ZeroOptions.taken_by``). A
+``scheduler`` section becomes ``pieces.scheduler``, a DeepSpeed schedule (:mod:`elasticzero.engine.lr_schedules`) on
+``pieces.optimizer``, stepped by ``pieces.step()`` where DeepSpeed's engine steps it: after each optimizer step that
+was taken (not after a skipped fp16 overflow).
 """
 
 from __future__ import annotations
@@ -25,18 +28,20 @@ import importlib
 import logging
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from elasticzero.config.auto import AutoValues
 from elasticzero.config.batch import check_batch_sizes, resolve_world_size
 from elasticzero.config.elastic import BatchPlan, batch_plan
 from elasticzero.config.load import load_config, optimizer_class
 from elasticzero.config.schema import EngineConfig, OffloadConfig, Precision
 from elasticzero.engine.accumulation import GradAccumulation
 from elasticzero.engine.loss_scaler import LossScaler
+from elasticzero.engine.lr_schedules import DeepSpeedSchedule, build_schedule
 from elasticzero.engine.precision import PrecisionPolicy
 from elasticzero.engine.step import StepResult, backward, clip_grad_norm, optimizer_step
 from elasticzero.engine.timers import PhaseTimers
@@ -61,6 +66,7 @@ class EnginePieces:
     autocast_dtype: torch.dtype | None  # stage 0 with bf16/fp16: run the forward under torch.autocast(dtype=...)
     micro_batch_size: int
     config: EngineConfig
+    scheduler: DeepSpeedSchedule | None = None  # the config's ``scheduler``; None without one
 
     @property
     def accumulation_steps(self) -> int:
@@ -89,8 +95,12 @@ class EnginePieces:
 
     def step(self) -> StepResult:
         """End the optimizer step: unscale → clip → step → update the scale → zero_grad
-        (:func:`~elasticzero.engine.step.optimizer_step`)."""
-        return optimizer_step(self.optimizer, scaler=self.scaler, max_norm=self.clip_grad_norm)
+        (:func:`~elasticzero.engine.step.optimizer_step`), then the schedule's step unless the optimizer step was
+        skipped (DeepSpeed's engine does not step its scheduler on an fp16 overflow either)."""
+        result = optimizer_step(self.optimizer, scaler=self.scaler, max_norm=self.clip_grad_norm)
+        if self.scheduler is not None and not result.skipped:
+            self.scheduler.step()
+        return result
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module to train: ``DistributedDataParallel(model)`` at stage 0 (it averages the plain optimizer's
@@ -109,7 +119,8 @@ class EnginePieces:
     def stateful(self, model: torch.nn.Module) -> dict[str, Any]:
         """What a checkpoint of these pieces holds, for :class:`~elasticzero.checkpoint.Checkpointer`: ``"model"``
         (model and optimizer: ``ZeroCheckpointState`` at stages 1-3, ``ReplicatedState`` at stage 0; both reshard
-        to any world size) and ``"scaler"`` when there is a loss scaler."""
+        to any world size), ``"scaler"`` when there is a loss scaler and ``"scheduler"`` when there is a schedule (its
+        ``last_batch_iteration``: the same at every world size)."""
         if self.config.zero.stage == 0:
             from elasticzero.checkpoint.replicated import ReplicatedState
 
@@ -118,7 +129,11 @@ class EnginePieces:
             from elasticzero.engine.zero import ZeroCheckpointState
 
             state = {"model": ZeroCheckpointState(self.optimizer)}
-        return state if self.scaler is None else {**state, "scaler": self.scaler}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler
+        return state
 
 
 def build_loss_scaler(cfg: EngineConfig, process_group: Any = None) -> LossScaler | None:
@@ -147,15 +162,19 @@ def build_pieces(
     process_group: Any = None,
     overrides: Sequence[str] = (),
     strict: bool = True,
+    auto: AutoValues | None = None,
 ) -> EnginePieces:
     """Build optimizer, loss scaler, timers and accumulation helper for ``model`` from ``cfg``.
 
     ``cfg``: an :class:`EngineConfig`, or a file/dict for :func:`~elasticzero.config.load.load_config` (native or
-    DeepSpeed; ``overrides`` and ``strict`` are passed on). Stages 1-3 need ``torch.distributed`` initialised; the
-    batch sizes are checked against the real world size.
+    DeepSpeed; ``overrides``, ``strict`` and ``auto`` — a DeepSpeed config's ``"auto"`` values,
+    :class:`~elasticzero.config.auto.AutoValues` — are passed on). Stages 1-3 need ``torch.distributed`` initialised;
+    the batch sizes are checked against the real world size.
     """
     if not isinstance(cfg, EngineConfig):
-        cfg = load_config(cfg, overrides=overrides, strict=strict)
+        if auto is not None and auto.world_size is None:
+            auto = replace(auto, world_size=_world_size(process_group))
+        cfg = load_config(cfg, overrides=overrides, strict=strict, auto=auto)
     world = _world_size(process_group)
     if world is not None:  # the plan for this world (an elastic config may predate it), checked against it
         cfg = _with_plan(cfg, batch_plan(cfg, world))
@@ -180,6 +199,7 @@ def build_pieces(
         optimizer = stage_cls(model, opt_cls, options=_zero_options(cfg, process_group, policy, timers), **params)
 
     group = getattr(optimizer, "process_group", None) or process_group
+    sched = cfg.scheduler
     return EnginePieces(
         optimizer=optimizer,
         scaler=build_loss_scaler(cfg, group),
@@ -190,6 +210,7 @@ def build_pieces(
         autocast_dtype=autocast_dtype,
         micro_batch_size=cfg.micro_batch_size,
         config=cfg,
+        scheduler=None if sched.type is None else build_schedule(optimizer, sched.type, sched.params),
     )
 
 

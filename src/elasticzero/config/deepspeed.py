@@ -8,8 +8,9 @@ one of three lists:
 * ``ignored``: known keys that do not change the training result here (logging, monitors, DeepSpeed-internal
   performance knobs such as ``overlap_comm``, offload set to ``"none"``, NVMe swap sizes with CPU offload). Never an
   error;
-* ``unsupported``: keys that would change training if honoured (``scheduler``, NVMe offload, ``torch_autocast``, ...),
-  ``"auto"`` values (the Hugging Face Trainer fills those in; write the number), and keys DeepSpeed does not know
+* ``unsupported``: keys that would change training if honoured (NVMe offload, ``torch_autocast``, ...),
+  ``"auto"`` values left unfilled (:func:`elasticzero.config.auto.fill_auto` fills them from a front door's or a
+  script's own arguments; or write the number), and keys DeepSpeed does not know
   either (typos: DeepSpeed silently ignores them; a close known key is suggested).
 
 Policy: with ``strict=True`` (the default) :func:`elasticzero.config.load.load_config` raises one
@@ -53,7 +54,6 @@ _IGNORED_TOP: dict[str, str] = {
 
 # top-level DeepSpeed features that would change training: key -> what to do instead
 _UNSUPPORTED_TOP: dict[str, str] = {
-    "scheduler": "build a torch.optim.lr_scheduler in your loop (WarmupLR/WarmupDecayLR/WarmupCosineLR -> LambdaLR)",
     "activation_checkpointing": "use torch.utils.checkpoint in the model",
     "torch_autocast": "wrap the forward in torch.autocast yourself",
     "amp": "use precision.dtype",
@@ -197,9 +197,10 @@ _MAPPED_TOP = {
     "wall_clock_breakdown",
     "communication_data_type",
     "elasticity",
+    "scheduler",
 }
-# only these say "DeepSpeed" (our own schema shares "optimizer", "train_batch_size" and "elasticity")
-_DEEPSPEED_ONLY_TOP = (_MAPPED_TOP - {"optimizer", "train_batch_size", "elasticity"}) | {
+# only these say "DeepSpeed" (our own schema shares "optimizer", "scheduler", "train_batch_size" and "elasticity")
+_DEEPSPEED_ONLY_TOP = (_MAPPED_TOP - {"optimizer", "scheduler", "train_batch_size", "elasticity"}) | {
     *_IGNORED_TOP,
     *_UNSUPPORTED_TOP,
     *_CONDITIONAL_TOP,
@@ -265,6 +266,7 @@ def map_deepspeed(
     precision = _map_precision(ds, out, rep, source)
     _map_zero(ds.get("zero_optimization"), out, rep, source, precision)
     _map_optimizer(ds.get("optimizer"), out, rep, source)
+    _map_scheduler(ds.get("scheduler"), out, rep, source)
 
     if "gradient_clipping" in ds:
         out["clip_grad_norm"] = ds["gradient_clipping"]
@@ -570,14 +572,41 @@ def _map_optimizer(opt: Any, out: dict[str, Any], rep: DeepSpeedReport, source: 
         rep.mapped.append(("optimizer.params", "optimizer.params"))
 
 
+def _map_scheduler(sched: Any, out: dict[str, Any], rep: DeepSpeedReport, source: str) -> None:
+    """``scheduler: {type, params}`` -> ``scheduler`` (the same names: the schedules take DeepSpeed's parameters;
+    the type and every parameter are checked with the rest of the config)."""
+    if sched is None:
+        return
+    if not isinstance(sched, Mapping):
+        raise UsageError(
+            f'{source}: scheduler must be a mapping like {{"type": "WarmupLR", "params": {{}}}}, got {sched!r}'
+        )
+    for key in sched:
+        if key not in ("type", "params"):
+            rep.unsupported.append((f"scheduler.{key}", _unknown(key, {"type", "params"}, "scheduler.")))
+    if sched.get("type") is None:  # DeepSpeed builds no schedule without a type
+        rep.ignored.append(("scheduler", "no scheduler.type: DeepSpeed builds no schedule"))
+        return
+    params = sched.get("params") or {}
+    if not isinstance(params, Mapping):
+        raise UsageError(f"{source}: scheduler.params must be a mapping of the schedule's parameters, got {params!r}")
+    out["scheduler"] = {"type": sched["type"], "params": dict(params)}
+    rep.mapped.append(("scheduler.type", "scheduler.type"))
+    if params:
+        rep.mapped.append(("scheduler.params", "scheduler.params"))
+
+
 # ------------------------------------------------------------------------------------------------ helpers
+_AUTO_UNFILLED = '"auto" needs a value: write it, or fill it with elasticzero.config.fill_auto(config, AutoValues(...))'
+
+
 def _drop_auto(d: Mapping[str, Any], prefix: str, rep: DeepSpeedReport) -> dict[str, Any]:
     """Copy of ``d`` without ``"auto"`` values (each reported unsupported)."""
     kept: dict[str, Any] = {}
     for key, value in d.items():
         path = f"{prefix}{key}"
         if isinstance(value, str) and value.strip().lower() == "auto":
-            rep.unsupported.append((path, '"auto" is filled in by the Hugging Face Trainer; write the value'))
+            rep.unsupported.append((path, _AUTO_UNFILLED))
         elif isinstance(value, Mapping):
             kept[key] = _drop_auto(value, f"{path}.", rep)
         else:

@@ -26,6 +26,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from elasticzero.config.auto import AutoValues, fill_auto
 from elasticzero.config.batch import check_batch_sizes, resolve_world_size
 from elasticzero.config.deepspeed import DeepSpeedReport, looks_like_deepspeed, map_deepspeed
 from elasticzero.config.elastic import BATCH_KEYS, ElasticBatch, apply_batch_plan, check_world_range, elastic_batch
@@ -84,6 +85,7 @@ def load_config(
     world_size: int | None = None,
     strict: bool = True,
     format: str = "auto",
+    auto: AutoValues | None = None,
 ) -> EngineConfig:
     """Load and validate a config file (or dict) into an :class:`EngineConfig`.
 
@@ -91,11 +93,18 @@ def load_config(
     ``"deepspeed"``. ``overrides``: omegaconf dotlist (``["zero.stage=3"]``) in native key names, applied last.
     ``world_size``: for batch-size checks (default: the process group, then ``$WORLD_SIZE``).
     ``strict``: DeepSpeed only; see :func:`load_deepspeed_config`.
+    ``auto``: a DeepSpeed config's ``"auto"`` values filled from a front door's arguments first
+    (:func:`~elasticzero.config.auto.fill_auto`; its ``world_size`` defaults to the one resolved here). Without
+    it, each ``"auto"`` is reported as an unsupported key.
     """
     data, name = _read(source)
     if format not in ("auto", "elasticzero", "deepspeed"):
         raise UsageError(f"unknown config format {format!r}; use auto, elasticzero or deepspeed")
     if format == "deepspeed" or (format == "auto" and looks_like_deepspeed(data)):
+        if auto is not None:
+            if auto.world_size is None:
+                auto = dataclasses.replace(auto, world_size=resolve_world_size(world_size))
+            data = fill_auto(data, auto, source=name)
         cfg, _ = load_deepspeed_config(data, strict=strict, world_size=world_size, overrides=overrides, name=name)
         return cfg
     return config_from_dict(data, source=name, overrides=overrides, world_size=world_size)
@@ -241,6 +250,12 @@ def validate(cfg: EngineConfig, *, source: str = "<config>", world_size: int | N
         elastic_batch(cfg, source)  # checks the block and that some world size has a plan
     cls = optimizer_class(cfg.optimizer.type, source)
     _check_optimizer_params(cls, cfg.optimizer.params, source)
+    if cfg.scheduler.type is not None:
+        from elasticzero.engine.lr_schedules import check_schedule
+
+        check_schedule(cfg.scheduler.type, cfg.scheduler.params, source)
+    elif cfg.scheduler.params:
+        raise UsageError(f"{source}: scheduler.params is set without scheduler.type: name the schedule (or drop them)")
     check_batch_sizes(
         cfg.train_batch_size, cfg.micro_batch_size, cfg.accumulation_steps, resolve_world_size(world_size), source
     )

@@ -5,6 +5,7 @@ A YAML/JSON/hjson file mirrors the dataclasses (see ``docs/engine.md``)::
     zero: {stage: 2, bucket_bytes: 104857600}
     precision: {dtype: bf16}
     optimizer: {type: AdamW, params: {lr: 3.0e-4, weight_decay: 0.1}}
+    scheduler: {type: WarmupDecayLR, params: {warmup_max_lr: 3.0e-4, warmup_num_steps: 100, total_num_steps: 5000}}
     clip_grad_norm: 1.0
     accumulation_steps: 4
     micro_batch_size: 8
@@ -28,6 +29,7 @@ __all__ = [
     "OptimizerConfig",
     "Precision",
     "PrecisionConfig",
+    "SchedulerConfig",
     "TimersConfig",
     "ZeroConfig",
 ]
@@ -113,6 +115,16 @@ class OptimizerConfig:
 
 
 @dataclass
+class SchedulerConfig:
+    """A learning-rate schedule on the optimizer: DeepSpeed's ``scheduler`` block, the same names and ``params``
+    (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, ``OneCycle``, ``LRRangeTest``; see
+    :mod:`elasticzero.engine.lr_schedules`). ``type: null``: none, the optimizer's ``lr`` throughout."""
+
+    type: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class TimersConfig:
     """:class:`elasticzero.PhaseTimers` settings."""
 
@@ -142,6 +154,7 @@ class EngineConfig:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     timers: TimersConfig = field(default_factory=TimersConfig)
     clip_grad_norm: float = 0.0  # max global gradient norm; 0 = no clipping
     accumulation_steps: int = 1  # micro-batches per optimizer step

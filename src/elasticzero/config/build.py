@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import importlib
 import logging
+import warnings
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
@@ -102,6 +103,17 @@ class EnginePieces:
             self.scheduler.step()
         return result
 
+    def count_taken_step(self) -> None:
+        """What :meth:`step` does after a step taken (no overflow) elsewhere — the live reshard's step counted done,
+        its optimizer update already in the resharded state: the scale's clean-step update, then the schedule's
+        step."""
+        if self.scaler is not None:
+            self.scaler.count_taken_step()
+        if self.scheduler is not None:
+            with warnings.catch_warnings():  # this round's optimizer has not stepped yet: torch's order warning is moot
+                warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before", UserWarning)
+                self.scheduler.step()
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module to train: ``DistributedDataParallel(model)`` at stage 0 (it averages the plain optimizer's
         gradients; needs ``torch.distributed`` initialised), ``model`` itself at stages 1-3 (the ZeRO stage hooks
@@ -129,6 +141,13 @@ class EnginePieces:
             from elasticzero.engine.zero import ZeroCheckpointState
 
             state = {"model": ZeroCheckpointState(self.optimizer)}
+        return {**state, **self.carried()}
+
+    def carried(self) -> dict[str, Any]:
+        """The world-independent part of :meth:`stateful`: ``"scaler"`` (its scale and counters) when there is a loss
+        scaler, ``"scheduler"`` (its ``last_batch_iteration``) when there is a schedule. A live round change carries
+        them from a member that held them (:mod:`elasticzero.live.loop`); the model and optimizer are resharded."""
+        state: dict[str, Any] = {}
         if self.scaler is not None:
             state["scaler"] = self.scaler
         if self.scheduler is not None:

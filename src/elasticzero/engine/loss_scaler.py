@@ -214,6 +214,12 @@ class LossScaler:
         if self.dynamic:
             self._update_dynamic(found)
 
+    def count_taken_step(self) -> None:
+        """Count a step taken without overflow whose gradients this scaler never saw (a step another process took: the
+        live reshard's step counted done): the scale moves as :meth:`update` moves it after a clean step."""
+        if self.enabled and self.dynamic:
+            self._update_dynamic(False)
+
     def _update_dynamic(self, overflow: bool) -> None:
         if overflow:
             self._growth_tracker = 0

@@ -23,11 +23,14 @@ fresh processes alike (:meth:`LiveTraining._enter`):
    state and its wards' copies, :meth:`BuddyCopies.holdings`; a fresh process: nothing);
 3. the group decides where training goes on (:func:`resume_point`, pure over the plan and the members' sampler
    positions, all-gathered): nobody holds state → the job's first round (the state as built, or the caller's
-   ``resume``: a disk checkpoint); else the reshard's step, the sampler position from the holder of old rank 0's state
-   (a fresh process learns both from its peers); some state lost → :class:`ReshardFallback` (the restart path);
+   ``resume``: a disk checkpoint); else the reshard's step, the sampler position and the world-independent engine
+   state (what ``build``'s result lists in ``carried()``: the LR schedule, the loss scale) from the holder of old
+   rank 0's state (a fresh process learns all of it from its peers); some state lost → :class:`ReshardFallback` (the
+   restart path);
 4. a survivor whose step in flight had passed its commit gate everywhere counts it done (the reshard is one step
-   ahead; its attempt reports it committed, once); the sampler is re-cut at the new rank and world (the global batch
-   is kept);
+   ahead; its attempt reports it committed, once), and every member counts that step in the carried engine state
+   (``count_taken_step()``: the schedule and the scale at exactly the resumed step); the sampler is re-cut at the new
+   rank and world (the global batch is kept);
 5. a new :class:`BuddyCopies` for the new world.
 
 All of it is one :class:`RoundState`, built whole and assigned once: an entry a newer round interrupts is thrown away
@@ -49,7 +52,7 @@ import re
 import time
 import traceback
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from types import TracebackType
 from typing import Any
@@ -92,22 +95,25 @@ class RoundEvent:
 
 @dataclass(frozen=True)
 class ResumeAt:
-    """Where a round's training goes on: ``step``, and the sampler ``position`` (a state dict) ``behind`` global
-    batches before it (the source's step in flight counted done by the reshard)."""
+    """Where a round's training goes on: ``step``, and the sampler ``position`` (a state dict) and the world-independent
+    engine state ``carried`` (state dicts by name, :func:`held_state`) ``behind`` steps before it (the source's step in
+    flight counted done by the reshard)."""
 
     step: int
     position: dict[str, Any]
     behind: int
+    carried: Mapping[str, Any] = field(default_factory=dict)
 
 
-#: one member's sampler position for the agreement: (its step, its sampler's state dict); None for a fresh process
-Position = tuple[int, dict[str, Any]] | None
+#: one member's position for the agreement: (its step, its sampler's state dict, its world-independent engine state,
+#: :func:`held_state`); None for a fresh process
+Position = tuple[int, dict[str, Any], dict[str, Any]] | None
 
 
 def resume_point(plan: ReshardPlan | Fallback, positions: Sequence[Position]) -> ResumeAt | None:
     """The group's decision (the same on every member): ``None`` when nobody holds state (the job's first round), the
-    reshard's step with the source's sampler position otherwise; :class:`ReshardFallback` when some state is lost, a
-    :class:`LiveError` when the source's position does not lead to the reshard's step."""
+    reshard's step with the source's sampler position and engine state otherwise; :class:`ReshardFallback` when some
+    state is lost, a :class:`LiveError` when the source's position does not lead to the reshard's step."""
     if isinstance(plan, Fallback):
         if plan.nothing_held:
             return None
@@ -115,7 +121,28 @@ def resume_point(plan: ReshardPlan | Fallback, positions: Sequence[Position]) ->
     src = positions[plan.sources[0]]  # the holder of old rank 0's state: a member that held state
     if src is None or not 0 <= plan.step - src[0] <= 1:
         raise LiveError(f"the in-memory reshard is at step {plan.step}, its source's sampler at {src and src[0]}")
-    return ResumeAt(plan.step, src[1], plan.step - src[0])
+    return ResumeAt(plan.step, src[1], plan.step - src[0], src[2])
+
+
+def held_state(built: Any) -> dict[str, Any]:
+    """The world-independent engine state of what ``build`` returned: the state dicts of its ``carried()`` pieces
+    (:meth:`EnginePieces.carried <elasticzero.config.build.EnginePieces.carried>`); empty when it has none."""
+    pieces = built.carried() if hasattr(built, "carried") else {}
+    return {name: piece.state_dict() for name, piece in pieces.items()}
+
+
+def carry(built: Any, at: ResumeAt) -> None:
+    """Load ``at``'s engine state into ``built``'s ``carried()`` pieces (after the reshard: the schedule's load sets the
+    optimizer's learning rates), then count the ``behind`` steps the reshard counted done in it
+    (``count_taken_step()``), so the schedule and the scale are at exactly ``at.step``."""
+    pieces = built.carried() if hasattr(built, "carried") else {}
+    if pieces.keys() != at.carried.keys():
+        raise LiveError(f"this process's engine state is {sorted(pieces)}, its peers' {sorted(at.carried)}: every "
+                        "process must build from the same config")  # fmt: skip
+    for name, piece in pieces.items():
+        piece.load_state_dict(dict(at.carried[name]))
+    for _ in range(at.behind if pieces else 0):
+        built.count_taken_step()
 
 
 def recut(template: ElasticSampler, position: Mapping[str, Any], behind: int, rank: int, world: int) -> ElasticSampler:
@@ -353,7 +380,9 @@ class LiveTraining(_Rounds):
     Args:
         build: ``build(group)``: a fresh model and its ZeRO optimizer on ``group`` — the optimizer, or an object
             whose ``optimizer`` it is (called once per round entered; its ``copies_config``, when it has one, a config's
-            ``zero.copies``, set the copies instead of the four options below).
+            ``zero.copies``, set the copies instead of the four options below; its ``carried()``, when it has one,
+            the world-independent pieces a round change carries from a peer — with ``count_taken_step()``, a step the
+            reshard counted done — as :class:`~elasticzero.config.build.EnginePieces` has them).
         sampler: the job's :class:`ElasticSampler` at its start position, or ``sampler(built)`` making it from the
             first ``build`` result (the loop re-cuts it for each round's rank and world, and moves it; never iterate
             it). A process joining a running job takes the position from its peers; the settings (samples, global
@@ -434,7 +463,7 @@ class LiveTraining(_Rounds):
         """Leave the old round for ``round_`` in this process (see the module)."""
         left_at = time.monotonic()
         now = self.now
-        start = Start(now.step, now.sampler)
+        start = Start(now.step, now.sampler, held_state(now.built))
         entered = self._enter_until_settled(round_, now.copies.holdings() if now.copies else Holdings(), start, now)
         self.events.append(RoundEvent(entered, left_at, time.monotonic(), self.step))
 
@@ -495,12 +524,16 @@ class LiveTraining(_Rounds):
         opt = optimizer_of(built)
         opt.communicator = Communicator(opt.process_group, owner=type(opt).__name__, waiter=bound)
         plan = reshard_from(opt, holdings)
-        mine: Position = (start.step, _sampler(start).state_dict()) if holdings.owner is not None else None
+        mine: Position = None
+        if holdings.owner is not None:
+            mine = (start.step, _sampler(start).state_dict(), start.carried)
         at = resume_point(plan, opt.communicator.all_gather_object(mine, tag="reshard"))
         template = template_of(start.sampler, built)
-        if at is None:
+        if at is None:  # the job's first round: the engine state as built, or the disk checkpoint's (resume)
             step = self.resume(built, template) if self.resume is not None else start.step
             at = ResumeAt(step, template.state_dict(), 0)
+        else:
+            carry(built, at)
         caught_up = holdings.owner is not None and caught_up_with(at.step, start.step)
         sampler = recut(template, at.position, at.behind, opt.rank, opt.world_size)
         copies = self._make_copies(opt, at.step, bound, getattr(built, "copies_config", None))
@@ -531,10 +564,12 @@ class LiveTraining(_Rounds):
 
 @dataclass(frozen=True)
 class Start:
-    """Where an entry starts from: the last settled round's step and sampler (or the job's start: a sampler source)."""
+    """Where an entry starts from: the last settled round's step, sampler and engine state (:func:`held_state`), or
+    the job's start (a sampler source, no engine state)."""
 
     step: int
     sampler: SamplerSource
+    carried: dict[str, Any] = field(default_factory=dict)
 
 
 def _sampler(start: Start) -> ElasticSampler:

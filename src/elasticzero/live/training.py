@@ -26,7 +26,8 @@ What the object owns: the per-round :class:`~elasticzero.checkpoint.Checkpointer
 every ``save_every`` steps and the last, taken by every member of a round or by none), the data (a ``DataLoader``
 over the round's re-cut :class:`~elasticzero.data.ElasticSampler`, ``num_workers`` and pinned memory honoured in every
 mode), the evaluation (bounded like a step), the checkpoint's state (:meth:`Training.state`: the keys of
-``{model, [scaler], data, rng}``), the gradient accumulation, the loss's reduction over the ranks, and the process's
+``{model, [scaler], [scheduler], data, rng}``; at a live round change the scaler and the schedule come from a
+peer, the model resharded), the gradient accumulation, the loss's reduction over the ranks, and the process's
 exit (leaving a live job's process past threads stuck in abandoned groups). Hooks (:class:`Hooks`) see every
 attempt's start, the save and every committed step: the test driver records through them.
 
@@ -95,6 +96,15 @@ class Kit:
     @property
     def optimizer(self) -> Any:
         return self.pieces.optimizer
+
+    def carried(self) -> dict[str, Any]:
+        """The world-independent engine pieces a round change carries from a peer (the pieces' ``carried()``)."""
+        carried: dict[str, Any] = self.pieces.carried()
+        return carried
+
+    def count_taken_step(self) -> None:
+        """A step the round's reshard counted done, counted in the pieces' scale and schedule."""
+        self.pieces.count_taken_step()
 
     @property
     def copies_config(self) -> Any:
@@ -261,7 +271,8 @@ class Training:
 
     @staticmethod
     def state(kit: Kit, sampler: ElasticSampler) -> dict[str, Any]:
-        """What a checkpoint holds: the pieces' (model, optimizer, [scaler]), the data position, the RNG."""
+        """What a checkpoint holds: the pieces' (model, optimizer, [scaler], [scheduler]), the data position, the
+        RNG."""
         return {**kit.pieces.stateful(kit.model), "data": sampler, "rng": RNGState()}
 
     # -- what the user reads ------------------------------------------------------------------------------------------

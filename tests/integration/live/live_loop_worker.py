@@ -12,7 +12,11 @@ writes round 1 (a new world, a new prefix) into the files of the round's members
 - a joiner lost before it arrives (``JOINLOST``): as ``JOIN``, but the third process never comes (a joiner killed
   while its interpreter starts); the two wait for its arrival in round 1 until the driver writes round 2 (world 2).
 
-Each rank writes ``OUT.<case>.rank<r>.json`` (pid, sample record, reconfigurations with monotonic times); rank 0 the
+Every round's ``build`` puts a WarmupDecayLR schedule on the optimizer (:class:`Built`: a world-independent piece the
+round change carries from a peer); each step's learning rate is recorded.
+
+Each rank writes ``OUT.<case>.rank<r>.json`` (pid, sample record, reconfigurations with monotonic times, the learning
+rate of each committed step); rank 0 the
 final parameters (``OUT.<case>.final.pt``); the driver ``OUT.<case>.harness.json`` (pids, exit codes, when it wrote
 round 1). A rank that ends in a :class:`~elasticzero.live.LiveError` (the restart path) writes it to
 ``OUT.<case>.rank<r>.live_error`` and exits 3."""
@@ -26,6 +30,7 @@ import signal
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +44,7 @@ import torch.nn.functional as F
 from ckpt_model import full_state
 
 from elasticzero.data.sampler import ElasticSampler
+from elasticzero.engine.lr_schedules import DeepSpeedSchedule, WarmupDecayLR
 from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.stage1 import ZeroStage1
 from elasticzero.engine.zero.stage2 import ZeroStage2
@@ -96,15 +102,43 @@ def sampler_at(rank: int, world: int) -> ElasticSampler:
 STAGES = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
 
 
-def builder(stage: int, precision: str) -> Any:
-    """``build(group)``: a fresh tiny GPT and its ZeRO optimizer of ``stage`` on ``group``."""
+def schedule(opt: Any) -> WarmupDecayLR:
+    """The run's LR schedule on ``opt``: a linear warmup from LR / 4 over 2 steps, then a decay (each of steps 2 to
+    TOTAL - 1 at another rate; a schedule started over at step K would run K at LR / 4)."""
+    return WarmupDecayLR(opt, TOTAL + 2, LR / 4, LR, warmup_num_steps=2, warmup_type="linear")
 
-    def build(group: Any) -> ZeroOptimizer:
+
+def lr_of(step: int) -> float:
+    """The learning rate step ``step`` (from 0) runs at in an uninterrupted run: the schedule's at iteration
+    ``step - 1`` (DeepSpeed's counting)."""
+    return schedule(torch.optim.SGD([torch.zeros(1)], lr=LR)).lrs_at(step - 1)[0]
+
+
+@dataclass
+class Built:
+    """What ``build`` returns: the ZeRO optimizer and its schedule, stepped at the end of each step's attempt (as
+    ``EnginePieces.step`` is the last act of a Training step); ``carried`` and ``count_taken_step`` are what
+    :class:`LiveTraining` carries across a round change."""
+
+    optimizer: ZeroOptimizer
+    scheduler: DeepSpeedSchedule
+
+    def carried(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler}
+
+    def count_taken_step(self) -> None:
+        self.scheduler.step()
+
+
+def builder(stage: int, precision: str) -> Any:
+    """``build(group)``: a fresh tiny GPT, its ZeRO optimizer of ``stage`` on ``group`` and the schedule on it."""
+
+    def build(group: Any) -> Built:
         torch.manual_seed(0)
         opt = STAGES[stage](
             GPT(config()), torch.optim.AdamW, lr=LR, weight_decay=WD, precision=precision, process_group=group
         )
-        return opt
+        return Built(opt, schedule(opt))
 
     return build
 
@@ -148,9 +182,10 @@ def train(rank: int, out: Path, sig: str, stage: int, precision: str) -> None:
     live = LiveTraining.from_agent(
         builder(stage, precision), sampler=sampler_at(0, 1), env=env, nodes=lambda n: list(range(n))
     )
-    data, reported = tokens(), []
+    data, reported, lrs = tokens(), [], []
     for attempt in live.steps(TOTAL):
         with attempt:
+            lr = float(attempt.opt.param_groups[0]["lr"])
             at_k = attempt.step == K and live.round.number == 0
             if at_k:
                 at_step_k(attempt, live, out, sig)
@@ -161,14 +196,16 @@ def train(rank: int, out: Path, sig: str, stage: int, precision: str) -> None:
             attempt.opt.zero_grad()
             if at_k and sig == "GATEKILL":
                 after_the_gate(attempt, live)
+            live.built.scheduler.step()
         if attempt.committed:  # what a user's post-commit code sees: every committed step once
             reported.append(attempt.number)
+            lrs.append(lr)
     events = [
         {"round": e.round.number, **{k: getattr(e, k) for k in ("left_at", "ready_at", "step", "first_step_at")}}
         for e in live.events
     ]
     result = {"pid": os.getpid(), "record": live.record, "events": events, "world": live.opt.world_size}
-    result["reported"] = reported
+    result["reported"], result["lrs"] = reported, lrs
     final = live.opt.full_state_dict()  # collective over the last round's group
     if live.rank == 0:
         torch.save(final, f"{out}.final.pt")

@@ -8,6 +8,8 @@ SIGSTOPped (fp32; one bf16 case), or a fresh third process joins two. Then:
 - no committed step is redone: each rank's sample record holds every step it trained once (a joiner's from K); the
   samples of a step over all ranks are exactly its global batch from step K on (the global batch kept at the new
   world), disjoint parts of it before;
+- every step ran at the learning rate of an uninterrupted run (a WarmupDecayLR schedule, carried to the new round's
+  optimizers from a survivor — a joiner's too — not started over);
 - the final parameters equal plain torch continued from the step-K state (gathered from all ranks before the change)
   on the same global batches, within ``ez_numerics``' rule: the error against the same continuation in float64 is at
   most 3x that of the reference in the run's precision (fp32: plain torch; bf16: each rank's micro-batches forward
@@ -47,6 +49,7 @@ from live_loop_worker import (
     case_name,
     config,
     loss_of,
+    lr_of,
     sampler_at,
     tokens,
 )
@@ -68,9 +71,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def continue_plainly(start: dict[str, torch.Tensor], dtype: torch.dtype, ranks: int = 0) -> dict[str, torch.Tensor]:
-    """Plain torch AdamW from the step-K state (masters, moments, step), steps K..TOTAL-1 on the same global batches,
-    in ``dtype``: the whole global batch's mean loss (what every world size computes), or with ``ranks`` > 0 the bf16
-    rounding of a ZeRO run at that world (:func:`bf16_gradient`)."""
+    """Plain torch AdamW from the step-K state (masters, moments, step), steps K..TOTAL-1 on the same global batches at
+    the schedule's learning rates, in ``dtype``: the whole global batch's mean loss (what every world size computes),
+    or with ``ranks`` > 0 the bf16 rounding of a ZeRO run at that world (:func:`bf16_gradient`)."""
     model = GPT(config()).to(dtype)
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -90,6 +93,8 @@ def continue_plainly(start: dict[str, torch.Tensor], dtype: torch.dtype, ranks: 
                 params[name].grad = g
         else:
             loss_of(model, data[order[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]]).backward()
+        for group in opt.param_groups:
+            group["lr"] = lr_of(step)
         opt.step()
         opt.zero_grad()
     return {n: p.detach() for n, p in params.items()}
@@ -158,6 +163,7 @@ def test_live_loop(runs: Path, stage: int, sig: str, precision: str) -> None:
     for res in results:
         assert [(e["round"], e["step"]) for e in res["events"]] == [(1, K)], res["events"]
         assert res["reported"] == list(range(TOTAL))  # every committed step reported committed once
+        assert res["lrs"] == [lr_of(s) for s in range(TOTAL)]  # the same formula at the same iterations: equal
     assert record_problems([res["record"] for res in results], [0] * VICTIM) == []
     ratio = final_ratio(out, precision, VICTIM)
     assert ratio <= 1, f"final parameters off by {ratio:.3g}x the {precision} rounding scale (ez_numerics rule)"
@@ -181,6 +187,7 @@ def test_a_fresh_process_joins_with_its_shards_from_its_peers(runs: Path) -> Non
     assert [res["pid"] for res in results] == harness["pids"]  # the two kept theirs; the joiner is the new one
     assert [res["world"] for res in results] == [3, 3, 3]
     assert [[(e["round"], e["step"]) for e in res["events"]] for res in results] == [[(1, K)], [(1, K)], []]
+    assert [res["lrs"] for res in results] == [[lr_of(s) for s in range(first, TOTAL)] for first in (0, 0, K)]
     assert record_problems([res["record"] for res in results], [0, 0, K]) == []
     ratio = final_ratio(out, precision, 3)
     assert ratio <= 1, f"final parameters off by {ratio:.3g}x the {precision} rounding scale (ez_numerics rule)"
@@ -201,6 +208,7 @@ def test_a_joiner_lost_before_it_arrives_is_left_for_the_next_round(runs: Path) 
     results = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
     assert [res["pid"] for res in results] == harness["pids"] and [res["world"] for res in results] == [2, 2]
     assert [[(e["round"], e["step"]) for e in res["events"]] for res in results] == [[(2, K)], [(2, K)]]
+    assert [res["lrs"] for res in results] == [[lr_of(s) for s in range(TOTAL)]] * 2
     assert record_problems([res["record"] for res in results], [0, 0]) == []
     ratio = final_ratio(out, precision, 2)
     assert ratio <= 1, f"final parameters off by {ratio:.3g}x the {precision} rounding scale (ez_numerics rule)"
@@ -237,6 +245,7 @@ def test_a_step_left_after_its_commit_gate_is_reported_committed_once(runs: Path
     for res in results:
         assert [(e["round"], e["step"]) for e in res["events"]] == [(1, K + 1)], res["events"]
         assert res["reported"] == list(range(TOTAL)), res["reported"]
+        assert res["lrs"] == [lr_of(s) for s in range(TOTAL)]  # step K + 1 on: the schedule counted step K
     assert record_problems([res["record"] for res in results], [0] * VICTIM, whole_from=K + 1) == []
     ratio = final_ratio(out, precision, VICTIM)
     assert ratio <= 1, f"final parameters off by {ratio:.3g}x the {precision} rounding scale (ez_numerics rule)"

@@ -123,3 +123,17 @@ def test_no_clipping_without_max_norm(group: None) -> None:
     ref_opt.step()
     assert optimizer_step(opt) == StepResult(skipped=False, grad_norm=None)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+def test_a_step_taken_elsewhere_moves_the_scale_as_a_clean_step_here(group: None) -> None:
+    """``LossScaler.count_taken_step`` (a live reshard's step counted done) leaves the scaler where ``optimizer_step``
+    leaves an identical one after a real clean step: through a growth (interval 2) and between two."""
+    taken, counted = (LossScaler(4.0, growth_interval=2) for _ in range(2))
+    model = _model()
+    opt = _plain(model)
+    for _ in range(3):
+        backward(_loss(model), taken)
+        assert not optimizer_step(opt, scaler=taken).skipped
+        counted.count_taken_step()
+        assert counted.state_dict() == taken.state_dict()
+    assert taken.get_scale() == 8.0  # it grew once: the counted copy followed a real change

@@ -52,22 +52,25 @@ def test_the_resampled_world_takes_the_same_global_batches() -> None:
 
 PLAN = ReshardPlan(5, {0: 1, 1: 1}, ())
 AT4 = {"consumed_samples": 48}
+ENGINE = {"scheduler": {"last_batch_iteration": 3}, "scaler": {"scale": 1024.0, "growth_tracker": 1}}
 
 
 def test_nobody_holding_state_is_the_jobs_first_round() -> None:
     assert resume_point(Fallback("no rank holds any state", nothing_held=True), [None, None]) is None
 
 
-def test_a_joiner_learns_the_step_and_position_from_the_source() -> None:
-    assert resume_point(PLAN, [None, (5, AT4)]) == ResumeAt(5, AT4, 0)
-    assert resume_point(PLAN, [None, (4, AT4)]) == ResumeAt(5, AT4, 1)  # the gate of step 4 passed everywhere
+def test_a_joiner_learns_the_step_position_and_engine_state_from_the_source() -> None:
+    assert resume_point(PLAN, [None, (5, AT4, ENGINE)]) == ResumeAt(5, AT4, 0, ENGINE)
+    assert resume_point(PLAN, [None, (4, AT4, ENGINE)]) == ResumeAt(5, AT4, 1, ENGINE)  # step 4's gate passed
+    other = {"scheduler": {"last_batch_iteration": 9}}  # a survivor that is not the source: its state is not taken
+    assert resume_point(PLAN, [(5, AT4, other), (5, AT4, ENGINE)]) == ResumeAt(5, AT4, 0, ENGINE)
 
 
 def test_a_lost_state_is_the_restart_path_and_a_far_source_a_live_error() -> None:
     with pytest.raises(ReshardFallback, match=r"both copies .* \[2\]"):
         resume_point(Fallback("both copies of the state of old rank(s) [2] are lost", (2,)), [None])
     with pytest.raises(LiveError, match="at step 5, its source's sampler at 3"):
-        resume_point(PLAN, [None, (3, AT4)])
+        resume_point(PLAN, [None, (3, AT4, ENGINE)])
 
 
 def test_the_round_file_and_local_rank_at_start_are_usage_errors_when_wrong(tmp_path: Path) -> None:

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from elasticzero.checkpoint.commit import step_dir
 from elasticzero.errors import UsageError
 from elasticzero.live import Hooks, Training
-from elasticzero.live.loop import Attempt
+from elasticzero.live.loop import Attempt, carry, held_state, resume_point
+from elasticzero.live.reshard import ReshardPlan
 from elasticzero.live.training import due
 from elasticzero.rounds import ROUND_FILE_ENV, NodeRound, StoreAddress, write_round
 from ez_testing import REPO, free_port
@@ -211,3 +212,123 @@ def test_a_users_own_error_in_a_live_step_is_raised_at_once_with_its_traceback(
     assert raised.value is error and took < 2.0, took  # 2 s: one tiny step's forward, far below the 30 s grace
     frames = [f.name for f in traceback.extract_tb(raised.tb)]
     assert frames[-1] == "__call__" and "_train_step" in frames  # raised where it happened, not re-raised later
+
+
+SCHEDULED = """\
+zero: {stage: 2}
+precision: {dtype: fp32, loss_scale: {enabled: true, init_scale: 1024, growth_interval: 2}}
+optimizer: {type: AdamW, params: {lr: 2.0e-3}}
+scheduler: {type: WarmupDecayLR, params: {warmup_min_lr: 0.0, warmup_max_lr: 2.0e-3, warmup_num_steps: 3,
+                                          total_num_steps: 8, warmup_type: linear}}
+clip_grad_norm: 1.0
+train_batch_size: 16
+micro_batch_size: 4
+"""
+
+
+def scheduled(tmp_path: Path) -> str:
+    """A config with an LR schedule and a dynamic loss scale that both move every step or two."""
+    path = tmp_path / "scheduled.yaml"
+    path.write_text(SCHEDULED)
+    return str(path)
+
+
+def engine_state(training: Training) -> tuple[int, float, float, int]:
+    """The schedule's iteration and the learning rate it set, the loss scale and the steps it skipped."""
+    pieces = training.pieces
+    lr = float(pieces.optimizer.param_groups[0]["lr"])
+    return pieces.scheduler.last_batch_iteration, lr, pieces.scaler.get_scale(), pieces.scaler.skipped_steps
+
+
+def uninterrupted(steps: int) -> list[tuple[int, float, float, int]]:
+    """The reference: after each of ``steps`` clean steps, the schedule's iteration and learning rate (a fresh
+    schedule of the config's stepped alone) and the scale (doubled every ``growth_interval`` = 2 clean steps)."""
+    from elasticzero.engine.lr_schedules import build_schedule
+
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=2.0e-3)
+    params = {"warmup_min_lr": 0.0, "warmup_max_lr": 2.0e-3, "warmup_num_steps": 3, "total_num_steps": 8}
+    sched = build_schedule(opt, "WarmupDecayLR", {**params, "warmup_type": "linear"})
+    out = []
+    for k in range(1, steps + 1):
+        opt.step()  # no gradient: nothing moves (the order torch expects before the schedule's step)
+        sched.step()
+        out.append((k - 1, float(opt.param_groups[0]["lr"]), 1024.0 * 2 ** (k // 2), 0))
+    return out
+
+
+class Recording(Hooks):
+    """Announces round 1 at step ``at`` and records the engine state after every committed step. ``after_gate``: the
+    announcement is seen inside the optimizer step of step ``at`` after its commit gate and update (as a post-gate
+    wait of the stage would see it: the reshard counts the step done, one step past the survivor's committed one);
+    else after step ``at``'s commit, before the next attempt (the reshard at the survivor's step)."""
+
+    def __init__(self, path: str, round_: NodeRound, at: int, after_gate: bool) -> None:
+        self.path, self.round, self.at, self.after_gate = path, round_, at, after_gate
+        self.seen = list[tuple[int, float, float, int]]()
+
+    def started(self, training: Training) -> None:
+        if self.after_gate:  # after the copies' own post-step hook (it counts the step in the census)
+            training.pieces.optimizer.optim.register_step_post_hook(lambda *_: self._in_step(training))
+
+    def _in_step(self, training: Training) -> None:
+        if training.step == self.at:
+            write_round(self.path, self.round)
+            training.rounds.bound.check()  # leaves the step with Reconfigure, as its next bounded wait would
+
+    def after_step(self, training: Training, done: Any) -> None:
+        self.seen.append(engine_state(training))
+        if done.step == self.at and not self.after_gate:
+            write_round(self.path, self.round)
+
+
+@pytest.mark.parametrize("after_gate", [False, True], ids=["between-steps", "after-the-gate"])
+def test_the_lr_schedule_and_loss_scale_go_on_across_a_live_round_change(
+    train_gpt: Any, tmp_path: Path, cpu_machine: None, monkeypatch: pytest.MonkeyPatch, after_gate: bool
+) -> None:
+    """A real Training in a world of one under a round file, with a WarmupDecayLR schedule and a dynamic loss scale:
+    round 1 is announced at step 3; the round builds fresh pieces (schedule at iteration -1, scale at its start), and
+    the engine state the survivor held is loaded into them — one taken step on when the reshard counted the step in
+    flight done. The learning rate and the scale after every step are the uninterrupted run's — not the schedule's
+    warmup started over, nor one step off."""
+    path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
+    write_round(path, NodeRound(0, 1, ((0, 0),), store, "r0/"))
+    monkeypatch.setenv(ROUND_FILE_ENV, path)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    steps, at = 6, 3
+    training = job(train_gpt, tmp_path, "--steps", str(steps), "--config", scheduled(tmp_path))
+    hook = Recording(path, NodeRound(1, 1, ((0, 0),), store, "r1/"), at, after_gate)
+    training.hooks = (hook,)
+    try:
+        with training:
+            committed = [done.step for done in training if done.loss is not None]
+    finally:
+        if hasattr(training, "rounds"):
+            training.rounds.groups.abandon()  # type: ignore[attr-defined]
+    assert committed == list(range(1, steps + 1))
+    resumed = at + after_gate  # the step in flight counted done: the round resumed one step on
+    assert [(e.round.number, e.step) for e in training.events] == [(1, resumed)]
+    assert hook.seen == uninterrupted(steps)  # the same floats: the same schedule formula at the same iterations
+
+
+@pytest.mark.parametrize("behind", [0, 1], ids=["at-the-source-step", "the-step-in-flight-counted-done"])
+def test_a_joiner_takes_the_sources_engine_state_at_the_resumed_step(
+    train_gpt: Any, world_of_one: None, tmp_path: Path, behind: int
+) -> None:
+    """A fresh joiner's pieces (schedule at -1, scale at its start) get the source's engine state as the group's
+    decision hands it (:func:`resume_point` over the all-gathered positions, the joiner's own None): at the source's
+    step, or one step on when the reshard counted the source's step in flight done — then the joiner's schedule and
+    scale are the source's after that step, taken."""
+    source = job(train_gpt, tmp_path, "--steps", "4", "--config", scheduled(tmp_path), ckpt="source")
+    joiner = job(train_gpt, tmp_path, "--steps", "4", "--config", scheduled(tmp_path), ckpt="joiner")
+    with source, joiner:
+        for _ in range(2):
+            next(iter(source))  # two committed steps: the schedule and scale moved
+        plan = ReshardPlan(2 + behind, {0: 0}, ())
+        at = resume_point(plan, [(2, source.sampler.state_dict(), held_state(source.kit)), None])
+        assert at is not None and at.behind == behind
+        fresh = engine_state(joiner)
+        carry(joiner.kit, at)
+        if behind:
+            next(iter(source))  # the step in flight, taken by the source
+        assert engine_state(joiner) == engine_state(source) != fresh
+        assert engine_state(joiner) == uninterrupted(2 + behind)[-1]

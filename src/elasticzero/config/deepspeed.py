@@ -53,7 +53,6 @@ _IGNORED_TOP: dict[str, str] = {
 # top-level DeepSpeed features that would change training: key -> what to do instead
 _UNSUPPORTED_TOP: dict[str, str] = {
     "scheduler": "build a torch.optim.lr_scheduler in your loop (WarmupLR/WarmupDecayLR/WarmupCosineLR -> LambdaLR)",
-    "activation_checkpointing": "use torch.utils.checkpoint in the model",
     "torch_autocast": "wrap the forward in torch.autocast yourself",
     "amp": "use precision.dtype",
     "data_types": "gradients accumulate in fp32 unless precision.reduce_in_low_precision",
@@ -179,9 +178,11 @@ _MAPPED_TOP = {
     "wall_clock_breakdown",
     "communication_data_type",
     "elasticity",
+    "activation_checkpointing",
 }
-# only these say "DeepSpeed" (our own schema shares "optimizer", "train_batch_size" and "elasticity")
-_DEEPSPEED_ONLY_TOP = (_MAPPED_TOP - {"optimizer", "train_batch_size", "elasticity"}) | {
+# only these say "DeepSpeed" (our own schema shares "optimizer", "train_batch_size", "elasticity" and
+# "activation_checkpointing")
+_DEEPSPEED_ONLY_TOP = (_MAPPED_TOP - {"optimizer", "train_batch_size", "elasticity", "activation_checkpointing"}) | {
     *_IGNORED_TOP,
     *_UNSUPPORTED_TOP,
     *_CONDITIONAL_TOP,
@@ -254,6 +255,8 @@ def map_deepspeed(
     if "wall_clock_breakdown" in ds:
         out["timers"] = {"enabled": ds["wall_clock_breakdown"]}
         rep.mapped.append(("wall_clock_breakdown", "timers.enabled"))
+
+    _map_activation_checkpointing(ds.get("activation_checkpointing"), out, rep, source)
 
     if _map_elasticity(ds.get("elasticity"), out, rep, source):
         _drop_non_elastic_batch_keys(ds, rep, source)
@@ -341,6 +344,42 @@ def _map_precision(ds: Mapping[str, Any], out: dict[str, Any], rep: DeepSpeedRep
             rep.mapped.append(("communication_data_type", "precision.reduce_in_low_precision"))
     out["precision"] = precision
     return dtype
+
+
+# DeepSpeed's activation_checkpointing block configures deepspeed.checkpointing.checkpoint where a model calls it; here
+# the block's presence is the call: the model's repeated blocks are checkpointed (torch.utils.checkpoint)
+_ACT_CKPT_MAPPED = {"cpu_checkpointing": "activation_checkpointing.cpu (torch.autograd.graph.save_on_cpu)"}
+_ACT_CKPT_IGNORED: dict[str, str] = {
+    "partition_activations": "splits each checkpoint over model-parallel ranks: without model parallelism every rank "
+    "keeps its own, as DeepSpeed does at model-parallel size 1",
+    "contiguous_memory_optimization": "copies the checkpoints into one preallocated buffer against fragmentation "
+    "(memory layout only; torch's caching allocator holds them)",
+    "number_checkpoints": "sizes DeepSpeed's contiguous buffer; the blocks are found in the model "
+    "(activation_checkpointing.blocks names their class)",
+    "synchronize_checkpoint_boundary": "a device synchronize around every checkpoint, for timing",
+    "profile": _MONITOR,
+}
+
+
+def _map_activation_checkpointing(block: Any, out: dict[str, Any], rep: DeepSpeedReport, source: str) -> None:
+    """DeepSpeed's ``activation_checkpointing`` block -> ``activation_checkpointing`` (enabled by its presence)."""
+    if block is None:
+        return
+    if not isinstance(block, Mapping):
+        raise UsageError(f"{source}: activation_checkpointing must be a mapping, got {type(block).__name__}")
+    mapped: dict[str, Any] = {"enabled": True}
+    rep.mapped.append(("activation_checkpointing", "activation_checkpointing.enabled (the model's repeated blocks)"))
+    for key, value in block.items():
+        path = f"activation_checkpointing.{key}"
+        if key == "cpu_checkpointing":
+            mapped["cpu"] = value
+            rep.mapped.append((path, _ACT_CKPT_MAPPED[key]))
+        elif key in _ACT_CKPT_IGNORED:
+            rep.ignored.append((path, _ACT_CKPT_IGNORED[key]))
+        else:
+            known = {*_ACT_CKPT_MAPPED, *_ACT_CKPT_IGNORED}
+            rep.unsupported.append((path, _unknown(key, known, "activation_checkpointing.")))
+    out["activation_checkpointing"] = mapped
 
 
 _ELASTIC_MAPPED = {

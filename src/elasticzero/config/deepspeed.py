@@ -26,7 +26,7 @@ from typing import Any
 from elasticzero.config.batch import resolve_batch_sizes
 from elasticzero.errors import UsageError
 
-__all__ = ["DeepSpeedReport", "looks_like_deepspeed", "map_deepspeed"]
+__all__ = ["DeepSpeedReport", "key_verdicts", "looks_like_deepspeed", "map_deepspeed"]
 
 _MONITOR = "monitoring/logging: log from your own loop"
 
@@ -48,6 +48,11 @@ _IGNORED_TOP: dict[str, str] = {
     "aio": "NVMe offload I/O (offload is not supported)",
     "seq_parallel_communication_data_type": "sequence parallelism is not used",
     "autotuning": "read by elasticzero-autotune / elasticzero-launch --autotuning, not by the training run",
+    "timers": _MONITOR,
+    "log_level": _MONITOR,
+    "disable_python_gc": "DeepSpeed's garbage-collection pacing (checkpoint I/O pauses automatic GC here)",
+    "managed_gradient_accumulation": "your loop owns the accumulation boundary (pieces.accumulation.advance())",
+    "datastates_ckpt": "DeepSpeed's DataStates checkpoint engine: checkpoints go through elasticzero.checkpoint",
 }
 
 # top-level DeepSpeed features that would change training: key -> what to do instead
@@ -95,6 +100,7 @@ _CONDITIONAL_TOP: dict[str, _Check] = {
     "prescale_gradients": _only(False, "gradients are averaged after the reduction only"),
     "gradient_predivide_factor": _only(1.0, "gradients are averaged after the reduction only"),
     "disable_allgather": _only(False, "the parameter all-gather is part of the algorithm"),
+    "use_data_before_expert_parallelism": _only(False, "expert parallelism is not provided"),
 }
 
 _ZERO_MAPPED = {"stage", "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"}
@@ -132,6 +138,21 @@ _ZERO_IGNORED: dict[str, str] = {
         ("elastic_checkpoint", "load_from_fp32_weights"),
         "no DeepSpeed checkpoints: opt.load_full_state_dict() loads fp32 weights at any world size",
     ),
+    **dict.fromkeys(
+        (
+            "stage3_model_persistence_threshold",
+            "stage3_use_all_reduce_for_fetch_params",
+            "stage3_allgather_sequential",
+            "parameter_alignment",
+            "pipeline_loading_checkpoint",
+            "override_module_apply",
+            "enable_sanity_checks",
+            "leaf_module",
+        ),
+        "DeepSpeed-internal layout or fetch knob; stage 3 gathers per unit (ZeroStage3(units=...))",
+    ),
+    "compute_grad_norm": "the norm is computed when clipping needs it",
+    "save_muon_momentum_buffer_in_memory": "DeepSpeed's Muon optimizer only (no torch equivalent)",
 }
 _ZERO_CONDITIONAL: dict[str, _Check] = {
     "offload_optimizer": _offload,
@@ -144,6 +165,7 @@ _ZERO_CONDITIONAL: dict[str, _Check] = {
     "zero_quantized_nontrainable_weights": _only(False, "quantized communication (ZeRO++) is not provided"),
     "zero_quantized_gradients": _only(False, "quantized communication (ZeRO++) is not provided"),
     "mics_shard_size": lambda v: None if v is None or v <= 0 else "MiCS sharding is not provided",
+    "zenflow": _only(None, "ZenFlow's stale updates of unimportant gradients change training: not provided"),
 }
 
 _FP16_MAPPED = {
@@ -174,6 +196,7 @@ _MAPPED_TOP = {
     "optimizer",
     "fp16",
     "bf16",
+    "bfloat16",
     "zero_optimization",
     "wall_clock_breakdown",
     "communication_data_type",
@@ -281,7 +304,7 @@ def map_deepspeed(
 # ------------------------------------------------------------------------------------------------ pieces
 def _map_precision(ds: Mapping[str, Any], out: dict[str, Any], rep: DeepSpeedReport, source: str) -> str:
     fp16 = _block(ds, "fp16", source)
-    bf16 = _block(ds, "bf16", source)
+    bf16 = _block(ds, "bf16" if "bf16" in ds else "bfloat16", source)  # "bfloat16": DeepSpeed's old name
     fp16_on, bf16_on = bool(fp16.get("enabled", False)), bool(bf16.get("enabled", False))
     if fp16_on and bf16_on:
         raise UsageError(f"{source}: fp16.enabled and bf16.enabled are both true; enable one of them")
@@ -529,6 +552,52 @@ def _map_optimizer(opt: Any, out: dict[str, Any], rep: DeepSpeedReport, source: 
     rep.mapped.append(("optimizer.type", f"optimizer.type={name}"))
     if params:
         rep.mapped.append(("optimizer.params", "optimizer.params"))
+
+
+# ------------------------------------------------------------------------------------------------ the key table
+def key_verdicts() -> dict[str, str]:
+    """Every DeepSpeed key this module knows, by dotted path, with what loading does to it whatever its value:
+    ``"mapped"``, ``"ignored"``, ``"refused"`` (reported unsupported), or ``"depends"`` (ignored at its harmless
+    value, refused at any other). Keys whose section is judged whole (``flops_profiler``, ``autotuning``, ...) are
+    listed by the section. The migration table in docs/engine.md lists exactly these keys with these verdicts (a
+    unit test reads it), so the guide and the loader cannot drift apart."""
+    table = {
+        **dict.fromkeys(_MAPPED_TOP, "mapped"),
+        **dict.fromkeys(_IGNORED_TOP, "ignored"),
+        **dict.fromkeys(_UNSUPPORTED_TOP, "refused"),
+        **{k: _verdict(check) for k, check in _CONDITIONAL_TOP.items()},
+    }
+    sections: list[tuple[str, Any, Any, Any]] = [  # (section, mapped, ignored, conditional)
+        ("zero_optimization", _ZERO_MAPPED, _ZERO_IGNORED, _ZERO_CONDITIONAL),
+        ("fp16", _FP16_MAPPED, {}, _FP16_CONDITIONAL),
+        ("bf16", {"enabled"}, {}, _BF16_CONDITIONAL),
+        ("optimizer", {"type", "params", "params.adam_w_mode"}, {"legacy_fusion", *_OPTIMIZER_PARAMS_IGNORED}, {}),
+        ("activation_checkpointing", _ACT_CKPT_MAPPED, _ACT_CKPT_IGNORED, {}),
+        ("elasticity", {*_ELASTIC_MAPPED, "version", "num_gpus_per_node"}, {"min_time"}, {}),
+    ]
+    for section, mapped, ignored, conditional in sections:
+        table |= {f"{section}.{k}": "mapped" for k in mapped}
+        table |= {f"{section}.{k}": "ignored" for k in ignored}
+        table |= {f"{section}.{k}": _verdict(check) for k, check in conditional.items()}
+    table |= {f"optimizer.params.{k}": "ignored" for k in _OPTIMIZER_PARAMS_IGNORED}
+    del table["optimizer.torch_adam"], table["optimizer.fused"]  # params keys, added just above
+    table |= {
+        "optimizer.params.bias_correction": "depends",
+        "optimizer.params.max_grad_norm": "refused",
+        "elasticity.model_parallel_size": "depends",
+    }
+    return table
+
+
+_ANY = object()  # a value no check calls harmless
+
+
+def _verdict(check: _Check) -> str:
+    """``"ignored"`` for a check that accepts any value, else ``"depends"``."""
+    try:
+        return "ignored" if check(_ANY) is None else "depends"
+    except TypeError:  # a check comparing numbers
+        return "depends"
 
 
 # ------------------------------------------------------------------------------------------------ helpers

@@ -1,8 +1,8 @@
 """The DeepSpeed configs users actually have (``examples/configs/``: the Hugging Face docs' ``ds_config_zero2.json``
 and ``ds_config_zero3.json`` verbatim, and a user's config with ``WarmupDecayLR`` + ``offload_optimizer`` +
 ``activation_checkpointing``) load with ``strict=True`` once their ``"auto"`` values are filled (``fill_auto``, the
-Hugging Face Trainer's rule, from the example job's own arguments), and train the example job (``examples/train_gpt.py``,
-a world of one on the CPU) a few steps. On the CPU offload is the identity and ``cpu_checkpointing`` keeps the saved
+Hugging Face Trainer's rule, from the example job's own arguments), and train the example job
+(``examples/train_gpt.py``, a world of one on the CPU) a few steps. On the CPU offload is the identity and ``cpu_checkpointing`` keeps the saved
 inputs where they are (both decided, not skipped: docs/engine.md)."""
 
 from __future__ import annotations

@@ -107,14 +107,14 @@ def repeated_block_type(model: nn.Module) -> type[nn.Module]:
     """The class of ``model``'s repeated blocks: the children of its largest ``nn.ModuleList`` whose children are all
     of one class (transformer layers: GPT's ``blocks``, Llama's ``model.layers``, GPT-2's ``transformer.h``), lists
     inside such a block (a layer's experts) not counted; on a tie in length, the one with more parameters."""
-    lists = list(_outermost(model, _is_uniform_list))
+    lists = [m for m in _outermost(model, _is_uniform_list) if isinstance(m, nn.ModuleList)]
     if not lists:
         raise UsageError(
             f"{type(model).__name__}: no nn.ModuleList of identical blocks to checkpoint; pass blocks= (a block class, "
             "a predicate or the modules)"
         )
     best = max(lists, key=lambda lst: (len(lst), sum(p.numel() for p in lst.parameters())))
-    return type(next(iter(best)))
+    return type(best[0])
 
 
 def _is_uniform_list(module: nn.Module) -> bool:

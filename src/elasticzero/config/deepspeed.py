@@ -557,10 +557,10 @@ def _map_optimizer(opt: Any, out: dict[str, Any], rep: DeepSpeedReport, source: 
 # ------------------------------------------------------------------------------------------------ the key table
 def key_verdicts() -> dict[str, str]:
     """Every DeepSpeed key this module knows, by dotted path, with what loading does to it whatever its value:
-    ``"mapped"``, ``"ignored"``, ``"refused"`` (reported unsupported), or ``"depends"`` (ignored at its harmless
-    value, refused at any other). Keys whose section is judged whole (``flops_profiler``, ``autotuning``, ...) are
-    listed by the section. The migration table in docs/engine.md lists exactly these keys with these verdicts (a
-    unit test reads it), so the guide and the loader cannot drift apart."""
+    ``"mapped"``, ``"ignored"``, ``"refused"`` (reported unsupported), or ``"depends"`` (the value decides: for most,
+    ignored at the harmless value and refused at any other). Keys whose section is judged whole (``flops_profiler``,
+    ``autotuning``, ...) are listed by the section. The migration table in docs/engine.md lists exactly these keys
+    with these verdicts (a unit test reads it), so the guide and the loader cannot drift apart."""
     table = {
         **dict.fromkeys(_MAPPED_TOP, "mapped"),
         **dict.fromkeys(_IGNORED_TOP, "ignored"),

@@ -12,7 +12,7 @@ import pytest
 from elasticzero.config.deepspeed import key_verdicts, map_deepspeed
 from ez_testing import REPO
 
-VERDICTS = {"mapped": "mapped", "ignored": "ignored", "refused": "refused", "ignored / refused": "depends"}
+VERDICTS = {"mapped": "mapped", "ignored": "ignored", "refused": "refused", "by value": "depends"}
 
 
 def _guide_table() -> dict[str, str]:

@@ -17,6 +17,7 @@ Policy: with ``strict=True`` (the default) :func:`elasticzero.config.load.load_c
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 from collections.abc import Callable, Mapping
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elasticzero.config.batch import resolve_batch_sizes
+from elasticzero.config.schema import EngineConfig
 from elasticzero.errors import UsageError
 
 __all__ = ["DeepSpeedReport", "key_verdicts", "looks_like_deepspeed", "map_deepspeed"]
@@ -203,12 +205,10 @@ _MAPPED_TOP = {
     "elasticity",
     "activation_checkpointing",
 }
-# only these say "DeepSpeed" (our own schema shares "optimizer", "train_batch_size", "elasticity" and
-# "activation_checkpointing")
-_DEEPSPEED_ONLY_TOP = (_MAPPED_TOP - {"optimizer", "train_batch_size", "elasticity", "activation_checkpointing"}) | {
-    *_IGNORED_TOP,
-    *_UNSUPPORTED_TOP,
-    *_CONDITIONAL_TOP,
+# only these say "DeepSpeed": not the native schema's own top-level keys ("optimizer", "train_batch_size", "timers",
+# "elasticity", "activation_checkpointing", ...), which a native file uses too
+_DEEPSPEED_ONLY_TOP = {*_MAPPED_TOP, *_IGNORED_TOP, *_UNSUPPORTED_TOP, *_CONDITIONAL_TOP} - {
+    f.name for f in dataclasses.fields(EngineConfig)
 }
 
 # DeepSpeed optimizer "type" (lower case) -> torch.optim class name; "adam" is AdamW unless adam_w_mode is false

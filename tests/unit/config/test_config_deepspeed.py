@@ -266,5 +266,6 @@ def test_activation_checkpointing_typos_and_shapes_are_reported() -> None:
     with pytest.raises(UsageError, match="activation_checkpointing must be a mapping, got bool"):
         load_deepspeed_config({"zero_optimization": {}, "activation_checkpointing": True}, world_size=1)
     assert not looks_like_deepspeed({"activation_checkpointing": {"enabled": True}})  # the native schema's key too
+    assert not looks_like_deepspeed({"timers": {"enabled": True}})  # DeepSpeed 0.19 has a timers block as well
     native = load_config({"activation_checkpointing": {"enabled": True, "cpu": True, "blocks": "Block"}})
     assert native.activation_checkpointing.blocks == "Block"

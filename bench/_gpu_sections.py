@@ -100,7 +100,7 @@ def batches(cfg: GPTConfig, n: int, size: int, seq: int, device: torch.device) -
 def reference_adamw(params: Any) -> torch.optim.Optimizer:
     """``torch.optim.AdamW`` built as the ZeRO stages build theirs (``optimizer_kwargs_for``: fused where the caller
     chose no implementation), so the reference runs the same element-wise kernel and stages 1/2 can equal it bitwise."""
-    from elasticzero.engine.zero.base import optimizer_kwargs_for
+    from elasticzero.engine.zero.inner import optimizer_kwargs_for
 
     kwargs = optimizer_kwargs_for(torch.optim.AdamW, {"lr": LR, "betas": BETAS, "weight_decay": WEIGHT_DECAY})
     return torch.optim.AdamW(params, **kwargs)

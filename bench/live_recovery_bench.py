@@ -7,7 +7,7 @@ world, committed steps lost, and what the in-memory copies cost.
     .venv/bin/python bench/live_recovery_bench.py --size bench --seq-len 32 --global-batch 4 --micro-batch 2 --reps 10
 
 **The jobs.** ``examples/train_gpt.py`` (ZeRO-2, gloo, ``--size tiny`` or ``bench`` — the example's byte-level
-vocabulary makes the bench GPT 25.5M parameters there, 29.5M in replica_bench's 4096 vocabulary; through its test driver
+vocabulary makes the bench GPT 25.5M parameters there, 29.5M in copies_bench's 4096 vocabulary; through its test driver
 ``tests/integration/elastic/train_driver.py``, which records every step) under two ``elasticzero-run --nnodes 1:2
 --rdzv-backend c10d`` agents on this machine, each a "node" with one worker, the agents' default rendezvous settings.
 Two paths: ``restart`` (today's agents: a membership change restarts the workers from the newest checkpoint, every
@@ -47,7 +47,7 @@ worker's process start time) and the bench's own instants:
 Summary per path and event: median [min, max], side by side, and the restart / live ratio of the medians.
 
 **The copies' cost** (``--copy-sizes``, default ``bench``: the 29.5M-parameter GPT of the issue's goal):
-``bench/replica_bench.py`` run from here on 2 ranks, ZeRO-2 — step time with and without the ``Replicator`` in the same
+``bench/copies_bench.py`` run from here on 2 ranks, ZeRO-2 — step time with and without the ``BuddyCopies`` in the same
 processes, bytes the copies send per step per rank beside the training collectives', the copies' host memory per rank
 — and the 5 % verdict. Not a test: nothing asserts; the figures depend on the machine's load, printed with them.
 """
@@ -390,26 +390,26 @@ def _ratio(values: dict[str, list[float]]) -> str:
 
 
 def copy_cost(size: str, rounds: int, tmp: Path) -> None:
-    """``bench/replica_bench.py`` on 2 ranks, ZeRO-2, ``size``: step time with and without the copies, bytes, memory."""
-    out = tmp / f"replica-{size}.json"
-    argv = [sys.executable, str(HERE / "replica_bench.py"), "--size", size, "--stage", "2", "--rounds", str(rounds)]
+    """``bench/copies_bench.py`` on 2 ranks, ZeRO-2, ``size``: step time with and without the copies, bytes, memory."""
+    out = tmp / f"copies-{size}.json"
+    argv = [sys.executable, str(HERE / "copies_bench.py"), "--size", size, "--stage", "2", "--rounds", str(rounds)]
     done = subprocess.run([*argv, "--out", str(out)], capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        print(f"\ncopy cost, {size}: replica_bench failed (exit {done.returncode}): {done.stderr.strip()[-500:]}")
+        print(f"\ncopy cost, {size}: copies_bench failed (exit {done.returncode}): {done.stderr.strip()[-500:]}")
         return
     s = json.loads(out.read_text())["summary"]
     print(f"\ncopy cost, GPT {size} ({s['params'] / 1e6:.1f}M parameters), 2 ranks, ZeRO-2, {rounds} rounds "
-          f"(replica_bench; load average {os.getloadavg()[0]:.1f})")  # fmt: skip
+          f"(copies_bench; load average {os.getloadavg()[0]:.1f})")  # fmt: skip
     print(f"  step time without copies {s['step_ms_off']:.1f} ms, with {s['step_ms_on']:.1f} ms: "
-          f"{s['overhead_pct']:+.1f} %; the copies' own hooks {s['replica_ms']:.1f} ms = "
-          f"{s['replica_pct_of_off']:.1f} % of the step (exchange + gate {s['replica_exchange_gate_ms']:.1f} ms, "
-          f"shadow steps {s['replica_shadow_step_ms']:.1f} ms)")  # fmt: skip
-    print(f"  bytes sent per step per rank: copies {s['replica_sent_bytes_per_step'] / 2**20:.2f} MiB, training "
+          f"{s['overhead_pct']:+.1f} %; the copies' own hooks {s['copies_ms']:.1f} ms = "
+          f"{s['copies_pct_of_off']:.1f} % of the step (exchange + gate {s['copies_exchange_gate_ms']:.1f} ms, "
+          f"shadow steps {s['copies_shadow_step_ms']:.1f} ms)")  # fmt: skip
+    print(f"  bytes sent per step per rank: copies {s['copies_sent_bytes_per_step'] / 2**20:.2f} MiB, training "
           f"collectives {s['train_sent_bytes_per_step'] / 2**20:.2f} MiB "
-          f"({s['replica_sent_bytes_per_step'] / s['train_sent_bytes_per_step']:.2f}x)")  # fmt: skip
-    print(f"  host memory per rank: copies {s['replica_host_bytes'] / 2**20:.1f} MiB beside the rank's model state "
+          f"({s['copies_sent_bytes_per_step'] / s['train_sent_bytes_per_step']:.2f}x)")  # fmt: skip
+    print(f"  host memory per rank: copies {s['copies_host_bytes'] / 2**20:.1f} MiB beside the rank's model state "
           f"{s['model_state_bytes'] / 2**20:.1f} MiB")  # fmt: skip
-    ok = max(s["overhead_pct"], s["replica_pct_of_off"]) <= GOAL_PCT
+    ok = max(s["overhead_pct"], s["copies_pct_of_off"]) <= GOAL_PCT
     print(f"  goal <= {GOAL_PCT:g} % step time: {'met' if ok else 'NOT met'} (the larger of the two figures above)")
 
 
@@ -458,7 +458,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seeds the event points (default 0)")
     p.add_argument("--rdzv-conf", default="", help="the agents' --rdzv-conf (default: theirs)")
     p.add_argument("--copy-sizes", default="bench", help="GPT sizes for the copies' cost, or 'none' (default bench)")
-    p.add_argument("--copy-rounds", type=int, default=2, help="replica_bench rounds (default 2)")
+    p.add_argument("--copy-rounds", type=int, default=2, help="copies_bench rounds (default 2)")
     p.add_argument("--timeout", type=float, default=TIMEOUT, help=f"seconds to wait for any one event ({TIMEOUT:g})")
     p.add_argument("--keep", action="store_true", help="keep the job directories (logs, records, checkpoints)")
     args = p.parse_args(argv)

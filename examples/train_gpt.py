@@ -165,7 +165,7 @@ class LiveTrainer(Trainer):
         cfg = load_config(args.config, overrides=overrides(args), world_size=1)
         sizes = {"global_batch_size": cfg.train_batch_size, "micro_batch_size": cfg.micro_batch_size}
         self.sampler = ElasticSampler(len(self.train_set), **sizes, rank=0, world_size=1, seed=args.seed)  # re-cut
-        self.replicas = cfg.zero.replicas  # the buddy copies (zero.replicas: enabled, node_shift, overlap, early)
+        self.copies = cfg.zero.copies  # the buddy copies (zero.copies: enabled, node_shift, overlap, early)
 
     def build(self, group: dist.ProcessGroup) -> torch.optim.Optimizer:
         """One round's model, pieces and checkpointer on ``group`` (the live loop calls it at every round)."""
@@ -200,7 +200,7 @@ class LiveTrainer(Trainer):
         """Train to ``--steps`` through membership changes; checkpoint as ``--save-every`` asks; evaluate at the end."""
         args, t0 = self.args, time.perf_counter()
         refuse_unbounded(args)
-        r = self.replicas
+        r = self.copies
         copies = {"replicate": r.enabled, "node_shift": r.node_shift, "overlap": r.overlap, "early": r.early}
         live = LiveTraining.from_agent(self.build, sampler=self.sampler, resume=self.resume, **copies)
         start = live.step

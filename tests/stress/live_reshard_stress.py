@@ -1,6 +1,6 @@
-"""Stress: the live-reshard cases (``tests/integration/engine/live_reshard_worker.py``) run again and again — a rank
+"""Stress: the live-reshard cases (``tests/integration/live/live_reshard_worker.py``) run again and again — a rank
 SIGKILLed while its peers go on, a new group formed beside a default group with a dead member, the copies stepped on
-the replicator's thread — to find races the single CI run would hide (a script, not collected).
+the copies' thread — to find races the single CI run would hide (a script, not collected).
 
     .venv/bin/python tests/stress/live_reshard_stress.py --runs 10
 

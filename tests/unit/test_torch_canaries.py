@@ -255,7 +255,7 @@ CANARIES = [
         "torch.autograd.Variable._execution_engine.queue_callback",
         "engine/bucketer.py, engine/zero/stage3.py (end-of-backward callback)",
     ),
-    Canary("torch.utils._pytree.tree_map", "engine/zero/base.py", _params("func", "tree")),
+    Canary("torch.utils._pytree.tree_map", "engine/zero/casting.py", _params("func", "tree")),
     Canary("torch.utils._pytree.tree_flatten", "engine/zero/stage3.py", _params("tree")),
     Canary("torch.nn.Module._parameters", "engine/zero/stage3.py (a module's own parameters)", None),
     # -- checkpoint --------------------------------------------------------------------------------------------

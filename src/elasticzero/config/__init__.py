@@ -32,6 +32,9 @@ _LAZY = {
     "batch_plan": "elasticzero.config.elastic",
     "check_world_range": "elasticzero.config.elastic",
     "load_elastic_batch": "elasticzero.config.load",
+    "SchedulerConfig": "elasticzero.config.schema",
+    "AutoValues": "elasticzero.config.auto",
+    "fill_auto": "elasticzero.config.auto",
     "check_elastic_config": "elasticzero.config.load",
 }
 

@@ -9,29 +9,32 @@
             with timers.phase("backward"):
                 pieces.backward(loss)         # through the loss scaler when there is one
         if acc.advance():
-            pieces.step()                     # unscale → clip → step → update the scale → zero_grad
+            pieces.step()                     # unscale → clip → step → update the scale → zero_grad → schedule
 
 The same loop runs every stage; ``pieces.stateful(model)`` is what a checkpoint of it holds. Stage 0 returns a plain
 ``torch.optim`` optimizer over ``model.parameters()`` (``pieces.wrap`` puts the model in DDP); with bf16/fp16 it sets
 ``autocast_dtype`` for ``torch.autocast`` (the model stays fp32, torch AMP style; ``pieces.autocast()``). Stages 1-3
-return ``ZeroStageN(model, torch.optim.<type>, precision=..., bucket_bytes=..., prefetch=..., **params)`` (each
-``zero.*`` option only when set and taken by that stage).
+return ``ZeroStageN(model, torch.optim.<type>, options=ZeroOptions(precision=..., bucket_bytes=..., prefetch=...),
+**params)`` (each ``zero.*`` option only when set and taken by that stage: ``ZeroOptions.taken_by``). A
+``scheduler`` section becomes ``pieces.scheduler``, a DeepSpeed schedule (:mod:`elasticzero.engine.lr_schedules`) on
+``pieces.optimizer``, stepped by ``pieces.step()`` where DeepSpeed's engine steps it: after each optimizer step that
+was taken (not after a skipped fp16 overflow).
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
-import inspect
 import logging
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from elasticzero.config.auto import AutoValues
 from elasticzero.config.batch import check_batch_sizes, resolve_world_size
 from elasticzero.config.elastic import BatchPlan, batch_plan
 from elasticzero.config.load import load_config, optimizer_class
@@ -39,9 +42,11 @@ from elasticzero.config.schema import ActivationCheckpointingConfig, EngineConfi
 from elasticzero.engine.accumulation import GradAccumulation
 from elasticzero.engine.activations import BlockSpec, checkpoint_activations, find_blocks
 from elasticzero.engine.loss_scaler import LossScaler
+from elasticzero.engine.lr_schedules import DeepSpeedSchedule, build_schedule
 from elasticzero.engine.precision import PrecisionPolicy
 from elasticzero.engine.step import StepResult, backward, clip_grad_norm, optimizer_step
 from elasticzero.engine.timers import PhaseTimers
+from elasticzero.engine.zero.options import ZeroOptions
 from elasticzero.errors import UsageError
 
 __all__ = ["EnginePieces", "build_loss_scaler", "build_pieces"]
@@ -63,6 +68,7 @@ class EnginePieces:
     micro_batch_size: int
     config: EngineConfig
     checkpointed: list[str] = field(default_factory=list)  # blocks whose activations are checkpointed (by name)
+    scheduler: DeepSpeedSchedule | None = None  # the config's ``scheduler``; None without one
 
     @property
     def accumulation_steps(self) -> int:
@@ -80,8 +86,12 @@ class EnginePieces:
 
     def step(self) -> StepResult:
         """End the optimizer step: unscale → clip → step → update the scale → zero_grad
-        (:func:`~elasticzero.engine.step.optimizer_step`)."""
-        return optimizer_step(self.optimizer, scaler=self.scaler, max_norm=self.clip_grad_norm)
+        (:func:`~elasticzero.engine.step.optimizer_step`), then the schedule's step unless the optimizer step was
+        skipped (DeepSpeed's engine does not step its scheduler on an fp16 overflow either)."""
+        result = optimizer_step(self.optimizer, scaler=self.scaler, max_norm=self.clip_grad_norm)
+        if self.scheduler is not None and not result.skipped:
+            self.scheduler.step()
+        return result
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module to train: ``DistributedDataParallel(model)`` at stage 0 (it averages the plain optimizer's
@@ -100,7 +110,8 @@ class EnginePieces:
     def stateful(self, model: torch.nn.Module) -> dict[str, Any]:
         """What a checkpoint of these pieces holds, for :class:`~elasticzero.checkpoint.Checkpointer`: ``"model"``
         (model and optimizer: ``ZeroCheckpointState`` at stages 1-3, ``ReplicatedState`` at stage 0; both reshard
-        to any world size) and ``"scaler"`` when there is a loss scaler."""
+        to any world size), ``"scaler"`` when there is a loss scaler and ``"scheduler"`` when there is a schedule (its
+        ``last_batch_iteration``: the same at every world size)."""
         if self.config.zero.stage == 0:
             from elasticzero.checkpoint.replicated import ReplicatedState
 
@@ -109,7 +120,11 @@ class EnginePieces:
             from elasticzero.engine.zero import ZeroCheckpointState
 
             state = {"model": ZeroCheckpointState(self.optimizer)}
-        return state if self.scaler is None else {**state, "scaler": self.scaler}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler
+        return state
 
 
 def build_loss_scaler(cfg: EngineConfig, process_group: Any = None) -> LossScaler | None:
@@ -138,15 +153,19 @@ def build_pieces(
     process_group: Any = None,
     overrides: Sequence[str] = (),
     strict: bool = True,
+    auto: AutoValues | None = None,
 ) -> EnginePieces:
     """Build optimizer, loss scaler, timers and accumulation helper for ``model`` from ``cfg``.
 
     ``cfg``: an :class:`EngineConfig`, or a file/dict for :func:`~elasticzero.config.load.load_config` (native or
-    DeepSpeed; ``overrides`` and ``strict`` are passed on). Stages 1-3 need ``torch.distributed`` initialised; the
-    batch sizes are checked against the real world size.
+    DeepSpeed; ``overrides``, ``strict`` and ``auto`` — a DeepSpeed config's ``"auto"`` values,
+    :class:`~elasticzero.config.auto.AutoValues` — are passed on). Stages 1-3 need ``torch.distributed`` initialised;
+    the batch sizes are checked against the real world size.
     """
     if not isinstance(cfg, EngineConfig):
-        cfg = load_config(cfg, overrides=overrides, strict=strict)
+        if auto is not None and auto.world_size is None:
+            auto = replace(auto, world_size=_world_size(process_group))
+        cfg = load_config(cfg, overrides=overrides, strict=strict, auto=auto)
     world = _world_size(process_group)
     if world is not None:  # the plan for this world (an elastic config may predate it), checked against it
         cfg = _with_plan(cfg, batch_plan(cfg, world))
@@ -169,21 +188,11 @@ def build_pieces(
                 log.warning("zero.%s has no effect at stage 0 (DDP has its own bucket_cap_mb)", key)
     else:
         stage_cls = getattr(importlib.import_module("elasticzero.engine.zero"), f"ZeroStage{cfg.zero.stage}")
-        kwargs: dict[str, Any] = {"process_group": process_group, "precision": policy}
-        accepted = _keyword_names(stage_cls)
-        for key in _ZERO_OPTIONS:
-            value = getattr(cfg.zero, key)
-            if value is None:
-                continue
-            if key in accepted:
-                kwargs[key] = value
-            else:
-                log.warning("zero.%s is not used by ZeroStage%d", key, cfg.zero.stage)
-        if cfg.timers.enabled and "timers" in accepted:
-            kwargs["timers"] = timers
-        optimizer = stage_cls(model, opt_cls, **kwargs, **params)
+        optimizer = stage_cls(model, opt_cls, options=_zero_options(cfg, process_group, policy, timers), **params)
 
     group = getattr(optimizer, "process_group", None) or process_group
+    sched = cfg.scheduler
+    scheduler = None if sched.type is None else build_schedule(optimizer, sched.type, sched.params)
     checkpointed = [] if blocks is None else checkpoint_activations(model, blocks, cpu=cfg.activation_checkpointing.cpu)
     return EnginePieces(
         optimizer=optimizer,
@@ -196,6 +205,7 @@ def build_pieces(
         micro_batch_size=cfg.micro_batch_size,
         config=cfg,
         checkpointed=checkpointed,
+        scheduler=scheduler,
     )
 
 
@@ -227,18 +237,20 @@ def _with_plan(cfg: EngineConfig, plan: BatchPlan) -> EngineConfig:
     return cfg
 
 
-def _keyword_names(stage_cls: type) -> set[str]:
-    """Named constructor arguments of ``stage_cls`` and of its bases up to ``torch.optim.Optimizer`` (a stage may
-    forward ``**kwargs`` to the shared base), so options are passed only to stages that take them."""
-    names: set[str] = set()
-    for klass in stage_cls.__mro__:
-        if not (isinstance(klass, type) and issubclass(klass, torch.optim.Optimizer)) or klass is torch.optim.Optimizer:
-            continue
-        if "__init__" in vars(klass):
-            for p in inspect.signature(klass.__init__).parameters.values():
-                if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
-                    names.add(p.name)
-    return names
+def _zero_options(cfg: EngineConfig, process_group: Any, policy: PrecisionPolicy, timers: PhaseTimers) -> ZeroOptions:
+    """The stage's options from ``cfg``: each ``zero.*`` option set there and taken by the stage (a warning names one
+    it does not take, :meth:`ZeroOptions.taken_by`), the timers when enabled."""
+    taken = ZeroOptions.taken_by(cfg.zero.stage)
+    chosen: dict[str, Any] = {}
+    for key in _ZERO_OPTIONS:
+        value = getattr(cfg.zero, key)
+        if value is not None and key in taken:
+            chosen[key] = value
+        elif value is not None:
+            log.warning("zero.%s is not used by ZeroStage%d", key, cfg.zero.stage)
+    return ZeroOptions(
+        process_group=process_group, precision=policy, timers=timers if cfg.timers.enabled else None, **chosen
+    )
 
 
 def _world_size(process_group: Any) -> int | None:

@@ -7,8 +7,9 @@ one of three lists:
 * ``mapped``: translated (``zero_optimization.stage`` → ``zero.stage``, ...);
 * ``ignored``: known keys that do not change the training result here (logging, monitors, DeepSpeed-internal
   performance knobs such as ``overlap_comm``, offload set to ``"none"``). Never an error;
-* ``unsupported``: keys that would change training if honoured (``scheduler``, real offload, ``torch_autocast``, ...),
-  ``"auto"`` values (the Hugging Face Trainer fills those in; write the number), and keys DeepSpeed does not know
+* ``unsupported``: keys that would change training if honoured (real offload, ``torch_autocast``, ...),
+  ``"auto"`` values left unfilled (:func:`elasticzero.config.auto.fill_auto` fills them from a front door's or a
+  script's own arguments; or write the number), and keys DeepSpeed does not know
   either (typos: DeepSpeed silently ignores them; a close known key is suggested).
 
 Policy: with ``strict=True`` (the default) :func:`elasticzero.config.load.load_config` raises one
@@ -59,7 +60,6 @@ _IGNORED_TOP: dict[str, str] = {
 
 # top-level DeepSpeed features that would change training: key -> what to do instead
 _UNSUPPORTED_TOP: dict[str, str] = {
-    "scheduler": "build a torch.optim.lr_scheduler in your loop (WarmupLR/WarmupDecayLR/WarmupCosineLR -> LambdaLR)",
     "torch_autocast": "wrap the forward in torch.autocast yourself",
     "amp": "use precision.dtype",
     "data_types": "gradients accumulate in fp32 unless precision.reduce_in_low_precision",
@@ -204,9 +204,10 @@ _MAPPED_TOP = {
     "communication_data_type",
     "elasticity",
     "activation_checkpointing",
+    "scheduler",
 }
-# only these say "DeepSpeed": not the native schema's own top-level keys ("optimizer", "train_batch_size", "timers",
-# "elasticity", "activation_checkpointing", ...), which a native file uses too
+# only these say "DeepSpeed": not the native schema's own top-level keys ("optimizer", "scheduler", "timers",
+# "train_batch_size", "elasticity", "activation_checkpointing", ...), which a native file uses too
 _DEEPSPEED_ONLY_TOP = {*_MAPPED_TOP, *_IGNORED_TOP, *_UNSUPPORTED_TOP, *_CONDITIONAL_TOP} - {
     f.name for f in dataclasses.fields(EngineConfig)
 }
@@ -271,6 +272,7 @@ def map_deepspeed(
     precision = _map_precision(ds, out, rep, source)
     _map_zero(ds.get("zero_optimization"), out, rep, source, precision)
     _map_optimizer(ds.get("optimizer"), out, rep, source)
+    _map_scheduler(ds.get("scheduler"), out, rep, source)
 
     if "gradient_clipping" in ds:
         out["clip_grad_norm"] = ds["gradient_clipping"]
@@ -581,6 +583,7 @@ def key_verdicts() -> dict[str, str]:
         table |= {f"{section}.{k}": _verdict(check) for k, check in conditional.items()}
     table |= {f"optimizer.params.{k}": "ignored" for k in _OPTIMIZER_PARAMS_IGNORED}
     del table["optimizer.torch_adam"], table["optimizer.fused"]  # params keys, added just above
+    table |= {"scheduler.type": "mapped", "scheduler.params": "mapped"}
     table |= {
         "optimizer.params.bias_correction": "depends",
         "optimizer.params.max_grad_norm": "refused",
@@ -600,14 +603,41 @@ def _verdict(check: _Check) -> str:
         return "depends"
 
 
+def _map_scheduler(sched: Any, out: dict[str, Any], rep: DeepSpeedReport, source: str) -> None:
+    """``scheduler: {type, params}`` -> ``scheduler`` (the same names: the schedules take DeepSpeed's parameters;
+    the type and every parameter are checked with the rest of the config)."""
+    if sched is None:
+        return
+    if not isinstance(sched, Mapping):
+        raise UsageError(
+            f'{source}: scheduler must be a mapping like {{"type": "WarmupLR", "params": {{}}}}, got {sched!r}'
+        )
+    for key in sched:
+        if key not in ("type", "params"):
+            rep.unsupported.append((f"scheduler.{key}", _unknown(key, {"type", "params"}, "scheduler.")))
+    if sched.get("type") is None:  # DeepSpeed builds no schedule without a type
+        rep.ignored.append(("scheduler", "no scheduler.type: DeepSpeed builds no schedule"))
+        return
+    params = sched.get("params") or {}
+    if not isinstance(params, Mapping):
+        raise UsageError(f"{source}: scheduler.params must be a mapping of the schedule's parameters, got {params!r}")
+    out["scheduler"] = {"type": sched["type"], "params": dict(params)}
+    rep.mapped.append(("scheduler.type", "scheduler.type"))
+    if params:
+        rep.mapped.append(("scheduler.params", "scheduler.params"))
+
+
 # ------------------------------------------------------------------------------------------------ helpers
+_AUTO_UNFILLED = '"auto" needs a value: write it, or fill it with elasticzero.config.fill_auto(config, AutoValues(...))'
+
+
 def _drop_auto(d: Mapping[str, Any], prefix: str, rep: DeepSpeedReport) -> dict[str, Any]:
     """Copy of ``d`` without ``"auto"`` values (each reported unsupported)."""
     kept: dict[str, Any] = {}
     for key, value in d.items():
         path = f"{prefix}{key}"
         if isinstance(value, str) and value.strip().lower() == "auto":
-            rep.unsupported.append((path, '"auto" is filled in by the Hugging Face Trainer; write the value'))
+            rep.unsupported.append((path, _AUTO_UNFILLED))
         elif isinstance(value, Mapping):
             kept[key] = _drop_auto(value, f"{path}.", rep)
         else:

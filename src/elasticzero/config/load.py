@@ -26,6 +26,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from elasticzero.config.auto import AutoValues, fill_auto
 from elasticzero.config.batch import check_batch_sizes, resolve_world_size
 from elasticzero.config.deepspeed import DeepSpeedReport, looks_like_deepspeed, map_deepspeed
 from elasticzero.config.elastic import BATCH_KEYS, ElasticBatch, apply_batch_plan, check_world_range, elastic_batch
@@ -84,6 +85,7 @@ def load_config(
     world_size: int | None = None,
     strict: bool = True,
     format: str = "auto",
+    auto: AutoValues | None = None,
 ) -> EngineConfig:
     """Load and validate a config file (or dict) into an :class:`EngineConfig`.
 
@@ -91,11 +93,18 @@ def load_config(
     ``"deepspeed"``. ``overrides``: omegaconf dotlist (``["zero.stage=3"]``) in native key names, applied last.
     ``world_size``: for batch-size checks (default: the process group, then ``$WORLD_SIZE``).
     ``strict``: DeepSpeed only; see :func:`load_deepspeed_config`.
+    ``auto``: a DeepSpeed config's ``"auto"`` values filled from a front door's arguments first
+    (:func:`~elasticzero.config.auto.fill_auto`; its ``world_size`` defaults to the one resolved here). Without
+    it, each ``"auto"`` is reported as an unsupported key.
     """
     data, name = _read(source)
     if format not in ("auto", "elasticzero", "deepspeed"):
         raise UsageError(f"unknown config format {format!r}; use auto, elasticzero or deepspeed")
     if format == "deepspeed" or (format == "auto" and looks_like_deepspeed(data)):
+        if auto is not None:
+            if auto.world_size is None:
+                auto = dataclasses.replace(auto, world_size=resolve_world_size(world_size))
+            data = fill_auto(data, auto, source=name)
         cfg, _ = load_deepspeed_config(data, strict=strict, world_size=world_size, overrides=overrides, name=name)
         return cfg
     return config_from_dict(data, source=name, overrides=overrides, world_size=world_size)
@@ -136,6 +145,8 @@ def config_from_dict(
     world_size: int | None = None,
 ) -> EngineConfig:
     """Validate a native-schema mapping (plus dotlist ``overrides``) into an :class:`EngineConfig`."""
+    data = _renamed(data, source)
+    overrides = [_renamed_override(o) for o in overrides]
     _check_keys(data, EngineConfig, "", source)
     merged = OmegaConf.structured(EngineConfig)
     try:
@@ -216,7 +227,7 @@ def validate(cfg: EngineConfig, *, source: str = "<config>", world_size: int | N
     z = cfg.zero
     need(z.stage in (0, 1, 2, 3), "zero.stage", "must be 0, 1, 2 or 3", z.stage)
     need(z.bucket_bytes is None or z.bucket_bytes > 0, "zero.bucket_bytes", "must be > 0 (or null)", z.bucket_bytes)
-    need(z.replicas.node_shift >= 1, "zero.replicas.node_shift", "must be >= 1", z.replicas.node_shift)
+    need(z.copies.node_shift >= 1, "zero.copies.node_shift", "must be >= 1", z.copies.node_shift)
     ls = cfg.precision.loss_scale
     need(ls.init_scale > 0, "precision.loss_scale.init_scale", "must be > 0", ls.init_scale)
     need(ls.growth_factor > 1, "precision.loss_scale.growth_factor", "must be > 1", ls.growth_factor)
@@ -238,6 +249,12 @@ def validate(cfg: EngineConfig, *, source: str = "<config>", world_size: int | N
         elastic_batch(cfg, source)  # checks the block and that some world size has a plan
     cls = optimizer_class(cfg.optimizer.type, source)
     _check_optimizer_params(cls, cfg.optimizer.params, source)
+    if cfg.scheduler.type is not None:
+        from elasticzero.engine.lr_schedules import check_schedule
+
+        check_schedule(cfg.scheduler.type, cfg.scheduler.params, source)
+    elif cfg.scheduler.params:
+        raise UsageError(f"{source}: scheduler.params is set without scheduler.type: name the schedule (or drop them)")
     check_batch_sizes(
         cfg.train_batch_size, cfg.micro_batch_size, cfg.accumulation_steps, resolve_world_size(world_size), source
     )
@@ -263,6 +280,33 @@ def optimizer_class(name: str, source: str = "<config>") -> type:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+#: renamed blocks of the native schema: old key -> new key (the old one is still read, files and overrides alike)
+RENAMED = {"zero.replicas": "zero.copies"}
+
+
+def _renamed(data: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``data`` with every block under an old name of :data:`RENAMED` moved to its new name (one line naming both
+    when a config gives both)."""
+    out = dict(data)
+    for old, new in RENAMED.items():
+        (section, old_key), new_key = old.split("."), new.split(".")[1]
+        block = out.get(section)
+        if not isinstance(block, Mapping) or old_key not in block:
+            continue
+        if new_key in block:
+            raise UsageError(f"{source}: '{old}' is the old name of '{new}'; give only '{new}'")
+        out[section] = {(new_key if k == old_key else k): v for k, v in block.items()}
+    return out
+
+
+def _renamed_override(override: str) -> str:
+    """A dotlist override under an old name of :data:`RENAMED`, under the new one."""
+    for old, new in RENAMED.items():
+        if override.startswith((f"{old}.", f"{old}=")):
+            return new + override[len(old) :]
+    return override
+
+
 def _stated_batch_keys(data: Mapping[str, Any], overrides: Sequence[str]) -> set[str]:
     """Batch keys the user stated. An override of the global or micro batch re-derives the file's accumulation."""
     named = {o.split("=", 1)[0].strip() for o in overrides} & set(BATCH_KEYS)

@@ -5,6 +5,7 @@ A YAML/JSON/hjson file mirrors the dataclasses (see ``docs/engine.md``)::
     zero: {stage: 2, bucket_bytes: 104857600}
     precision: {dtype: bf16}
     optimizer: {type: AdamW, params: {lr: 3.0e-4, weight_decay: 0.1}}
+    scheduler: {type: WarmupDecayLR, params: {warmup_max_lr: 3.0e-4, warmup_num_steps: 100, total_num_steps: 5000}}
     clip_grad_norm: 1.0
     accumulation_steps: 4
     micro_batch_size: 8
@@ -28,6 +29,7 @@ __all__ = [
     "OptimizerConfig",
     "Precision",
     "PrecisionConfig",
+    "SchedulerConfig",
     "TimersConfig",
     "ZeroConfig",
 ]
@@ -42,9 +44,10 @@ class Precision(Enum):
 
 
 @dataclass
-class ReplicaConfig:
-    """Live recovery's buddy copies (:class:`~elasticzero.engine.zero.replica.Replicator`), used under
-    ``elasticzero-run --live-recovery``: every rank's ZeRO state copied to a rank of another node."""
+class CopiesConfig:
+    """Live recovery's buddy copies (:class:`~elasticzero.live.copies.BuddyCopies`), used under
+    ``elasticzero-run --live-recovery``: every rank's ZeRO state copied to a rank of another node (``zero.copies``;
+    ``zero.replicas``, its old name, is still read)."""
 
     enabled: bool = True  # off: a lost node's shards come from the disk checkpoint (one node: always off)
     node_shift: int = 1  # copies go this many nodes further along the ring of nodes
@@ -62,7 +65,7 @@ class ZeroConfig:
     bucket_bytes: int | None = None
     prefetch: bool | None = None  # stage 3: all-gather the next unit while the current one computes
     reshard_after_forward: bool | None = None  # stage 3: free each unit after its forward (3Ψ) or keep it (2Ψ)
-    replicas: ReplicaConfig = field(default_factory=ReplicaConfig)  # live recovery's in-memory copies
+    copies: CopiesConfig = field(default_factory=CopiesConfig)  # live recovery's in-memory buddy copies
 
 
 @dataclass
@@ -95,6 +98,16 @@ class OptimizerConfig:
 
     type: str = "AdamW"
     params: dict[str, Any] = field(default_factory=lambda: {"lr": 1e-3})
+
+
+@dataclass
+class SchedulerConfig:
+    """A learning-rate schedule on the optimizer: DeepSpeed's ``scheduler`` block, the same names and ``params``
+    (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, ``OneCycle``, ``LRRangeTest``; see
+    :mod:`elasticzero.engine.lr_schedules`). ``type: null``: none, the optimizer's ``lr`` throughout."""
+
+    type: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -137,6 +150,7 @@ class EngineConfig:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     timers: TimersConfig = field(default_factory=TimersConfig)
     clip_grad_norm: float = 0.0  # max global gradient norm; 0 = no clipping
     accumulation_steps: int = 1  # micro-batches per optimizer step

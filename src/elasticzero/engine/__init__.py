@@ -10,6 +10,7 @@ from elasticzero._lazy import lazy_getattr
 _LAZY = {
     "GradAccumulation": "elasticzero.engine.accumulation",
     "LossScaler": "elasticzero.engine.loss_scaler",
+    "build_schedule": "elasticzero.engine.lr_schedules",
     "PhaseTimers": "elasticzero.engine.timers",
     "StepResult": "elasticzero.engine.step",
     "backward": "elasticzero.engine.step",

@@ -34,7 +34,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from elasticzero.engine.zero import comm
+from elasticzero.engine.zero.comm.communicator import Communicator, OwnsCommunicator
+from elasticzero.engine.zero.comm.stats import CommStats
 from elasticzero.engine.zero.flat import FlatBucket, _device_of, build_buckets
 from elasticzero.errors import UsageError
 
@@ -47,7 +48,7 @@ def phase(timers: Any, name: str) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext() if timers is None else timers.phase(name)
 
 
-class GradBucketer:
+class GradBucketer(OwnsCommunicator):
     """Bucketed, ordered gradient reduction driven by autograd hooks.
 
     Args:
@@ -100,10 +101,10 @@ class GradBucketer:
         shard_out: Callable[[FlatBucket], torch.Tensor | None] | None = None,
         keep_buffers: bool = False,
         max_inflight: int = 2,
-        comm_stats: comm.CommStats | None = None,
+        comm_stats: CommStats | None = None,
         timers: Any = None,
         launch_in_backward: bool = True,
-        communicator: comm.Communicator | None = None,
+        communicator: Communicator | None = None,
     ) -> None:
         if op not in ("all_reduce", "reduce_scatter"):
             raise UsageError(f"GradBucketer op must be 'all_reduce' or 'reduce_scatter', not {op!r}")
@@ -111,7 +112,7 @@ class GradBucketer:
             raise UsageError("GradBucketer: communicator= brings its group and stats; drop process_group/comm_stats")
         self.op: Op = op
         if communicator is None:
-            communicator = comm.Communicator(process_group, owner="GradBucketer", stats=comm_stats)
+            communicator = Communicator(process_group, owner="GradBucketer", stats=comm_stats)
         self._communicator = communicator
         self.world_size = self._communicator.size
         self.rank = self._communicator.rank
@@ -160,28 +161,6 @@ class GradBucketer:
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self._slot]
         if keep_buffers:
             self.allocate_buffers()
-
-    @property
-    def process_group(self) -> Any:
-        """The data-parallel group (held weakly: a :class:`UsageError` once it was destroyed)."""
-        return self._communicator.group
-
-    @property
-    def communicator(self) -> comm.Communicator:
-        """Issues, counts and settles the reductions."""
-        return self._communicator
-
-    @communicator.setter
-    def communicator(self, new: comm.Communicator) -> None:
-        """Replace it by ``new`` (a group of the same ranks); the old one is closed first."""
-        comm.check_replacement(self._communicator, new, "GradBucketer")
-        self._communicator.close()
-        self._communicator = new
-
-    @property
-    def comm_stats(self) -> comm.CommStats:
-        """Counters of the reductions (the communicator's)."""
-        return self._communicator.stats
 
     # -- public ------------------------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """Bounded waits: gloo cannot abort a collective, so the engine's waits are made leavable.
 
-A :class:`BoundedWait` is a :data:`~elasticzero.engine.zero.comm.Waiter`: given to the engine's communicators
-(``Communicator(group, waiter=bound)``, ``Replicator(..., waiter=bound)``), every wait of their works runs on the
+A :class:`BoundedWait` is a :data:`~elasticzero.engine.zero.comm.work.Waiter`: given to the engine's communicators
+(``Communicator(group, waiter=bound)``, ``BuddyCopies(..., waiter=bound)``), every wait of their works runs on the
 bound's helper thread while the calling thread waits for it ``poll_s`` at a time and, between two, polls the round
 source. When a newer round is announced the caller leaves with :class:`Reconfigure` (the round); when the work fails
 (a peer's socket closed: SIGKILL) it waits up to ``failure_grace_s`` for the agent's round, then leaves with
@@ -11,7 +11,7 @@ source. When a newer round is announced the caller leaves with :class:`Reconfigu
 (:meth:`~elasticzero.progress.Reporter.bounded`): the agent's hang line tells a worker waiting on other work on the
 thread (a checkpoint save's collectives) from one outside every wait.
 
-Why a thread and not ``work.wait(timeout)`` in a loop: for gloo's point-to-point works (the rings, the replica
+Why a thread and not ``work.wait(timeout)`` in a loop: for gloo's point-to-point works (the rings, the buddy copies'
 exchange) ``wait(timeout)`` that times out signals the error to every pair of the context (the whole group is broken:
 "Application timeout caused pair closure"), and their ``is_completed()`` stays false until ``wait()`` — so a short
 timed wait can only be used where the group is given up anyway. The thread waits without a bound.

@@ -19,15 +19,15 @@ fresh processes alike (:meth:`LiveTraining._enter`):
 1. the round's group is formed: a fresh default group on the round's store and prefix (:mod:`.group`; the previous
    one, if any, is left and kept referenced);
 2. ``build(group)`` at the round's world, its communicator bounded by a watch of the round file;
-   :func:`~elasticzero.engine.zero.reshard.reshard_from` fills it from what the members hold (a survivor: its own
-   state and its wards' copies, :meth:`Replicator.holdings`; a fresh process: nothing);
+   :func:`~elasticzero.live.reshard.reshard_from` fills it from what the members hold (a survivor: its own
+   state and its wards' copies, :meth:`BuddyCopies.holdings`; a fresh process: nothing);
 3. the group decides where training goes on (:func:`resume_point`, pure over the plan and the members' sampler
    positions, all-gathered): nobody holds state → the job's first round (the state as built, or the caller's
    ``resume``: a disk checkpoint); else the reshard's step, the sampler position from the holder of old rank 0's state
    (a fresh process learns both from its peers); some state lost → :class:`ReshardFallback` (the restart path);
 4. a survivor whose step in flight had passed its commit gate everywhere counts it done (the reshard is one step
    ahead); the sampler is re-cut at the new rank and world (the global batch is kept);
-5. a new :class:`Replicator` for the new world.
+5. a new :class:`BuddyCopies` for the new world.
 
 The attempt's ``with`` leaves on :class:`~elasticzero.live.bounded.Reconfigure` (any wait of the step's collectives
 left for a newer round) and enters the new round in the same process; a newer round arriving while it does starts the
@@ -51,12 +51,12 @@ import torch.distributed as dist
 from elasticzero.data.sampler import ElasticSampler
 from elasticzero.device import Facts, Placement, placement
 from elasticzero.engine.zero.base import ZeroOptimizer
-from elasticzero.engine.zero.comm import Communicator
-from elasticzero.engine.zero.replica import Replicator
-from elasticzero.engine.zero.reshard import Fallback, Holdings, ReshardPlan, reshard_from
+from elasticzero.engine.zero.comm.communicator import Communicator
 from elasticzero.errors import UsageError
 from elasticzero.live.bounded import BoundedWait, LiveError, Reconfigure
+from elasticzero.live.copies import BuddyCopies
 from elasticzero.live.group import RoundGroups, RoundWatch, aborts_on_announce, group_spec
+from elasticzero.live.reshard import Fallback, Holdings, ReshardPlan, reshard_from
 from elasticzero.live.rounds import ROUND_FILE_ENV, NodeRound, RoundError, RoundFile
 from elasticzero.progress import reporter
 
@@ -170,13 +170,13 @@ class LiveTraining:
             into the optimizer as built and returns its step (``sampler`` given at that step's position); default:
             the state as built, at ``start_step``.
         start_step: the step a fresh job starts at without ``resume``.
-        replicate, node_shift, overlap, early: the buddy copies (:class:`Replicator`'s ``enabled``, ``node_shift``,
-            ``overlap``, ``early``; a config's ``zero.replicas``): without copies a lost node's state is lost, and its
+        replicate, node_shift, overlap, early: the buddy copies (:class:`BuddyCopies`'s ``enabled``, ``node_shift``,
+            ``overlap``, ``early``; a config's ``zero.copies``): without copies a lost node's state is lost, and its
             loss falls back to the disk checkpoint (``ReshardFallback``).
     """
 
     opt: ZeroOptimizer
-    replicator: Replicator
+    copies: BuddyCopies
     bound: BoundedWait
 
     def __init__(
@@ -274,7 +274,7 @@ class LiveTraining:
 
     def close(self) -> None:
         """Stop the copies (the last round's group stays the default group; the abandoned ones stay referenced)."""
-        self.replicator.close()
+        self.copies.close()
         self.bound.close()
         if self.watch is not None:
             self.watch.close()
@@ -291,7 +291,7 @@ class LiveTraining:
     def reconfigure(self, round_: NodeRound) -> None:
         """Leave the old round for ``round_`` in this process (see the module)."""
         left_at = time.monotonic()
-        entered = self._enter_until_settled(round_, self.replicator.holdings())
+        entered = self._enter_until_settled(round_, self.copies.holdings())
         self.events.append(RoundEvent(entered, left_at, time.monotonic(), self.step))
 
     def _enter_until_settled(self, round_: NodeRound, holdings: Holdings) -> NodeRound:
@@ -337,7 +337,7 @@ class LiveTraining:
             self._catch_up(at.step)
         self.sampler = recut(self.sampler, at.position, at.behind, opt.rank, opt.world_size)
         self.step, self.round, self.opt = at.step, round_, opt
-        self.replicator = self._replicate(at.step)
+        self.copies = self._make_copies(at.step)
 
     def _catch_up(self, step: int) -> None:
         """A survivor at the reshard's ``step``: its step in flight counted done when its commit gate passed everywhere
@@ -362,9 +362,9 @@ class LiveTraining:
         opt.communicator = Communicator(opt.process_group, owner=type(opt).__name__, waiter=self.bound)
         return opt
 
-    def _replicate(self, step: int) -> Replicator:
+    def _make_copies(self, step: int) -> BuddyCopies:
         nodes = self.nodes(self.opt.world_size) if self.nodes is not None else None
-        return Replicator(
+        return BuddyCopies(
             self.opt, nodes=nodes, step=step, waiter=self.bound,
             enabled=self.replicate, node_shift=self.node_shift, overlap=self.overlap, early=self.early,
         )  # fmt: skip

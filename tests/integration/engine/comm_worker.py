@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import elasticzero
-from elasticzero.engine.zero.comm import Communicator
+from elasticzero.engine.zero.comm.communicator import Communicator
 from elasticzero.errors import UsageError
 
 STEPS, REPLACE_AT = 4, 2

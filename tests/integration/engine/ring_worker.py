@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from elasticzero.engine.zero import ring
-from elasticzero.engine.zero.comm import Communicator
+from elasticzero.engine.zero.comm.communicator import Communicator
 
 
 def main(out: str) -> None:

@@ -1,4 +1,4 @@
-"""Communicators on real gloo ranks (engine/zero/comm.py): the ring decision per communicator, an optimizer whose
+"""Communicators on real gloo ranks (engine/zero/comm/): the ring decision per communicator, an optimizer whose
 communicator is replaced by one on a freshly created group keeps training exactly as one that never changed groups,
 and a group of another size is refused."""
 

@@ -86,7 +86,7 @@ def test_example_ds_config_loads_strictly() -> None:
 BAD = {
     "train_micro_batch_size_per_gpu": "auto",
     "gradient_acumulation_steps": 2,
-    "scheduler": {"type": "WarmupLR", "params": {}},
+    "scheduler": {"type": "WarmupLR", "parms": {}},
     "fp16": {"enabled": True, "auto_cast": True},
     "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "overlap_com": True},
 }
@@ -98,10 +98,10 @@ def test_unsupported_keys_strict_error_names_all_of_them() -> None:
     msg = str(info.value)
     assert msg.startswith("<dict>: unsupported DeepSpeed keys: ")
     for expected in (
-        'train_micro_batch_size_per_gpu ("auto" is filled in by the Hugging Face Trainer; write the value)',
+        'train_micro_batch_size_per_gpu ("auto" needs a value: write it, or fill it with elasticzero.config.fill_auto(',
         "gradient_acumulation_steps (not a DeepSpeed key elasticzero knows; "
         "did you mean 'gradient_accumulation_steps'?)",
-        "scheduler (build a torch.optim.lr_scheduler in your loop",
+        "scheduler.parms (not a DeepSpeed key elasticzero knows; did you mean 'scheduler.params'?)",
         "fp16.auto_cast (inputs are not cast",
         "zero_optimization.offload_optimizer (CPU/NVMe offload is not provided",
         "zero_optimization.overlap_com (not a DeepSpeed key elasticzero knows; did you mean "

@@ -30,7 +30,7 @@ def test_yaml_file_maps_onto_the_schema(tmp_path: Path) -> None:
     cfg = load_config(f, world_size=2)
     assert isinstance(cfg, EngineConfig)
     assert (cfg.zero.stage, cfg.zero.bucket_bytes, cfg.zero.prefetch) == (2, 1048576, None)
-    r = cfg.zero.replicas
+    r = cfg.zero.copies
     assert (r.enabled, r.node_shift, r.overlap, r.early) == (True, 1, True, True)
     assert cfg.precision.dtype is Precision.fp16
     assert (cfg.precision.loss_scale.init_scale, cfg.precision.loss_scale.hysteresis) == (1024.0, 1)
@@ -39,6 +39,13 @@ def test_yaml_file_maps_onto_the_schema(tmp_path: Path) -> None:
     assert cfg.optimizer.params == {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}  # 3e-4 is a float
     assert cfg.timers.enabled and not cfg.timers.synchronize
     assert (cfg.clip_grad_norm, cfg.accumulation_steps, cfg.micro_batch_size, cfg.train_batch_size) == (1.0, 4, 2, 16)
+
+
+def test_the_old_name_of_the_copies_block_is_still_read(tmp_path: Path) -> None:
+    f = tmp_path / "old.yaml"
+    f.write_text("zero:\n  replicas:\n    early: false\n")
+    cfg = load_config(f, world_size=1, overrides=["zero.replicas.node_shift=2"])
+    assert (cfg.zero.copies.early, cfg.zero.copies.node_shift) == (False, 2)
 
 
 def test_defaults_from_an_empty_file(tmp_path: Path) -> None:
@@ -82,8 +89,9 @@ def test_json_file_and_overrides(tmp_path: Path) -> None:
         ({"precision": {"dtype": "fp8"}}, r"wrong type for 'precision\.dtype': Invalid value 'fp8', expected one of"),
         ({"zero": {"stage": 4}}, r"zero\.stage must be 0, 1, 2 or 3, got 4"),
         ({"zero": {"bucket_bytes": 0}}, r"zero\.bucket_bytes must be > 0"),
-        ({"zero": {"replicas": {"node_shift": 0}}}, r"zero\.replicas\.node_shift must be >= 1, got 0"),
-        ({"zero": {"replicas": {"enabld": False}}}, r"'zero\.replicas\.enabld'"),
+        ({"zero": {"copies": {"node_shift": 0}}}, r"zero\.copies\.node_shift must be >= 1, got 0"),
+        ({"zero": {"copies": {"enabld": False}}}, r"'zero\.copies\.enabld'"),
+        ({"zero": {"replicas": {"early": False}, "copies": {}}}, r"'zero\.replicas' is the old name of 'zero\.copies'"),
         ({"accumulation_steps": 0}, r"accumulation_steps must be >= 1, got 0"),
         ({"micro_batch_size": -1}, r"micro_batch_size must be >= 1"),
         ({"clip_grad_norm": -1.0}, r"clip_grad_norm must be >= 0"),

@@ -97,8 +97,10 @@ def test_stage2_trains_the_model_itself_and_checkpoints_zero_state(world1: None)
 
 @pytest.mark.parametrize("stage", [0, 2])
 def test_stateful_round_trips_through_a_checkpoint(world1: None, tmp_path: Path, stage: int) -> None:
-    """Train two steps, save, train two more; a fresh job loading the checkpoint trains the same two more."""
-    cfg = {**CFG, "zero": {"stage": stage}}
+    """Train two steps, save, train two more; a fresh job loading the checkpoint trains the same two more (at the
+    schedule's learning rates: the scheduler is in the checkpoint; its lr moves at every step here)."""
+    schedule = {"type": "WarmupDecayLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2, "warmup_max_lr": 0.02}}
+    cfg = {**CFG, "zero": {"stage": stage}, "scheduler": schedule}
     model = _model()
     pieces = build_pieces(model, cfg)
     net, ckpt = pieces.wrap(model), Checkpointer(tmp_path, keep_last=1)
@@ -110,7 +112,9 @@ def test_stateful_round_trips_through_a_checkpoint(world1: None, tmp_path: Path,
 
     fresh = _model()
     resumed = build_pieces(fresh, cfg)
+    assert resumed.stateful(fresh).keys() == {"model", "scheduler"}
     assert ckpt.load_latest(resumed.stateful(fresh)) == 2
+    assert resumed.scheduler is not None and resumed.scheduler.last_batch_iteration == 1
     _train(resumed, resumed.wrap(fresh), batches[4:])
     ckpt.close()
     assert all(torch.equal(v, expected[k]) for k, v in fresh.state_dict().items())

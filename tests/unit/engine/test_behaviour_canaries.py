@@ -14,21 +14,21 @@ import torch.distributed.nn.functional as dist_nn_functional
 from torch import nn
 
 from elasticzero.engine import hf
-from elasticzero.engine.zero import comm
+from elasticzero.engine.zero.comm import patching
 from ez_testing import require
 
 
 def test_dist_nn_functional_binds_its_group_default_at_import() -> None:
-    """comm.default_group_pinned reads torch.distributed.nn.functional.all_reduce's defaults: the group default is
+    """patching.default_group_pinned reads torch.distributed.nn.functional.all_reduce's defaults: the group default is
     evaluated when that module is imported (so importing it after init_process_group pins the default group)."""
     group = inspect.signature(dist_nn_functional.all_reduce).parameters.get("group")
     assert group is not None, "torch changed torch.distributed.nn.functional.all_reduce: no `group` parameter"
     defaults = dist_nn_functional.all_reduce.__defaults__ or ()
     assert any(d is group.default for d in defaults), (
         "torch changed torch.distributed.nn.functional.all_reduce: its group default is no longer a plain default "
-        "argument; revisit engine/zero/comm.py default_group_pinned (see docs/architecture.md)"
+        "argument; revisit engine/zero/comm/patching.py default_group_pinned (see docs/architecture.md)"
     )
-    assert not comm.default_group_pinned() or dist.is_initialized()
+    assert not patching.default_group_pinned() or dist.is_initialized()
 
 
 def test_transformers_reads_the_sharded_flag_that_stage3_sets() -> None:
@@ -70,8 +70,8 @@ def _binds_world_at_import(source: str) -> bool:
 
 
 def test_every_torch_module_that_binds_the_default_group_at_import_is_unpinned() -> None:
-    """comm.unpin_default_group covers the torch modules whose functions take ``group.WORLD`` as a default argument
-    (evaluated at import): a new one in torch's source must be added to comm._PINNING_MODULES."""
+    """patching.unpin_default_group covers the torch modules whose functions take ``group.WORLD`` as a default argument
+    (evaluated at import): a new one in torch's source must be added to patching._PINNING_MODULES."""
     root = Path(torch.__file__).parent
     binding = {
         ".".join(("torch", *path.relative_to(root).with_suffix("").parts))
@@ -79,11 +79,13 @@ def test_every_torch_module_that_binds_the_default_group_at_import_is_unpinned()
         if "group.WORLD" in (text := path.read_text(encoding="utf-8", errors="replace"))
         and _binds_world_at_import(text)
     }
-    assert binding, "torch no longer binds group.WORLD as a default argument anywhere: re-check comm._PINNING_MODULES"
-    missing = sorted(binding - set(comm._PINNING_MODULES))
+    assert binding, (
+        "torch no longer binds group.WORLD as a default argument anywhere: re-check patching._PINNING_MODULES"
+    )
+    missing = sorted(binding - set(patching._PINNING_MODULES))
     assert not missing, (
-        f"torch modules bind group.WORLD as a default argument and comm.unpin_default_group does not cover them: "
-        f"{missing}; add them to engine/zero/comm.py _PINNING_MODULES if None means the default group there"
+        f"torch modules bind group.WORLD as a default argument and patching.unpin_default_group does not cover them: "
+        f"{missing}; add them to engine/zero/comm/patching.py _PINNING_MODULES if None means the default group there"
     )
 
 
@@ -92,9 +94,9 @@ def test_unpin_puts_none_back_where_a_late_import_bound_the_live_group(group: No
     saved = dist_nn_functional.broadcast.__defaults__
     dist_nn_functional.broadcast.__defaults__ = (world,)  # what importing the module after init_process_group binds
     try:
-        assert comm.default_group_pinned()
-        assert comm.unpin_default_group() == 1
+        assert patching.default_group_pinned()
+        assert patching.unpin_default_group() == 1
         assert dist_nn_functional.broadcast.__defaults__ == (None,)
-        assert not comm.default_group_pinned()
+        assert not patching.default_group_pinned()
     finally:
         dist_nn_functional.broadcast.__defaults__ = saved

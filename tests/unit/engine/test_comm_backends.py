@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticzero.engine.zero.comm import ring_applies, settles
+from elasticzero.engine.zero.comm.backends import ring_applies, settles
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from elasticzero.engine.zero.comm import Communicator
+from elasticzero.engine.zero.comm.communicator import Communicator
 
 pytestmark = pytest.mark.timeout(60)
 

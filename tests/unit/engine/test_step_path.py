@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from elasticzero import GradBucketer, ZeroStage1, ZeroStage2
-from elasticzero.engine.zero.base import optimizer_kwargs_for
-from elasticzero.engine.zero.comm import Communicator, same_memory
+from elasticzero.engine.zero.comm.communicator import Communicator
+from elasticzero.engine.zero.comm.work import same_memory
 from elasticzero.engine.zero.dcp_state import ZeroCheckpointState
+from elasticzero.engine.zero.inner import optimizer_kwargs_for
 
 pytestmark = pytest.mark.timeout(120)
 

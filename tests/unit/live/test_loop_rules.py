@@ -13,12 +13,11 @@ import torch
 import torch.distributed as dist
 
 from elasticzero.data.sampler import ElasticSampler
-from elasticzero.engine.zero.replica import Replicator
-from elasticzero.engine.zero.reshard import Fallback, ReshardPlan
 from elasticzero.engine.zero.stage2 import ZeroStage2
 from elasticzero.errors import UsageError
 from elasticzero.live import loop
 from elasticzero.live.bounded import LiveError, Reconfigure
+from elasticzero.live.copies import BuddyCopies
 from elasticzero.live.loop import (
     LiveTraining,
     ReshardFallback,
@@ -28,6 +27,7 @@ from elasticzero.live.loop import (
     recut,
     resume_point,
 )
+from elasticzero.live.reshard import Fallback, ReshardPlan
 from elasticzero.live.rounds import ROUND_FILE_ENV, NodeRound, StoreAddress, write_round
 from ez_testing import free_port
 
@@ -162,7 +162,7 @@ def test_a_newer_round_during_the_entry_starts_it_over_with_that_round(tmp_path:
 def test_the_copies_options_reach_the_replicator_and_committed_says_which_attempts_counted(
     tmp_path: Path, cpu_machine: None
 ) -> None:
-    """``replicate=False`` (a config's ``zero.replicas.enabled``) turns the copies off in every round; ``committed``
+    """``replicate=False`` (a config's ``zero.copies.enabled``) turns the copies off in every round; ``committed``
     is True after a step that completed and False after one left for a new round (the ``with`` swallowed that)."""
     path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
     write_round(path, NodeRound(0, 1, ((0, 0),), store, "r0/"))
@@ -170,7 +170,7 @@ def test_the_copies_options_reach_the_replicator_and_committed_says_which_attemp
     live = LiveTraining.from_agent(build, sampler=sampler(0, 1), env={ROUND_FILE_ENV: path}, replicate=False)
     outcomes: list[bool] = []
     try:
-        assert live.replicator.plan.reason == "replication is off"
+        assert live.copies.plan.reason == "replication is off"
         for attempt in live.steps(2):
             with attempt:
                 if attempt.step == 1 and live.round.number == 0:  # a new round arrives inside the step
@@ -182,7 +182,7 @@ def test_the_copies_options_reach_the_replicator_and_committed_says_which_attemp
                 attempt.opt.zero_grad()
             outcomes.append(attempt.committed)
         assert outcomes == [True, False, True] and [s for s, _ in live.record] == [0, 1]
-        assert live.round.number == 1 and live.replicator.plan.reason == "replication is off"
+        assert live.round.number == 1 and live.copies.plan.reason == "replication is off"
     finally:
         live.close()
         live.groups.abandon()
@@ -193,11 +193,11 @@ def test_every_copies_option_reaches_each_rounds_replicator(
 ) -> None:
     seen: list[dict[str, Any]] = []
 
-    def recording(opt: Any, **options: Any) -> Replicator:
+    def recording(opt: Any, **options: Any) -> BuddyCopies:
         seen.append({k: options[k] for k in ("enabled", "node_shift", "overlap", "early")})
-        return Replicator(opt, **options)
+        return BuddyCopies(opt, **options)
 
-    monkeypatch.setattr(loop, "Replicator", recording)
+    monkeypatch.setattr(loop, "BuddyCopies", recording)
     path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
     write_round(path, NodeRound(0, 1, ((0, 0),), store, "r0/"))
     options = {"replicate": False, "node_shift": 3, "overlap": False, "early": False}

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from elasticzero.engine.zero.comm import Communicator
+from elasticzero.engine.zero.comm.communicator import Communicator
 
 
 def local_norm_term(

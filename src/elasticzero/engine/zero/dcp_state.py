@@ -160,7 +160,7 @@ class ZeroCheckpointState:
 def never_stepped(state: dict[str, dict[str, FlatChunk]], pieces: Sequence[Piece]) -> bool:
     """The loaded optimizer state holds nothing for this bucket's ``pieces`` (some, not only padding): it was taken
     before the optimizer's first step — an in-memory reshard of a job that has not stepped yet (a node joined or left
-    before step 1) hands no state keys (:func:`~elasticzero.engine.zero.reshard.reshard_from`)."""
+    before step 1) hands no state keys (:func:`~elasticzero.live.reshard.reshard_from`)."""
     return bool(pieces) and not any(state.get(p.name) for p in pieces)
 
 

@@ -23,3 +23,17 @@ def storage_report(categories: Iterable[tuple[str, Iterable[torch.Tensor | None]
             total += st.nbytes()
         report[name] = report.get(name, 0) + total
     return report
+
+
+#: the categories of :func:`model_state_report` that are model state (``frozen`` and ``scratch`` are not)
+MODEL_STATE = ("params", "master", "grads", "optim_state")
+
+
+def model_state_report(categories: Iterable[tuple[str, Iterable[torch.Tensor | None]]], numel: int) -> dict[str, float]:
+    """:func:`storage_report` of ``categories`` plus ``total`` (the :data:`MODEL_STATE` categories), ``numel`` (Ψ,
+    trainable elements) and ``bytes_per_param`` (``total / numel``)."""
+    rep: dict[str, float] = dict(storage_report(categories))
+    rep["total"] = sum(rep[k] for k in MODEL_STATE)
+    rep["numel"] = numel
+    rep["bytes_per_param"] = rep["total"] / numel
+    return rep

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from elasticzero.engine.zero.base import ZeroOptimizer
-from elasticzero.engine.zero.comm import same_memory
+from elasticzero.engine.zero.comm.work import same_memory
 from elasticzero.engine.zero.flat import FlatBucket, flatten_into, view_params_into
 from elasticzero.errors import UsageError
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -43,18 +43,17 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from elasticzero.engine import hf
-from elasticzero.engine.bucketer import DEFAULT_BUCKET_BYTES, GradBucketer, phase
-from elasticzero.engine.precision import PrecisionPolicy
+from elasticzero.engine.bucketer import GradBucketer, phase
 from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.eager import outside_graph
 from elasticzero.engine.zero.flat import FlatBucket, Named, flatten_into, view_params_into
+from elasticzero.engine.zero.options import UnitSpec, ZeroOptions
 from elasticzero.errors import UsageError
-
-UnitSpec = Iterable[nn.Module] | tuple[type[nn.Module], ...] | type[nn.Module] | Callable[[nn.Module], bool] | None
 
 
 class ZeroStage3(ZeroOptimizer):
-    """ZeRO-3 optimizer wrapper (arguments of :class:`~elasticzero.engine.zero.base.ZeroOptimizer`, plus):
+    """ZeRO-3 optimizer wrapper (arguments of :class:`~elasticzero.engine.zero.base.ZeroOptimizer`, plus these
+    :class:`~elasticzero.engine.zero.options.ZeroOptions` fields of stage 3 only):
 
     Args:
         units: which submodules are gathered/freed as one unit: a module class (or tuple of classes), a predicate
@@ -81,38 +80,15 @@ class ZeroStage3(ZeroOptimizer):
         module: nn.Module,
         optimizer_class: type[torch.optim.Optimizer],
         *,
-        process_group: Any = None,
-        precision: str | PrecisionPolicy = "fp32",
-        param_groups: Sequence[dict[str, Any]] | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        max_inflight: int = 2,
-        timers: Any = None,
-        sync_module_states: bool = True,
-        cast_forward_inputs: bool = True,
-        units: UnitSpec = None,
-        reshard_after_forward: bool = True,
-        prefetch: bool = True,
-        prefetch_bytes: int = 0,
-        **optimizer_kwargs: Any,
+        options: ZeroOptions | None = None,
+        **kwargs: Any,
     ) -> None:
-        plan = UnitPlan.of(module, _normalize_units(units))
-        super().__init__(
-            module,
-            optimizer_class,
-            process_group=process_group,
-            precision=precision,
-            param_groups=param_groups,
-            bucket_bytes=bucket_bytes,
-            max_inflight=max_inflight,
-            timers=timers,
-            sync_module_states=sync_module_states,
-            cast_forward_inputs=cast_forward_inputs,
-            grouping=plan.groups,
-            **optimizer_kwargs,
-        )
-        self.reshard_after_forward = reshard_after_forward
-        self.prefetch = prefetch
-        self.prefetch_bytes = prefetch_bytes
+        options, kwargs = ZeroOptions.split(kwargs, self.stage, options)
+        plan = UnitPlan.of(module, _normalize_units(options.units))
+        super().__init__(module, optimizer_class, options=options, grouping=plan.groups, **kwargs)
+        self.reshard_after_forward = options.reshard_after_forward
+        self.prefetch = options.prefetch
+        self.prefetch_bytes = options.prefetch_bytes
         self._needed: dict[str, list[int]] = {"": []}  # unit -> its buckets (the root always: it frees the unused)
         for b in self.buckets:
             self._needed.setdefault(plan.unit_of[id(b.params[0])], []).append(b.index)

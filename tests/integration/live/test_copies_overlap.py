@@ -1,5 +1,5 @@
-"""Buddy copies whose gradients go to the holder during backward (engine/zero/replica.py, ``Replicator(early=True)``)
-with real gloo ranks: one driver process forks a world of 2 per case (``replica_overlap_worker.py``): ZeRO-1/2/3 in
+"""Buddy copies whose gradients go to the holder during backward (live/copies.py, ``BuddyCopies(early=True)``)
+with real gloo ranks: one driver process forks a world of 2 per case (``copies_overlap_worker.py``): ZeRO-1/2/3 in
 fp32, bf16 and fp16, through the engine's step path with a loss scaler (one step skipped for an inf) and a clip that
 bites, with one backward per step and with accumulation (``no_sync``: still sent early; repeated backward: sent at the
 pre-step hook). After the steps every holder's copy equals its ward's live state bitwise."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from replica_overlap_worker import CASES
+from copies_overlap_worker import CASES
 
 from ez_testing import run_driver
 
@@ -18,7 +18,7 @@ HERE = Path(__file__).parent
 
 def test_copies_stay_bitwise_with_gradients_sent_during_backward(tmp_path: Path) -> None:
     out = tmp_path / "overlap"
-    run_driver(HERE / "replica_overlap_worker.py", out)
+    run_driver(HERE / "copies_overlap_worker.py", out)
     for case in CASES:
         name = "_".join(map(str, case))
         for r in range(2):

@@ -1,4 +1,4 @@
-"""In-memory reshard from buddy copies (engine/zero/replica.py, engine/zero/reshard.py) with real gloo ranks: one
+"""In-memory reshard from buddy copies (live/copies.py, live/reshard.py) with real gloo ranks: one
 driver process forks a world of 3 per case (``live_reshard_worker.py``): a rank SIGKILLed at ZeRO-1/2/3 in fp32 and
 bf16 (the survivors reshard 3 -> 2 in the same processes, over a new group), a rank joining (2 -> 3, stage 2 -> 3),
 two ranks lost at once (a fallback, nothing touched). After the reshard the fp32 masters, Adam moments and step

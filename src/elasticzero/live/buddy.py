@@ -40,7 +40,7 @@ class BuddyPlan:
 def shift_for(node_shift: int, nodes: int) -> tuple[int, str]:
     """The shift a round of ``nodes`` nodes uses, and why when it is not ``node_shift`` (>= 1; ``nodes`` >= 2)."""
     if node_shift < 1:
-        raise UsageError(f"replica node_shift={node_shift}: must be >= 1 (default 1)")
+        raise UsageError(f"buddy copies: node_shift={node_shift}: must be >= 1 (default 1)")
     if node_shift % nodes:
         return node_shift, ""
     return 1, f"node_shift={node_shift} is a multiple of this round's {nodes} nodes (copies on their own node): shift 1"

@@ -1,11 +1,11 @@
 """The wire: the one device a group's buddy-copy and reshard messages travel on (``comm.wire_for``), and the builders
-that put them there (engine/zero/replica.py, engine/zero/reshard.py), checked without a GPU.
+that put them there (live/copies.py, live/reshard.py), checked without a GPU.
 
 NCCL sends only CUDA tensors, so a host tensor handed to an NCCL group fails the live path at its first copy. On the
 CPU the wire is the host and every tensor is on it anyway; here the builders are given ``torch.device("meta")`` as
 the wire (a device that is not the host, with no data), so a buffer built on the host by mistake shows up as a CPU
-tensor among meta ones. tests/integration/engine/test_live_reshard.py checks every tensor handed to the real
-communicators of a replicator and a reshard (real gloo ranks) is on the wire the rule gives."""
+tensor among meta ones. tests/integration/live/test_live_reshard.py checks every tensor handed to the real
+communicators of a BuddyCopies and a reshard (real gloo ranks) is on the wire the rule gives."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from elasticzero import ZeroStage2
-from elasticzero.engine.zero.base import Factor
-from elasticzero.engine.zero.comm import p2p_batched, wire_for
-from elasticzero.engine.zero.replica import (
+from elasticzero.engine.zero.comm.backends import p2p_batched, wire_for
+from elasticzero.engine.zero.watch import Factor
+from elasticzero.live.copies import (
     NOTE_LEN,
-    Replicator,
+    BuddyCopies,
     WardCopy,
     bucket_exchange,
     grad_message,
@@ -26,7 +26,7 @@ from elasticzero.engine.zero.replica import (
     on,
     step_message,
 )
-from elasticzero.engine.zero.reshard import Transfer, _pack
+from elasticzero.live.reshard import Transfer, _pack
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 
@@ -101,7 +101,7 @@ def test_pack_is_on_the_wire_and_equals_the_concatenation() -> None:
 
 def test_ward_copy_inbox_on_the_wire_copies_on_the_host(group: None) -> None:
     opt = ZeroStage2(nn.Linear(3, 2), torch.optim.AdamW, lr=0.1)
-    rep = Replicator(opt, nodes=[0])  # one rank: nothing replicated, but the builders run on its wire
+    rep = BuddyCopies(opt, nodes=[0])  # one rank: nothing replicated, but the builders run on its wire
     assert rep.wire == CPU
     here = rep._empty_copy(0)
     hosts = [here.present, here.note, *here.grads]
@@ -121,7 +121,7 @@ def test_early_bucket_exchange_is_on_the_wire(group: None) -> None:
     """A bucket's shard sent during backward and the wards' receive buffers: on the wire (the device under NCCL, where
     the send is issued after the reduction's stream work); on the host wire the gradient itself, no copy."""
     opt = ZeroStage2(nn.Linear(3, 2), torch.optim.AdamW, lr=0.1)
-    rep = Replicator(opt, nodes=[0])
+    rep = BuddyCopies(opt, nodes=[0])
     shard = torch.ones(4)
     sends, recvs = bucket_exchange(0, shard, 1, {1: rep._empty_copy(1)}, CPU)
     assert sends[0][0].data_ptr() == shard.data_ptr() and sends[0][1] == 1 and recvs[0][1] == 1

@@ -3,12 +3,12 @@ once, in the driver) and writes ``{case: [problems]}`` per surviving rank to ``O
 
 Cases (stage, precision, scenario):
 
-- ``drop``: 3 ranks, each its own node, train with a :class:`Replicator`; every holder's copy equals its ward's live
-  state bitwise (copies stepped on the replicator's thread; at stage 1 inside ``opt.step()``); rank 2 SIGKILLs itself;
+- ``drop``: 3 ranks, each its own node, train with a :class:`BuddyCopies`; every holder's copy equals its ward's live
+  state bitwise (copies stepped on the copies' thread; at stage 1 inside ``opt.step()``); rank 2 SIGKILLs itself;
   ranks 0 and 1 form a new group in the same processes, build a fresh optimizer (another seed) and
   :func:`reshard_from` their holdings; the state equals the step-K state bitwise (what a DCP reshard restores), then
   two more steps at world 2 end where plain torch from that state ends, within the ``ez_numerics`` rule, with copies
-  for the new world (a new replicator, mirrored with the moments) equal to their wards' state bitwise again.
+  for the new world (a new BuddyCopies, mirrored with the moments) equal to their wards' state bitwise again.
 - ``join``: ranks 0 and 1 train at world 2 (stage 2) with copies; rank 2 joins: the new optimizer, at world 3 and
   ``stage'``, on all three, gets its shards from its peers (rank 2 holds nothing); bitwise, then two steps at world 3.
 - ``lose2``: ranks 1 and 2 both die: rank 1's copy was on rank 2, so rank 0's :func:`reshard_from` returns a
@@ -33,9 +33,10 @@ import torch
 import torch.distributed as dist
 from ckpt_model import PlainState, build, continue_plainly, full_state, mismatches, train
 
-from elasticzero.engine.zero.comm import Communicator, wire_for
-from elasticzero.engine.zero.replica import Replicator
-from elasticzero.engine.zero.reshard import Fallback, Holdings, ReshardPlan, reshard_from
+from elasticzero.engine.zero.comm.backends import wire_for
+from elasticzero.engine.zero.comm.communicator import Communicator
+from elasticzero.live.copies import BuddyCopies
+from elasticzero.live.reshard import Fallback, Holdings, ReshardPlan, reshard_from
 from ez_numerics import error_ratio
 from ez_testing import free_port
 
@@ -51,7 +52,7 @@ CASES = [
 ]
 
 
-def copies_problems(rep: Replicator, full: dict[str, torch.Tensor]) -> list[str]:
+def copies_problems(rep: BuddyCopies, full: dict[str, torch.Tensor]) -> list[str]:
     """Where a copy this rank holds differs (bitwise) from its ward's live state (``full``: every rank's, gathered)."""
     bad = []
     for ward, st in rep.held().items():
@@ -121,7 +122,7 @@ def wait_for(paths: list[Path], timeout: float = 60) -> None:
 def drop(case: tuple[Any, ...], rank: int, work: Path) -> list[str]:
     s, prec, scenario, s_new = case
     opt = build(s, prec, None, seed=1)
-    rep = Replicator(opt, nodes=[0, 1, 2], overlap=s != 1)  # stage 1: the copies step inside opt.step()
+    rep = BuddyCopies(opt, nodes=[0, 1, 2], overlap=s != 1)  # stage 1: the copies step inside opt.step()
     rep.communicator.close()
     rep.communicator = recorded = Recording(opt.process_group)  # the step's messages: on the wire
     train(opt, range(K))
@@ -149,7 +150,7 @@ def drop(case: tuple[Any, ...], rank: int, work: Path) -> list[str]:
         return problems + [f"reshard: {plan}"]
     problems += [f"not bit-exact after the reshard: {k}" for k in mismatches(fresh, saved)]
     problems += off_wire("reshard", moved, wire_for(moved.backend, fresh.device), {"exchange", "broadcast"})
-    again = Replicator(fresh, nodes=survivors, step=plan.step)  # copies for the new world, mirrored with moments
+    again = BuddyCopies(fresh, nodes=survivors, step=plan.step)  # copies for the new world, mirrored with moments
     problems += continuation(fresh, saved, frozen, prec)
     problems += [f"new world: {p}" for p in copies_problems(again, full_state(fresh))]
     census = again.census()
@@ -165,7 +166,7 @@ def join(case: tuple[Any, ...], rank: int, work: Path) -> list[str]:
     problems: list[str] = []
     if rank < 2:
         opt = build(s, prec, old_group, seed=1)
-        rep = Replicator(opt, nodes=[0, 1])
+        rep = BuddyCopies(opt, nodes=[0, 1])
         train(opt, range(K))
         saved = full_state(opt)
         problems += copies_problems(rep, saved)

@@ -1,4 +1,4 @@
-"""The Replicator's pure pieces (engine/zero/replica.py) and its off path on a one-rank group: one node means no
+"""The BuddyCopies's pure pieces (live/copies.py) and its off path on a one-rank group: one node means no
 copies, no exchange, nothing sent, and the holdings are this rank's own live state at the step it is at (the census
 counts its own steps: a live job's reshard resumes from it); holdings taken before the first step reshard into an
 optimizer that then trains exactly as a fresh one (a node joined or left before step 1)."""
@@ -11,17 +11,17 @@ from torch import nn
 
 from elasticzero import ZeroStage1, ZeroStage2, ZeroStage3
 from elasticzero.engine.zero import clip
-from elasticzero.engine.zero.base import Factor
-from elasticzero.engine.zero.replica import (
+from elasticzero.engine.zero.watch import Factor
+from elasticzero.live.copies import (
     MAX_FACTORS,
-    Replicator,
+    BuddyCopies,
     WardCopy,
     early_grads_usable,
     grad_message,
     node_key,
     note_of,
 )
-from elasticzero.engine.zero.reshard import ReshardPlan, reshard_from
+from elasticzero.live.reshard import ReshardPlan, reshard_from
 
 
 def test_node_key_prefers_torchelastic_node_rank() -> None:
@@ -45,12 +45,12 @@ def test_grad_message_marks_missing_gradients_and_sends_zeros() -> None:
 
 def test_one_node_replicates_nothing(group: None) -> None:
     opt = ZeroStage2(nn.Linear(3, 2), torch.optim.AdamW, lr=0.1)
-    rep = Replicator(opt, step=5)
+    rep = BuddyCopies(opt, step=5)
     assert not rep.plan.enabled and "one node" in rep.plan.reason and rep.copies == {}
     opt.module(torch.ones(1, 3)).sum().backward()
     opt.step()
     assert rep.census() == {0: 6} and rep.nbytes() == 0  # one step past the start, no copies
-    assert set(rep.comm_stats.calls) == {("all_gather", "replica")}  # the node gather only: no copies, no gate
+    assert set(rep.comm_stats.calls) == {("all_gather", "copies")}  # the node gather only: no copies, no gate
     held = rep.holdings()
     assert held.owner == 0 and set(held.states) == {0}
     assert torch.equal(held.states[0].params["weight"].tensor, opt.module.weight.detach().reshape(-1))
@@ -63,7 +63,7 @@ def test_holdings_before_the_first_step_reshard_into_a_fresh_optimizer(group: No
         torch.manual_seed(0)
         return stage(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)), torch.optim.AdamW, lr=0.1)
 
-    rep = Replicator(build(), step=0)
+    rep = BuddyCopies(build(), step=0)
     resharded, fresh = build(), build()
     assert isinstance(reshard_from(resharded, rep.holdings()), ReshardPlan)  # the held state has no Adam moments yet
     for opt in (resharded, fresh):

@@ -1,10 +1,10 @@
-"""Driver for test_replica_overlap: ``replica_overlap_worker.py OUT`` forks a world of 2 gloo ranks per case (torch
+"""Driver for test_copies_overlap: ``copies_overlap_worker.py OUT`` forks a world of 2 gloo ranks per case (torch
 imported once, in the driver), each its own node (each holds the other's copy), and writes ``[problems]`` per rank to
 ``OUT.<case>.rank<r>``.
 
 Every case trains :data:`STEPS` steps through the engine's own step path (:func:`optimizer_step`: a loss scaler's
 unscale, a global-norm clip that bites, the step, ``zero_grad``), one of them skipped for an inf in the loss, with a
-:class:`Replicator` whose gradients go to the holder during backward. Small buckets, so a step has several. Then every
+:class:`BuddyCopies` whose gradients go to the holder during backward. Small buckets, so a step has several. Then every
 holder's copy must equal its ward's live state bitwise, and the gradients must have gone the way
 :func:`early_grads_usable` says: during backward with one backward per step and with accumulation under ``no_sync``
 (one reduction), at the pre-step hook with accumulation by repeated backward (each bucket reduced twice).
@@ -35,7 +35,7 @@ from tiny_net import GLOBAL_BATCH, LR, WD, Net, batch, loss_of
 
 from elasticzero.engine.loss_scaler import LossScaler
 from elasticzero.engine.step import optimizer_step
-from elasticzero.engine.zero.replica import Replicator
+from elasticzero.live.copies import BuddyCopies
 from ez_testing import free_port
 
 STEPS, SKIP = 4, 1  # steps trained; the one whose loss is made inf (every rank skips it)
@@ -81,7 +81,7 @@ def run(case: tuple[Any, ...]) -> list[str]:
     s, prec, mode = case
     torch.manual_seed(1)
     opt = STAGES[s](Net(), torch.optim.AdamW, lr=LR, weight_decay=WD, precision=prec, bucket_bytes=BUCKET_BYTES)
-    rep = Replicator(opt, nodes=[0, 1])
+    rep = BuddyCopies(opt, nodes=[0, 1])
     scaler = LossScaler(2.0**10)
     results = []
     for step in range(STEPS):

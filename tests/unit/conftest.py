@@ -1,4 +1,5 @@
-"""The engine's unit tests run on an in-process gloo group of world size 1 (no spawned ranks, loopback only)."""
+"""The unit tests of the engine and of the live copies run on an in-process gloo group of world size 1 (no spawned
+ranks, loopback only), the `group` fixture."""
 
 from __future__ import annotations
 

@@ -1,16 +1,16 @@
-"""The cost of buddy copies (engine/zero/replica.py): step time with and without a ``Replicator``, bytes the copies
+"""The cost of buddy copies (live/copies.py): step time with and without a ``BuddyCopies``, bytes the copies
 send per step per rank beside the training collectives', host memory of the copies per rank.
 
 Two gloo ranks on 127.0.0.1, each told it is its own node (``nodes=[0, 1]``: each holds the other's copy), forked
 from this driver (torch imported once). Each round runs every arm in the same rank processes, the order rotated
 (round 1: off then on; round 2: on then off...), so a drift of the machine's load does not favour one arm; the step
 time is the median over every timed step of every round. Arms: ``off`` (no copies), ``on`` (copies, gradients sent
-during backward: ``Replicator(early=True)``), with ``--compare-late`` also ``late`` (``early=False``: every gradient
+during backward: ``BuddyCopies(early=True)``), with ``--compare-late`` also ``late`` (``early=False``: every gradient
 at the pre-step hook, the path before the overlap). Not a test: nothing asserts, every number is this run's.
 
-    .venv/bin/python bench/replica_bench.py                       # small GPT (~3.4M), ZeRO-2, fp32
-    .venv/bin/python bench/replica_bench.py --size bench --stage 1 --rounds 3   # the 29.5M GPT of the issue's goal
-    .venv/bin/python bench/replica_bench.py --size bench --compare-late --rounds 3  # + copies sent at the step only
+    .venv/bin/python bench/copies_bench.py                       # small GPT (~3.4M), ZeRO-2, fp32
+    .venv/bin/python bench/copies_bench.py --size bench --stage 1 --rounds 3   # the 29.5M GPT of the issue's goal
+    .venv/bin/python bench/copies_bench.py --size bench --compare-late --rounds 3  # + copies sent at the step only
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from elasticzero import ZeroStage1, ZeroStage2, ZeroStage3  # noqa: E402
-from elasticzero.engine.zero.replica import Replicator  # noqa: E402
+from elasticzero.live.copies import BuddyCopies  # noqa: E402
 from ez_ports import free_port  # noqa: E402
 from gpt import GPT, config_for  # noqa: E402
 
@@ -52,9 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--compare-late",
         action="store_true",
-        help="a third arm: copies with every gradient sent at the pre-step hook (Replicator(early=False))",
+        help="a third arm: copies with every gradient sent at the pre-step hook (BuddyCopies(early=False))",
     )
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/replica_bench-<utc>.json)")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/copies_bench-<utc>.json)")
     return p.parse_args(argv)
 
 
@@ -83,7 +83,7 @@ def per_step_bytes(stats: Any, ops: tuple[str, ...], tags: tuple[str, ...], step
 
 
 class HookClock:
-    """Time the replicator's own hooks: step hooks registered before it (``*_first``) and after it (``*_then``)
+    """Time the copies' own hooks: step hooks registered before it (``*_first``) and after it (``*_then``)
     bracket its pre-step (exchange + gate) and post-step (shadow steps) work, the time the copies add to the step's
     critical path — measured directly, so it is not lost in the noise of two step-time medians on a loaded machine."""
 
@@ -101,9 +101,9 @@ class HookClock:
         """Per step: the exchange + gate, the owner's step, the shadow steps (seconds)."""
         t = self.t
         return {
-            "replica_pre": [b - a for a, b in zip(t["pre_first"], t["pre_then"], strict=True)],
+            "copies_pre": [b - a for a, b in zip(t["pre_first"], t["pre_then"], strict=True)],
             "own_step": [b - a for a, b in zip(t["pre_then"], t["post_first"], strict=True)],
-            "replica_post": [b - a for a, b in zip(t["post_first"], t["post_then"], strict=True)],
+            "copies_post": [b - a for a, b in zip(t["post_first"], t["post_then"], strict=True)],
         }
 
 
@@ -124,7 +124,7 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
         for arm in arms[rnd % len(arms) :] + arms[: rnd % len(arms)]:  # rotated: no arm always first
             rep, handles = None, []
             if ARMS[arm] is not None:
-                rep = Replicator(opt, nodes=[0, 1], early=bool(ARMS[arm]))
+                rep = BuddyCopies(opt, nodes=[0, 1], early=bool(ARMS[arm]))
                 handles = [
                     opt.optim.register_step_pre_hook(clock.mark("pre_then")),
                     opt.optim.register_step_post_hook(clock.mark("post_then")),
@@ -149,14 +149,14 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def record_copies(out: dict[str, Any], prefix: str, clock: HookClock, rep: Replicator, steps: int) -> None:
+def record_copies(out: dict[str, Any], prefix: str, clock: HookClock, rep: BuddyCopies, steps: int) -> None:
     """Add one arm's hook spans, bytes and steps sent early to ``out`` (keys ``prefix`` + name)."""
     spans = clock.spans()
-    spans["replica"] = [a + b for a, b in zip(spans["replica_pre"], spans["replica_post"], strict=True)]
+    spans["copies"] = [a + b for a, b in zip(spans["copies_pre"], spans["copies_post"], strict=True)]
     for k, v in spans.items():
         out[prefix + k] = out.get(prefix + k, []) + v
-    out[prefix + "replica_sent"] = per_step_bytes(rep.comm_stats, ("send",), ("replica",), steps)
-    out["replica_host_bytes"] = rep.nbytes()
+    out[prefix + "copies_sent"] = per_step_bytes(rep.comm_stats, ("send",), ("copies",), steps)
+    out["copies_host_bytes"] = rep.nbytes()
     out[prefix + "early_steps"] = out.get(prefix + "early_steps", 0) + rep.early_steps
 
 
@@ -178,23 +178,23 @@ def median_ms(ranks: list[dict[str, Any]], key: str) -> float:
 
 def summary(ranks: list[dict[str, Any]], world: int) -> dict[str, Any]:
     off, on = median_ms(ranks, "off"), median_ms(ranks, "on")
-    replica = median_ms(ranks, "replica")
+    copies = median_ms(ranks, "copies")
     train_sent = max(r["train_buffers"] for r in ranks) * (world - 1) / world  # a ring sends (N-1)/N of each buffer
     res = {
         "params": ranks[0]["numel"],
         "step_ms_off": off,
         "step_ms_on": on,
         "overhead_pct": 100 * (on / off - 1),
-        "replica_ms": replica,
-        "replica_pct_of_off": 100 * replica / off,
-        "replica_exchange_gate_ms": median_ms(ranks, "replica_pre"),
-        "replica_shadow_step_ms": median_ms(ranks, "replica_post"),
+        "copies_ms": copies,
+        "copies_pct_of_off": 100 * copies / off,
+        "copies_exchange_gate_ms": median_ms(ranks, "copies_pre"),
+        "copies_shadow_step_ms": median_ms(ranks, "copies_post"),
         "own_optimizer_step_ms": median_ms(ranks, "own_step"),
         "fwd_bwd_ms_off": median_ms(ranks, "off_fwd_bwd"),
         "fwd_bwd_ms_on": median_ms(ranks, "on_fwd_bwd"),
-        "replica_sent_bytes_per_step": max(r["replica_sent"] for r in ranks),
+        "copies_sent_bytes_per_step": max(r["copies_sent"] for r in ranks),
         "train_sent_bytes_per_step": train_sent,
-        "replica_host_bytes": max(r["replica_host_bytes"] for r in ranks),
+        "copies_host_bytes": max(r["copies_host_bytes"] for r in ranks),
         "model_state_bytes": max(r["state_bytes"] for r in ranks),
         "early_steps": min(r["early_steps"] for r in ranks),  # steps (warm-up too) sent during backward
     }
@@ -203,7 +203,7 @@ def summary(ranks: list[dict[str, Any]], world: int) -> dict[str, Any]:
         res |= {
             "step_ms_late": late,
             "late_overhead_pct": 100 * (late / off - 1),
-            "late_exchange_gate_ms": median_ms(ranks, "late_replica_pre"),
+            "late_exchange_gate_ms": median_ms(ranks, "late_copies_pre"),
             "fwd_bwd_ms_late": median_ms(ranks, "late_fwd_bwd"),
             "late_early_steps": min(r["late_early_steps"] for r in ranks),
         }
@@ -213,7 +213,7 @@ def summary(ranks: list[dict[str, Any]], world: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out = args.out or HERE / "results" / f"replica_bench-{stamp}.json"
+    out = args.out or HERE / "results" / f"copies_bench-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     port, pids = str(free_port()), []
     for r in range(2):

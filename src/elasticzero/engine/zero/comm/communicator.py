@@ -1,238 +1,31 @@
-"""Engine collectives: each engine object issues, counts and settles its collectives through its own
-:class:`Communicator`.
-
-A ZeRO optimizer (shared with the :class:`~elasticzero.engine.bucketer.GradBucketer` it drives) and a stand-alone
-bucketer each hold one, as ``obj.communicator``; a :class:`~elasticzero.engine.loss_scaler.LossScaler` holds one for the
-group it was given, else opens one per agreement on the group it needs. A communicator owns all the state its
-collectives need: its process group (held weakly), its :class:`CommStats`, the asynchronous collectives it issued
-and has not seen completed, the aliases waiting to be settled (:meth:`Communicator.settle`), the ring decision (made
-once, when it is built) and its ring tag sequence. Nothing in this module changes at run time.
-
-:meth:`Communicator.close` completes what is pending, settles and detaches from the group; using it afterwards raises
-a :class:`~elasticzero.errors.UsageError`. An engine object's communicator can be replaced by one on another group of
-the same ranks (a rebuilt group, in a running process)::
-
-    opt.communicator = Communicator(new_group)      # closes the old one; the optimizer's bucketer follows
-
-Counting: elements are the ``numel`` of the *full* buffer of the collective: the input of a reduce-scatter, the
-output of an all-gather, the tensor of an all-reduce or broadcast. So a ZeRO-2 step over Ψ parameters counts Ψ (+ at
-most ``world_size - 1`` padding elements per bucket) of ``reduce_scatter`` and as many of ``all_gather``. Every call
-carries a ``tag`` saying why it was issued: ``"grad"`` (gradient reduction), ``"param"`` (parameter all-gather),
-``"norm"`` (global gradient norm, one scalar), ``"init"`` (one-time broadcast of the initial state), ``"state_dict"``
-(:meth:`full_state_dict`), ``"found_inf"`` (the loss scaler's overflow flag), ``"replica"`` (a
-:class:`~elasticzero.engine.zero.replica.Replicator`'s buddy copies: ops ``send``/``recv`` of
-:meth:`Communicator.exchange`, and the commit gate), ``"reshard"`` (an in-memory reshard). A benchmark counting
-traffic per step sums the ``grad`` and ``param`` tags between two :meth:`CommStats.snapshot` calls; stats of several
-objects add up with ``+``.
-
-The one effect on the process outside the communicators is :func:`unpin_default_group` (torch's own default
-arguments), called where a communicator is opened on the default group; see there.
-"""
+"""The :class:`Communicator`: issues, counts and settles one engine object's collectives on one process group."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 import time
 import warnings
 import weakref
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-# torch.distributed.nn.functional binds ``group.WORLD`` into its functions' default arguments when it is imported. It
-# is imported by torch._dynamo, i.e. by the first torch.optim optimizer a script builds (or by transformers): after
-# init_process_group, that pins the default group, so destroy_process_group() no longer joins gloo's threads, and a
-# thread still letting go of the last collective's tensors while the interpreter finalizes aborts the process (see
-# Communicator.settle). Imported here, with the engine, before the script initialises the group, the defaults bind
-# None; when the script initialised the group first, unpin_default_group() puts None back (what the defaults would
-# have been).
-import torch.distributed.nn.functional  # (see above: imported before the script initialises the group)
-
 from elasticzero.engine.zero import ring
+from elasticzero.engine.zero.comm.backends import p2p_batched, ring_applies, settles
+from elasticzero.engine.zero.comm.patching import unpin_default_group
+from elasticzero.engine.zero.comm.stats import CommStats
+from elasticzero.engine.zero.comm.work import AnyWork, LocalWork, PendingWork, WaitedWork, Waiter, forget
 from elasticzero.errors import UsageError
 from elasticzero.progress import Reporter, reporter
-
-
-@dataclass
-class CommStats:
-    """Counters of collective calls: ``calls[(op, tag)]``, ``elements[(op, tag)]``, ``bytes[(op, tag)]``."""
-
-    calls: Counter[tuple[str, str]] = field(default_factory=Counter)
-    elements: Counter[tuple[str, str]] = field(default_factory=Counter)
-    bytes: Counter[tuple[str, str]] = field(default_factory=Counter)
-
-    def record(self, op: str, tag: str, tensor: torch.Tensor) -> None:
-        """Count one call of ``op`` moving the full buffer ``tensor``."""
-        key = (op, tag)
-        self.calls[key] += 1
-        self.elements[key] += tensor.numel()
-        self.bytes[key] += tensor.numel() * tensor.element_size()
-
-    def total_elements(self, tags: tuple[str, ...] = ("grad", "param"), ops: tuple[str, ...] | None = None) -> int:
-        """Elements moved by calls whose tag is in ``tags`` (and op in ``ops`` when given)."""
-        return sum(n for (op, tag), n in self.elements.items() if tag in tags and (ops is None or op in ops))
-
-    def snapshot(self) -> dict[str, int]:
-        """A flat copy ``{"op:tag": elements}`` (diff two snapshots to count one step)."""
-        return {f"{op}:{tag}": n for (op, tag), n in self.elements.items()}
-
-    def reset(self) -> None:
-        """Zero every counter."""
-        self.calls.clear()
-        self.elements.clear()
-        self.bytes.clear()
-
-    def __add__(self, other: CommStats) -> CommStats:
-        """New counters holding both (``opt.comm_stats + scaler.comm_stats``; ``sum(stats, CommStats())``)."""
-        return CommStats(self.calls + other.calls, self.elements + other.elements, self.bytes + other.bytes)
-
 
 # torch >= 2.13 renamed the single-tensor collectives (the old names warn); use whichever exists.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _SETTLE_TIMEOUT_S = 10.0
 _P2P_TAG = 7  # point-to-point exchanges (rings use tags from ring.message_tag, >= 2^20)
-
-
-def ring_applies(backend: str, world_size: int, setting: str | None) -> bool:
-    """Whether reduce-scatter and all-gather of CPU tensors run as :mod:`.ring` point-to-point rings (2-3x faster
-    than gloo's own): on gloo with more than one rank, unless ``setting`` (``ELASTICZERO_GLOO_RING``) is ``"0"``."""
-    return setting != "0" and "gloo" in backend.lower() and world_size > 1
-
-
-class PendingWork:
-    """An asynchronous collective issued by a :class:`Communicator`; :meth:`wait` completes it (idempotent).
-
-    Holds the ``torch.distributed`` work and the aliases of the tensors handed to it. After the wait the work is
-    dropped and the aliases go to the communicator's settle list (see :meth:`Communicator.settle`). While it waits,
-    the worker's progress record says so (``progress.waiting(seq)``, :mod:`elasticzero.progress`).
-    """
-
-    __slots__ = ("_aliases", "_progress", "_retire", "_seq", "_work")
-
-    def __init__(
-        self,
-        work: Any,
-        aliases: tuple[torch.Tensor, ...],
-        retire: Callable[[tuple[torch.Tensor, ...]], None],
-        progress: Reporter,
-        seq: int,
-    ) -> None:
-        self._work = work
-        self._aliases = aliases
-        self._retire = retire
-        self._progress, self._seq = progress, seq
-
-    @property
-    def done(self) -> bool:
-        """Whether :meth:`wait` has completed it."""
-        return self._work is None
-
-    def wait(self) -> None:
-        """Block until the collective completed (idempotent)."""
-        if self._work is not None:
-            self._progress.waiting(self._seq)
-            self._work.wait()
-            self._progress.waiting(0)
-            self._work = None
-            self._retire(self._aliases)
-            self._aliases = ()
-
-
-def settles(backend: str, device_type: str) -> bool:
-    """Whether collectives of tensors on ``device_type`` need :meth:`Communicator.settle`: when gloo serves them
-    (``backend`` is one name, or torch's ``"cpu:gloo,cuda:nccl"`` per-device form). gloo's worker threads let go of a
-    tensor after completing its work; NCCL's work keeps its tensors in C++ only (stashed until the collective's end
-    event, for the caching allocator) and its watchdog is joined by ``destroy_process_group``, so nothing is waited
-    for on the host there (docs/engine.md, "On CUDA")."""
-    per_device = dict(part.split(":", 1) for part in backend.lower().split(",") if ":" in part)
-    return per_device.get(device_type, backend.lower()) == "gloo"
-
-
-#: backends whose groups send and receive host tensors (torch's per-device form names one per device type instead)
-_HOST_BACKENDS = ("gloo", "mpi")
-
-
-def wire_for(backend: str, device: torch.device) -> torch.device:
-    """The device the messages of a group of ``backend`` travel on, for an engine object computing on ``device``: the
-    host when the group takes host tensors (gloo, MPI, or a per-device ``"cpu:gloo,cuda:nccl"`` group that names a
-    backend for ``cpu``), else ``device`` itself (NCCL sends CUDA tensors only). The one rule for every buffer the
-    buddy copies and the in-memory reshard send or receive (docs/engine.md, "On CUDA")."""
-    per_device = dict(part.split(":", 1) for part in backend.lower().split(",") if ":" in part)
-    takes_host = "cpu" in per_device if per_device else backend.lower() in _HOST_BACKENDS
-    return torch.device("cpu") if takes_host or device.type == "cpu" else device
-
-
-def p2p_batched(backend: str, device_type: str) -> bool:
-    """Whether :meth:`Communicator.exchange` posts its sends and receives as one ``batch_isend_irecv`` (one NCCL
-    group): wherever gloo does not serve the tensors. Two NCCL ranks that each send to and receive from the other,
-    posted one by one on the pair's stream, wait for each other once a message exceeds NCCL's buffer; in one group
-    they progress together. gloo keeps one ``isend``/``irecv`` per tensor (each work settled, :meth:`settle`)."""
-    return not settles(backend, device_type)
-
-
-def _forget(_aliases: tuple[torch.Tensor, ...]) -> None:
-    """The retire of a collective that needs no settling: its aliases are simply dropped."""
-
-
-class LocalWork:
-    """A reduce-scatter or all-gather of a one-rank group: ``output`` is ``input`` (the sum over one rank, the
-    concatenation of one chunk), so it is a local copy, done when built — none at all when ``output`` is ``input``'s
-    own memory (a bucket reduced in place, a master shard that is its parameters' buffer). The backend never sees it:
-    gloo would clone the input first, NCCL would launch a kernel to copy a buffer onto itself."""
-
-    __slots__ = ()
-
-    def __init__(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        if not same_memory(output, input):
-            output.copy_(input.reshape(output.shape))
-
-    @property
-    def done(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        """Nothing to wait for."""
-
-
-def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are the same elements of the same storage (a copy between them is a no-op)."""
-    if not (a.is_contiguous() and b.is_contiguous()):
-        return False
-    return (a.device, a.dtype, a.data_ptr(), a.numel()) == (b.device, b.dtype, b.data_ptr(), b.numel())
-
-
-Waiter = Callable[[Callable[[], None]], None]
-"""How a :class:`Communicator` waits: ``waiter(work.wait)`` blocks until the work completed or raises (a bounded wait
-that gives up on a group being reconfigured: ``elasticzero.live.bounded``)."""
-
-
-class WaitedWork:
-    """A work whose :meth:`wait` goes through a :data:`Waiter` (what a communicator built with one returns)."""
-
-    __slots__ = ("_inner", "_waiter")
-
-    def __init__(self, inner: PendingWork | ring.RingWork | LocalWork | WaitedWork, waiter: Waiter) -> None:
-        self._inner = inner
-        self._waiter = waiter
-
-    @property
-    def done(self) -> bool:
-        return self._inner.done
-
-    def wait(self) -> None:
-        if not self._inner.done:
-            self._waiter(self._inner.wait)
-
-
-AnyWork = PendingWork | ring.RingWork | LocalWork | WaitedWork
-"""What an asynchronous collective of a :class:`Communicator` returns (all have ``wait()`` and ``done``)."""
 
 
 class Communicator:
@@ -283,11 +76,10 @@ class Communicator:
         self._rings = 0  # ring collectives issued: their message tags (every rank issues the same sequence)
         self._progress = reporter()  # the worker's progress record: collectives numbered, waits marked
         if pg is dist.group.WORLD:
-            # The one place the engine calls it. The default group is the one torch's default arguments pin (see the
-            # import of torch.distributed.nn.functional above), so it is unpinned where the engine starts to use it:
-            # when the engine was imported after init_process_group, that import has pinned it by now, and unpinned,
-            # destroy_process_group() joins the threads that will carry this communicator's collectives. Subgroups
-            # are never pinned.
+            # The one place the engine calls it. The default group is the one torch's default arguments pin (see
+            # .patching), so it is unpinned where the engine starts to use it: when the engine was imported after
+            # init_process_group, that import has pinned it by now, and unpinned, destroy_process_group() joins the
+            # threads that will carry this communicator's collectives. Subgroups are never pinned.
             unpin_default_group()
 
     @property
@@ -389,7 +181,7 @@ class Communicator:
         sends: Sequence[tuple[torch.Tensor, int]],
         recvs: Sequence[tuple[torch.Tensor, int]],
         *,
-        tag: str = "replica",
+        tag: str = "copies",
         async_op: bool = False,
     ) -> AnyWork | None:
         """Point-to-point: send each ``(tensor, group_rank)`` of ``sends`` and receive into each of ``recvs`` (every
@@ -401,7 +193,7 @@ class Communicator:
         for fn, t, _ in ops:
             self.stats.record("send" if fn is dist.isend else "recv", tag, t)
         gloo = bool(ops) and settles(self.backend, ops[0][1].device.type)
-        retire = self._settling.extend if gloo else _forget
+        retire = self._settling.extend if gloo else forget
 
         def post() -> list[Any]:  # fresh aliases, known only to the work (see settle)
             aliased = [(fn, t.detach(), dist.get_global_rank(pg, r)) for fn, t, r in ops]
@@ -463,7 +255,7 @@ class Communicator:
 
     def _issue(self, fn: Callable[..., Any], tensors: tuple[torch.Tensor, ...], async_op: bool, **kwargs: Any) -> Any:
         aliases = tuple(t.detach() for t in tensors)
-        retire = self._settling.extend if settles(self.backend, tensors[0].device.type) else _forget
+        retire = self._settling.extend if settles(self.backend, tensors[0].device.type) else forget
         work = PendingWork(fn(*aliases, async_op=True, **kwargs), aliases, retire, *self._mark())
         del aliases  # from here on only the work (then the settle list) refers to them
         return self._finish(work, async_op)
@@ -498,50 +290,37 @@ def check_replacement(current: Communicator, new: Communicator, owner: str) -> N
         )
 
 
-# modules of torch whose functions bind ``dist.group.WORLD`` as a default argument at import (checked against torch's
-# source by tests/unit/engine/test_behaviour_canaries.py); None means "the default group at call time" in all of them
-_PINNING_MODULES = (
-    "torch.distributed.nn.functional",
-    "torch.distributed.optim.zero_redundancy_optimizer",
-    "torch.distributed.fsdp.sharded_grad_scaler",
-)
+class OwnsCommunicator:
+    """An engine object whose collectives one :class:`Communicator` issues (``self._communicator``, set by the
+    object's constructor): its ``communicator``, ``process_group`` and ``comm_stats``, written once for every such
+    object (a ZeRO optimizer, a bucketer, a BuddyCopies)."""
 
+    _communicator: Communicator
 
-def _pinning_functions() -> list[Any]:
-    """Functions (and ``__init__`` s) of the already imported pinning modules."""
-    found = []
-    for name in _PINNING_MODULES:
-        module = sys.modules.get(name)
-        for obj in vars(module).values() if module is not None else ():
-            if isinstance(obj, type) and obj.__module__ == name:
-                obj = obj.__dict__.get("__init__")
-            if inspect.isfunction(obj) and obj.__module__ == name:
-                found.append(obj)
-    return found
+    @property
+    def process_group(self) -> Any:
+        """The group (held weakly: a :class:`UsageError` once it was destroyed)."""
+        return self._communicator.group
 
+    @property
+    def communicator(self) -> Communicator:
+        """Issues, counts and settles this object's collectives."""
+        return self._communicator
 
-def default_group_pinned() -> bool:
-    """Whether a torch function's default argument holds the live default group (its module imported after init)."""
-    world = dist.group.WORLD
-    return world is not None and any(
-        d is world for f in _pinning_functions() for d in (*(f.__defaults__ or ()), *(f.__kwdefaults__ or {}).values())
-    )
+    @communicator.setter
+    def communicator(self, new: Communicator) -> None:
+        """Replace it by ``new`` (a group of the same ranks, e.g. rebuilt in this process); the old one is closed
+        first (:meth:`Communicator.close`: if its group failed, close it yourself and handle the error, then
+        assign). What shares it follows (:meth:`_communicator_replaced`)."""
+        check_replacement(self._communicator, new, type(self).__name__)
+        self._communicator.close()
+        self._communicator = new
+        self._communicator_replaced(new)
 
+    def _communicator_replaced(self, new: Communicator) -> None:
+        """Hand ``new`` on to the objects sharing the communicator (a ZeRO optimizer: its bucketer)."""
 
-def unpin_default_group() -> int:
-    """Replace default arguments that hold the live default group with None (the value they have when their module is
-    imported before ``init_process_group``; every such function resolves None to the default group when called), so
-    ``destroy_process_group()`` can free the group and join its threads. Returns how many defaults were replaced.
-
-    Called by the engine in one place: :class:`Communicator` opened on the default group (see there)."""
-    world, replaced = dist.group.WORLD, 0
-    if world is None:
-        return 0
-    for f in _pinning_functions():
-        if any(d is world for d in f.__defaults__ or ()):
-            replaced += sum(d is world for d in f.__defaults__)
-            f.__defaults__ = tuple(None if d is world else d for d in f.__defaults__)
-        if any(d is world for d in (f.__kwdefaults__ or {}).values()):
-            replaced += sum(d is world for d in f.__kwdefaults__.values())
-            f.__kwdefaults__ = {k: None if d is world else d for k, d in f.__kwdefaults__.items()}
-    return replaced
+    @property
+    def comm_stats(self) -> CommStats:
+        """Counters of this object's collectives (its communicator's)."""
+        return self._communicator.stats

@@ -1,7 +1,7 @@
 """Redundant ZeRO shards: every rank's state has a current copy on its buddy (the holder), in host memory.
 
-A :class:`Replicator` on a ZeRO optimizer keeps, on every rank, a copy of the state of each of its *wards* (the ranks
-:func:`~elasticzero.engine.zero.buddy.place_buddies` gives it): fp32 master shards, the wrapped optimizer's state
+A :class:`BuddyCopies` on a ZeRO optimizer keeps, on every rank, a copy of the state of each of its *wards* (the ranks
+:func:`~elasticzero.live.buddy.place_buddies` gives it): fp32 master shards, the wrapped optimizer's state
 (moments, step counters), advanced by a shadow optimizer of the same class. Checkmate-style, the copies follow by
 gradients, not by state: built, it mirrors each rank's state to its holder once; then in every optimizer step:
 
@@ -10,7 +10,7 @@ gradients, not by state: built, it mirrors each rank's state to its holder once;
    that gradient shard to its holder and its wards' shards of the bucket into their inboxes, asynchronously
    (:meth:`ZeroOptimizer.watch_grads <elasticzero.engine.zero.base.ZeroOptimizer.watch_grads>`: the optimizer tells
    its watchers of reductions, of every in-place multiply of the shards — the loss scaler's unscale, the clip — as
-   data (:class:`~elasticzero.engine.zero.base.Factor`), and of ``zero_grad``). Before a shard is multiplied in place
+   data (:class:`~elasticzero.engine.zero.watch.Factor`), and of ``zero_grad``). Before a shard is multiplied in place
    the posted sends complete (they read it); on a device wire each send is issued after its reduction's stream work;
 1. at the step (pre-step hook on the wrapped optimizer): each rank waits for what it posted and sends its holder which
    buckets have a gradient and a *note* of the multiplies applied since (:func:`step_message`); the holder replays
@@ -20,7 +20,7 @@ gradients, not by state: built, it mirrors each rank's state to its holder once;
    step — every rank sends its final gradient shards here instead (the pure decision :func:`early_grads_usable`; every
    rank decides alike: reductions are collectives). A step skipped for inf/NaN never reaches the hook; its
    ``zero_grad`` completes what was posted and starts afresh. In a live round the waits are the communicator's
-   (bounded); a round change mid-backward abandons what is posted with the old group and its replicator;
+   (bounded); a round change mid-backward abandons what is posted with the old group and its copies;
 2. the *commit gate*: a one-element all-reduce; once it returns, every holder has the gradients of step N of all its
    wards, so every shard of step N can be made twice — step N is committed;
 3. the wrapped optimizer steps (the owner's shard), then each holder steps its wards' copies with their gradients and
@@ -36,9 +36,9 @@ is either before the gate of step N (nothing of step N applied anywhere it survi
 from the copies). A failure between the gate completing on one survivor and failing on another leaves survivors one
 step apart; the reshard plan then reports it (:mod:`.reshard`), and the disk checkpoint is the fallback.
 
-:meth:`Replicator.held` is what this rank holds, as :class:`~elasticzero.engine.zero.sharded.ShardedState` s by old
-rank (its own live state and its wards' copies), and :meth:`Replicator.census` the steps they are at: what
-:func:`~elasticzero.engine.zero.reshard.reshard_from` moves into a new optimizer at another world size.
+:meth:`BuddyCopies.held` is what this rank holds, as :class:`~elasticzero.engine.zero.sharded.ShardedState` s by old
+rank (its own live state and its wards' copies), and :meth:`BuddyCopies.census` the steps they are at: what
+:func:`~elasticzero.live.reshard.reshard_from` moves into a new optimizer at another world size.
 """
 
 from __future__ import annotations
@@ -55,11 +55,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elasticzero.engine.zero.base import Factor, ZeroOptimizer
-from elasticzero.engine.zero.buddy import BuddyPlan, place_buddies
-from elasticzero.engine.zero.comm import AnyWork, Communicator, Waiter, wire_for
-from elasticzero.engine.zero.reshard import Holdings
+from elasticzero.engine.zero.base import ZeroOptimizer
+from elasticzero.engine.zero.comm.backends import wire_for
+from elasticzero.engine.zero.comm.communicator import Communicator, OwnsCommunicator
+from elasticzero.engine.zero.comm.work import AnyWork, Waiter
 from elasticzero.engine.zero.sharded import ShardedState
+from elasticzero.engine.zero.watch import Factor
+from elasticzero.live.buddy import BuddyPlan, place_buddies
+from elasticzero.live.reshard import Holdings
 from elasticzero.proc import AGENT_PID_ENV
 
 #: Linux pids are below 2^22 (``PID_MAX_LIMIT``): a host hash shifted past them keeps every (host, pid) apart
@@ -156,8 +159,8 @@ def node_key(environ: Mapping[str, str], hostname: str) -> int:
 
 def grad_message(masters: Sequence[nn.Parameter], wire: torch.device) -> list[torch.Tensor]:
     """What a rank sends its holder in a step with its final gradients, on the ``wire``
-    (:func:`~elasticzero.engine.zero.comm.wire_for`): which buckets have a gradient, then each bucket's gradient shard
-    (as it is when it lives on the wire; zeros where there is none)."""
+    (:func:`~elasticzero.engine.zero.comm.backends.wire_for`): which buckets have a gradient, then each bucket's
+    gradient shard (as it is when it lives on the wire; zeros where there is none)."""
     grads = [
         on(m.grad, wire) if m.grad is not None else torch.zeros(m.shape, dtype=m.dtype, device=wire) for m in masters
     ]
@@ -228,7 +231,7 @@ class GradWindow:
 
 def mirror_inbox(own: Sequence[torch.Tensor], wire: torch.device) -> list[torch.Tensor]:
     """Receive buffers on the ``wire`` for a ward's mirrored state, laid out as this rank's own (``own``: its
-    :meth:`Replicator._state_tensors`, every rank's the same shapes), flat."""
+    :meth:`BuddyCopies._state_tensors`, every rank's the same shapes), flat."""
     return [torch.empty(t.numel(), dtype=t.dtype, device=wire) for t in own]
 
 
@@ -237,7 +240,7 @@ def on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.detach() if t.device == device else t.detach().to(device)
 
 
-class Replicator:
+class BuddyCopies(OwnsCommunicator):
     """Keeps a copy of every rank's ZeRO state on its buddy, current at the last committed step (see the module).
 
     Args:
@@ -248,16 +251,17 @@ class Replicator:
         step: the training step ``opt``'s state is at (the census reports steps from there).
         overlap: step the copies on a background thread, overlapping this rank's next forward and backward (joined
             before the next exchange and by every method that reads the copies); False: inside ``opt.step()``.
-        waiter: how the copies' communicator waits (:data:`~elasticzero.engine.zero.comm.Waiter`; a bounded wait for
-            live reconfiguration).
+        waiter: how the copies' communicator waits (:data:`~elasticzero.engine.zero.comm.work.Waiter`; a bounded
+            wait for live reconfiguration).
         early: post each bucket's gradient shard to the holder as soon as its reduction completes during backward
             (:meth:`ZeroOptimizer.watch_grads <elasticzero.engine.zero.base.ZeroOptimizer.watch_grads>`), overlapping
             the rest of backward; the pre-step hook then waits for them and sends a note of what happened to the
             gradients since (:func:`early_grads_usable` decides per step). False: every gradient at the pre-step hook.
 
     Collective: every rank of ``opt``'s group builds one at the same point (it mirrors the current state to the
-    holders). The replicator has its own :class:`Communicator` on ``opt.process_group`` (``replicator.comm_stats``:
-    the copies' bytes, apart from the training collectives')."""
+    holders). BuddyCopies has its own :class:`Communicator` on ``opt.process_group`` (``copies.comm_stats``:
+    the copies' bytes, apart from the training collectives': ops ``send``/``recv``, ``all_reduce`` of the gate; tag
+    ``"copies"``)."""
 
     def __init__(
         self,
@@ -272,9 +276,9 @@ class Replicator:
         early: bool = True,
     ) -> None:
         self.opt = opt
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="ez-replica") if overlap else None
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="ez-copies") if overlap else None
         self._applying: Future[None] | None = None
-        self.communicator = Communicator(opt.process_group, owner="Replicator", waiter=waiter)
+        self._communicator = Communicator(opt.process_group, owner="BuddyCopies", waiter=waiter)
         #: the device every message travels on: the optimizer's under NCCL, the host under gloo (the copies and the
         #: shadow optimizers stay on the host either way)
         self.wire = wire_for(self.communicator.backend, opt.device)
@@ -296,11 +300,6 @@ class Replicator:
             self._hooks.append(opt.watch_grads(self))
 
     # -- what this rank holds -----------------------------------------------------------------------------------------
-    @property
-    def comm_stats(self) -> Any:
-        """Counters of the copies' traffic (ops ``send``/``recv``, ``all_reduce`` of the gate; tag ``"replica"``)."""
-        return self.communicator.stats
-
     def census(self) -> dict[int, int]:
         """``{rank: step}`` of every state this rank holds (its own, its wards' copies), ranks of ``opt``'s group."""
         self._join()
@@ -313,7 +312,7 @@ class Replicator:
 
     def holdings(self) -> Holdings:
         """:meth:`held` and :meth:`census` with this rank as their owner: what it brings to
-        :func:`~elasticzero.engine.zero.reshard.reshard_from` in a new group."""
+        :func:`~elasticzero.live.reshard.reshard_from` in a new group."""
         return Holdings(self.rank, self.held(), self.census())
 
     def nbytes(self) -> int:
@@ -379,7 +378,7 @@ class Replicator:
         self.communicator.exchange(self._step_sends(window.factors if early else [], early), recvs)
         wire = self.wire
         gate = torch.ones(1, device=wire)
-        self.communicator.all_reduce(gate, op=dist.ReduceOp.MIN, tag="replica")  # the commit gate
+        self.communicator.all_reduce(gate, op=dist.ReduceOp.MIN, tag="copies")  # the commit gate
         if wire.type != "cpu":  # NCCL's wait only orders the stream: the step counts as committed once the host saw
             gate.item()  # the gate complete (a peer lost there: the round watch aborts the group, and this raises)
         self._landed = self._land()
@@ -426,7 +425,7 @@ class Replicator:
     def _gather_nodes(self) -> list[int]:
         mine = torch.tensor([node_key(os.environ, socket.gethostname())], dtype=torch.int64, device=self.wire)
         out = torch.empty(self.communicator.size, dtype=torch.int64, device=self.wire)
-        self.communicator.all_gather(out, mine, tag="replica")
+        self.communicator.all_gather(out, mine, tag="copies")
         return out.tolist()
 
     def _empty_copy(self, ward: int) -> WardCopy:

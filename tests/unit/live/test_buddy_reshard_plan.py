@@ -1,4 +1,4 @@
-"""Buddy placement (engine/zero/buddy.py) and the in-memory reshard plan (engine/zero/reshard.py): pure decisions,
+"""Buddy placement (live/buddy.py) and the in-memory reshard plan (live/reshard.py): pure decisions,
 checked against brute force — every rank's copy on another node, every element of every parameter delivered exactly
 once from a rank that holds it, a loss of both copies of a shard (or no common step) reported as a fallback."""
 
@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from elasticzero.engine.zero.buddy import BuddyPlan, place_buddies
 from elasticzero.engine.zero.flat import layout_buckets, size_groups
 from elasticzero.engine.zero.layout import ZeroLayout
-from elasticzero.engine.zero.reshard import Fallback, Report, ReshardPlan, choose_sources, plan_reshard
 from elasticzero.engine.zero.stage3 import UnitPlan
 from elasticzero.errors import UsageError
+from elasticzero.live.buddy import BuddyPlan, place_buddies
+from elasticzero.live.reshard import Fallback, Report, ReshardPlan, choose_sources, plan_reshard
 
 SHAPES = [("a", (1,)), ("b", (2, 3)), ("c", ()), ("d", (11,)), ("e", (3, 1, 2)), ("f", (5,)), ("g", (2,))]
 # the same parameters bucketed three ways: by size (stages 1/2), one unit per parameter (stage 3), all in one

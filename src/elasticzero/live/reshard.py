@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorPr
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from elasticzero.engine.zero.base import ZeroOptimizer
-from elasticzero.engine.zero.comm import wire_for
+from elasticzero.engine.zero.comm.backends import wire_for
 from elasticzero.engine.zero.dcp_state import ZeroCheckpointState
 from elasticzero.engine.zero.layout import Piece, ZeroLayout
 from elasticzero.engine.zero.sharded import ShardedState
@@ -194,7 +194,7 @@ def reshard_from(opt: ZeroOptimizer, holdings: Holdings) -> ReshardPlan | Fallba
     ranks of its group hold; collective. Returns the plan it ran, or the :class:`Fallback` (on every rank alike) when
     the state is not complete in memory — then ``opt`` is untouched: load the disk checkpoint.
 
-    ``holdings``: what this process holds (:meth:`~elasticzero.engine.zero.replica.Replicator.holdings`; a joining
+    ``holdings``: what this process holds (:meth:`~elasticzero.live.copies.BuddyCopies.holdings`; a joining
     process passes ``Holdings()``). The held tensors must stay unchanged until this returns: build ``opt`` on a model
     built afresh (the held states of fp32 stages 1/2 view the old optimizer's buffers, which the old module's
     parameters view; the old optimizer's hooks stay on its module)."""
@@ -230,7 +230,7 @@ def _fill(
 ) -> None:
     """Run this rank's transfers into ``template``: local ones as copies, the others one packed message per peer and
     state key (every rank posts them in the same order: keys, then peer pairs), sent and received on the wire
-    (:func:`~elasticzero.engine.zero.comm.wire_for`) and unpacked into ``template`` wherever it lives."""
+    (:func:`~elasticzero.engine.zero.comm.backends.wire_for`) and unpacked into ``template`` wherever it lives."""
     me, sends, recvs = opt.rank, [], []
     trees = {r: st.state_dict() for r, st in held.items()}
     peers = sorted({(t.src, t.dst) for t in plan.transfers if me in (t.src, t.dst)})

@@ -2,10 +2,12 @@
 # The full test suite, from a fresh clone, as root: installs everything (apt + a venv with torch==2.13.0 CPU),
 # brings up the real-part test bed (namespace hosts with sshd, pdsh, OpenMPI, MPICH, Slurm; etcd servers are
 # started by the tests), runs ruff and pytest, then the numerical tests again under every other CPU kernel set torch
-# supports here (ATEN_CPU_CAPABILITY), then the unit suite and a smoke on every other supported torch version
+# supports here (ATEN_CPU_CAPABILITY), then unit tests and a smoke on every other supported torch version
 # (tests/torch_range.sh), and tears the test bed down again.
-#   bash tests/run.sh [pytest args…]          (EZ_KEEP_TESTBED=1 leaves the test bed up; EZ_SKIP_TORCH_RANGE=1 skips
-#                                              the torch versions other than the pinned one)
+#   bash tests/run.sh [pytest args…]          (pytest args replace the main run's default: the single-process unit
+#                                              tests on 2 xdist workers, then the rest serially; EZ_KEEP_TESTBED=1 leaves
+#                                              the test bed up; EZ_SKIP_TORCH_RANGE=1 skips the torch versions other
+#                                              than the pinned one)
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -19,8 +21,19 @@ command -v python3 >/dev/null || { apt-get update -qq && apt-get install -y -qq 
 # torch is pinned here (the local CPU build); the package itself declares a range
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[etcd,test]"
 t1=$(date +%s)
-
-if [ -z "${EZ_KEEP_TESTBED:-}" ]; then trap 'bash "$REPO/tests/cluster/down.sh" >/dev/null 2>&1 || true' EXIT; fi
+# the torch range's installs are bound by the network and the disk: start them now, beside the main run, at the
+# lowest priority (see tests/torch_range.sh)
+if [ -z "${EZ_SKIP_TORCH_RANGE:-}" ]; then
+  prepare_log=$(mktemp /tmp/elasticzero-torch-prepare.XXXXXX)
+  setsid bash tests/torch_range.sh --prepare >"$prepare_log" 2>&1 &  # its own process group: stopped whole at exit
+  prepare_pid=$!
+fi
+# at exit: stop the torch range's installs if still running (a run that failed early), tear the test bed down
+finish() {
+  [ -n "${prepare_pid:-}" ] && kill -- "-$prepare_pid" 2>/dev/null
+  [ -n "${EZ_KEEP_TESTBED:-}" ] || bash "$REPO/tests/cluster/down.sh" >/dev/null 2>&1 || true
+}
+trap finish EXIT
 bash tests/cluster/up.sh
 t2=$(date +%s)
 echo "tests/run.sh: install $((t1 - t0))s, test bed $((t2 - t1))s"
@@ -46,9 +59,26 @@ capability() { ATEN_CPU_CAPABILITY=$1 "$VENV/bin/python" -c 'import torch; print
 pytest_rc() { local rc=$1; [ "$rc" = 5 ] && { echo "tests/run.sh: pytest collected no tests" >&2; rc=1; }; return "$rc"; }
 
 set +e
-"$VENV/bin/python" -m pytest -q "$@"
-pytest_rc $?
-rc=$?
+if [ $# -gt 0 ]; then
+  "$VENV/bin/python" -m pytest -q "$@"
+  pytest_rc $?
+  rc=$?
+else
+  # the unit tests are independent and single-process: two xdist workers, one per core; those that start several
+  # torch processes (marker multiproc) and the integration tests (real process groups: agents, ranks, test-bed
+  # hosts) stay serial
+  "$VENV/bin/python" -m pytest -q -n 2 -m "not multiproc" tests/unit
+  pytest_rc $?
+  rc=$?
+  "$VENV/bin/python" -m pytest -q -m multiproc tests/unit
+  urc=$?
+  [ "$urc" = 5 ] && urc=0  # no multi-process unit test is no broken suite
+  [ "$rc" = 0 ] && rc=$urc
+  "$VENV/bin/python" -m pytest -q tests/integration
+  pytest_rc $?
+  irc=$?
+  [ "$rc" = 0 ] && rc=$irc
+fi
 main=$(capability "${ATEN_CPU_CAPABILITY:-}")  # the kernels the main run used
 for cap in default avx2 avx512; do
   [ "$cap" = "$main" ] && { echo "tests/run.sh: ATEN_CPU_CAPABILITY=$cap: the main run's kernels"; continue; }
@@ -60,9 +90,14 @@ for cap in default avx2 avx512; do
   echo "tests/run.sh: numerical tests under ATEN_CPU_CAPABILITY=$cap: $([ "$crc" = 0 ] && echo passed || echo "FAILED (exit $crc)") in $(($(date +%s) - t))s"
   [ "$rc" = 0 ] && rc=$crc
 done
-# torch range: the unit suite and the smoke on every other supported torch, each from a venv cached outside the clone
+# torch range: unit tests and the smoke on every other supported torch, each from a venv cached outside the clone
 if [ -z "${EZ_SKIP_TORCH_RANGE:-}" ]; then
   t=$(date +%s)
+  wait "$prepare_pid"  # a failed install is no failure here: the stage installs what is missing itself
+  grep '^tests/torch_range.sh' "$prepare_log"
+  echo "tests/run.sh: torch range installs waited for: $(($(date +%s) - t))s"
+  rm -f "$prepare_log"
+  prepare_pid=
   bash tests/torch_range.sh
   trc=$?
   echo "tests/run.sh: torch range: $([ "$trc" = 0 ] && echo passed || echo "FAILED (exit $trc)") in $(($(date +%s) - t))s"

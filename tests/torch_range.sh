@@ -1,38 +1,69 @@
 #!/usr/bin/env bash
 # The torch-range stage of tests/run.sh: every supported torch minor other than the pinned one (the whole suite runs on
-# that) gets the unit suite (the private-name canaries included) and the smoke (tests/integration/elastic/
+# that) gets unit tests (the private-name canaries always) and the smoke (tests/integration/elastic/
 # test_example_smoke.py: a 2-rank elasticzero-launch of examples/train_gpt.py that checkpoints, resumed on 1 rank at
 # another ZeRO stage). Each version has a venv cached at $EZ_TORCH_CACHE/torch-MAJOR.MINOR, outside the clone, reused
 # while it holds exactly that torch; elasticzero itself is installed into it again each run (not editable: the
 # package as pip builds it). One line per version; exit 1 if any version failed (its log path is in its line).
-#   bash tests/torch_range.sh [VERSION…]     (default: TORCH_VERSIONS below)
+#
+# Which unit tests where: the ends of the range (the oldest and the newest version) run the whole unit suite; the
+# versions between them run the canaries (every private torch name, each torchcompat decision against the version it
+# is documented for) and the unit tests of the modules built on torch's private elastic-agent and rendezvous names
+# (UNIT_BETWEEN below). What can differ across versions is what the canaries pin; a public behaviour that changed
+# between the two ends and changed back is not a case worth a full unit run per minor, and a difference that holds
+# on from some version on shows at the newest. The smoke runs on every version (the real launcher, agent, engine and
+# checkpoint on that torch).
+#
+# Installing the registry's builds (~3 GB of wheels a version with CUDA's libraries, unpacked to more) is bound by the
+# network and the disk, not the CPU: tests/run.sh starts `torch_range.sh --prepare` in the background at its start,
+# which installs torch into each version's venv that is not cached yet, at the lowest CPU and I/O priority (nice 19,
+# ionice idle), overlapping the main pytest run (mostly waiting on its subprocesses); the stage waits for it, and
+# installs itself what it did not finish.
+#   bash tests/torch_range.sh [VERSION…]             (default: TORCH_VERSIONS below)
+#   bash tests/torch_range.sh --prepare [VERSION…]   (the venvs and their torch only)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 TORCH_VERSIONS=(2.11.0 2.12.1 2.14.1 2.15.0)
+UNIT_BETWEEN=(tests/unit/test_torch_canaries.py tests/unit/agent tests/unit/rendezvous)
 CACHE=${EZ_TORCH_CACHE:-/var/cache/elasticzero-ci}
-LOGS=$(mktemp -d /tmp/elasticzero-torch-range.XXXXXX)
 SMOKE=tests/integration/elastic/test_example_smoke.py
 # this machine's pip constraints cap torch below the newest release; the versions here are pinned one by one instead
 export PIP_CONSTRAINT=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# cached VERSION → 0 when VERSION's venv holds exactly that torch
+cached() {
+  local have
+  have=$("$CACHE/torch-${1%.*}/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null)
+  [ "$have" = "$1" ]
+}
+
 # venv VERSION → its directory, holding torch==VERSION (created or replaced when it holds another torch)
 venv() {
-  local v=$1 dir="$CACHE/torch-${1%.*}" have
-  have=$("$dir/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null)
-  if [ "$have" != "$v" ]; then
+  local v=$1 dir="$CACHE/torch-${1%.*}"
+  if ! cached "$v"; then
     rm -rf "$dir" && mkdir -p "$CACHE" && python3 -m venv "$dir" || return 1
   fi
   echo "$dir"
 }
 
-# check VERSION LOG → 0 when the install, the unit suite and the smoke pass; their outcome on stdout
+# prepare VERSION → 0 when VERSION's venv holds torch==VERSION (installed now, at the lowest CPU and I/O priority,
+# unless cached)
+prepare() {
+  local v=$1 dir
+  cached "$v" && return 0
+  dir=$(venv "$v") || return 1
+  nice -n 19 ionice -c 3 "$dir/bin/python" -m pip install -q "torch==$v"
+}
+
+# check VERSION LOG UNIT… → 0 when the install, the unit tests UNIT… and the smoke pass; their outcome on stdout
 check() {
   local v=$1 log=$2 dir
+  shift 2
   dir=$(venv "$v") || { echo "venv failed"; return 1; }
   rm -rf build  # pip builds in the tree: no stale build/lib of an earlier version may enter the wheel
   "$dir/bin/python" -m pip install -q "torch==$v" ".[test]" >>"$log" 2>&1 || { echo "install failed"; return 1; }
-  "$dir/bin/python" -m pytest -q -p no:cacheprovider tests/unit >>"$log" 2>&1
+  "$dir/bin/python" -m pytest -q -p no:cacheprovider "$@" >>"$log" 2>&1
   local unit=$?
   "$dir/bin/python" -m pytest -q -p no:cacheprovider "$SMOKE" >>"$log" 2>&1
   local smoke=$?
@@ -43,13 +74,34 @@ check() {
 # summary LOG N → pytest's Nth summary line in LOG ("3 failed, 1026 passed in 80.12s"), without its decoration
 summary() { grep -E '^=*[ ]*[0-9]+ [a-z]+.* in [0-9.]+s' "$1" | sed -n "$2p" | tr -d '=' | sed 's/^ *//; s/ *$//'; }
 
+# unit_tests VERSION → the unit tests VERSION runs: all at the ends of TORCH_VERSIONS, UNIT_BETWEEN between them
+unit_tests() {
+  if [ "$1" = "${TORCH_VERSIONS[0]}" ] || [ "$1" = "${TORCH_VERSIONS[-1]}" ]; then
+    echo tests/unit
+  else
+    echo "${UNIT_BETWEEN[@]}"
+  fi
+}
+
+mode=check
+[ "${1:-}" = --prepare ] && { mode=prepare; shift; }
 versions=("$@")
 [ $# -gt 0 ] || versions=("${TORCH_VERSIONS[@]}")
 failed=0
+if [ "$mode" = prepare ]; then
+  for v in "${versions[@]}"; do
+    t0=$(date +%s)
+    if prepare "$v"; then verdict=ok; else verdict=FAILED; failed=1; fi
+    echo "tests/torch_range.sh --prepare: torch $v: $verdict; $(($(date +%s) - t0))s"
+  done
+  exit "$failed"
+fi
+LOGS=$(mktemp -d /tmp/elasticzero-torch-range.XXXXXX)
 for v in "${versions[@]}"; do
   t0=$(date +%s)
   log="$LOGS/torch-$v.log"
-  if outcome=$(check "$v" "$log"); then verdict=ok; else verdict="FAILED (log: $log)"; failed=1; fi
+  # shellcheck disable=SC2046  # unit_tests prints words without spaces
+  if outcome=$(check "$v" "$log" $(unit_tests "$v")); then verdict=ok; else verdict="FAILED (log: $log)"; failed=1; fi
   echo "tests/torch_range.sh: torch $v: $verdict: $outcome; $(($(date +%s) - t0))s"
 done
 [ "$failed" = 0 ] && rm -rf "$LOGS"

@@ -25,6 +25,8 @@ _LAZY = {
     "load_config": "elasticzero.config.load",
     "init_distributed": "elasticzero.device",
     "heartbeat": "elasticzero.progress",
+    "Training": "elasticzero.live.training",
+    "Checkpointer": "elasticzero.checkpoint",
 }
 
 __all__ = ["__version__", *_LAZY]

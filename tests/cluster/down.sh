@@ -5,7 +5,7 @@
 set -uo pipefail
 RUN=/run/elasticzero-testbed
 stop_pidfile() { [ -f "$1" ] && kill "$(cat "$1")" 2>/dev/null; rm -f "$1"; }
-for f in "$RUN"/slurmd-*.pid "$RUN"/slurmctld.pid "$RUN"/sshd-*.pid; do [ -e "$f" ] && stop_pidfile "$f"; done
+for f in "$RUN"/slurmd-*.pid "$RUN"/slurmctld.pid "$RUN"/munged.pid "$RUN"/sshd-*.pid; do [ -e "$f" ] && stop_pidfile "$f"; done
 for ns in $(ip netns list 2>/dev/null | awk '/^ezn[0-9]+/{print $1}'); do
   for p in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
   ip netns del "$ns" 2>/dev/null

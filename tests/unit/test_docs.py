@@ -62,7 +62,7 @@ def test_every_flag_of_the_example_job_is_documented(monkeypatch: pytest.MonkeyP
     monkeypatch.syspath_prepend(str(REPO / "examples"))  # as Python does for the script: its gpt.py beside it
     import train_gpt
 
-    wanted = _long_dash_flags(train_gpt.Trainer.parser())
+    wanted = _long_dash_flags(train_gpt.parser())
     text = (REPO / "docs" / "elastic-training.md").read_text()
     assert {"--config", "--steps", "--checkpoint-dir", "--cache-dir"} <= wanted
     missing = sorted(f for f in wanted if f"`{f}" not in text)

@@ -100,6 +100,27 @@ def _mentions(text: str) -> Check:
     return check
 
 
+def _apply_reaches_instances_and_skips_none(apply: Any) -> str | None:
+    """``Module.to()``/``.half()`` reach a child's *instance* ``_apply`` (looked up on the object, children called
+    through ``module._apply(fn)``), and ``_apply`` (``apply``) skips a ``None`` entry of ``_parameters``."""
+    if _params("fn", "recurse")(apply) is not None:
+        return _params("fn", "recurse")(apply)
+    seen: list[str] = []
+    parent, child = torch.nn.Module(), torch.nn.Linear(1, 1)
+    parent.child = child
+    own = type(child)._apply
+    child._apply = lambda fn, recurse=True: (seen.append("child"), own(child, fn, recurse))[1]
+    weight = child._parameters["weight"]
+    child._parameters["weight"] = None
+    parent.half()
+    child._parameters["weight"] = weight
+    if seen != ["child"]:
+        return "a child's instance _apply was not called by the parent's conversion"
+    if weight.dtype != torch.float32 or child.bias.dtype != torch.float16:
+        return "a None entry of _parameters was not skipped (or the others not converted)"
+    return None
+
+
 def _trampoline_names(*names: str) -> Check:
     """A Python ``Store`` defining only these names answers through ``PrefixStore`` (torch's C++ trampoline)."""
 
@@ -257,7 +278,23 @@ CANARIES = [
     ),
     Canary("torch.utils._pytree.tree_map", "engine/zero/casting.py", _params("func", "tree")),
     Canary("torch.utils._pytree.tree_flatten", "engine/zero/stage3.py", _params("tree")),
-    Canary("torch.nn.Module._parameters", "engine/zero/stage3.py (a module's own parameters)", None),
+    Canary(
+        "torch.nn.Module._parameters",
+        "engine/zero/stage3.py (a module's own parameters), engine/zero/bindings.py (where a module holds one)",
+        None,
+    ),
+    Canary(
+        "torch.nn.Module._apply",
+        "engine/zero/bindings.py (guard_conversions: module.to()/.half()/... followed or refused, FSDP2's hook)",
+        _apply_reaches_instances_and_skips_none,
+    ),
+    Canary(
+        "torch.nn.parallel.distributed:_ddp_params_and_buffers_to_ignore",
+        "engine/zero/bindings.py (refuse_ddp: DDP around a ZeRO module finds nothing to reduce and raises)",
+        _mentions("module._ddp_params_and_buffers_to_ignore"),
+    ),
+    Canary("torch.Tensor._make_wrapper_subclass", "engine/zero/standin.py (ShardedGrad: p.grad with no storage)"),
+    Canary("torch._C._disabled_torch_function_impl", "engine/zero/standin.py (ShardedGrad: ops reach its dispatch)"),
     # -- checkpoint --------------------------------------------------------------------------------------------
     Canary(
         "torch.distributed.checkpoint.FileSystemReader._get_metadata_path",

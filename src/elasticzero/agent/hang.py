@@ -35,10 +35,11 @@ class HangWatch:
     def __init__(self, plan: HangPlan) -> None:
         self.plan = plan
         self._watch = Watch()
+        self._killed: set[int] = set()  #: the pids this round's watch killed (told once: see check)
 
     def start(self) -> None:
         """Before a round's workers start: a fresh watch, the records' directory, no record of the last round."""
-        self._watch = Watch()
+        self._watch, self._killed = Watch(), set()
         if self.plan.progress_dir is None:
             return
         try:
@@ -56,8 +57,10 @@ class HangWatch:
         workers = [self._observed(w.global_rank, w.local_rank, w.id) for w in group.workers if w.id is not None]
         self._watch = observe(self._watch, workers, now)
         hang = verdict(self._watch, workers, now, self.plan)
-        if hang is not None:
-            self._act(hang)
+        if hang is None or hang.pid in self._killed:
+            return None  # a worker killed at an earlier tick may take a tick or more to die (a loaded machine)
+        self._act(hang)
+        self._killed.add(hang.pid)
         return hang
 
     def close(self) -> None:

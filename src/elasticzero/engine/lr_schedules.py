@@ -32,6 +32,7 @@ import difflib
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -52,7 +53,6 @@ __all__ = [
     "schedule_class",
 ]
 
-log = logging.getLogger(__name__)
 
 Lrs = float | Sequence[float]  # one value for every parameter group, or one per group
 
@@ -91,7 +91,11 @@ class DeepSpeedSchedule(LRScheduler):
     def _apply(self, lrs: list[float]) -> None:
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
-        self._last_lr = [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_last_lr(self) -> list[float | torch.Tensor]:
+        """The learning rates the optimizer's groups hold now (set by this schedule at construction, each step and
+        each load)."""
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
 
 
 def _per_group(optimizer: torch.optim.Optimizer, value: Lrs, name: str) -> list[float]:
@@ -328,13 +332,13 @@ class OneCycle(DeepSpeedSchedule):
 def _has_betas(optimizer: torch.optim.Optimizer) -> bool:
     if "betas" in optimizer.defaults:
         return True
-    log.warning("OneCycle: cycle_momentum is off: %s has no betas", type(optimizer).__name__)
+    logging.getLogger(__name__).warning("OneCycle: cycle_momentum is off: %s has no betas", type(optimizer).__name__)
     return False
 
 
-SCHEDULES: dict[str, type[DeepSpeedSchedule]] = {
-    c.__name__: c for c in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)
-}
+SCHEDULES: Mapping[str, type[DeepSpeedSchedule]] = MappingProxyType(
+    {c.__name__: c for c in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)}
+)
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -353,48 +357,55 @@ def _lrs(v: Any) -> bool:
 
 
 # parameter -> (accepts the value?, what it must be)
-_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "lr": (_lrs, "a learning rate >= 0 (or a list: one per parameter group)"),
-    "lr_or_null": (lambda v: v is None or _lrs(v), "a learning rate >= 0, a list of them or null (the optimizer's)"),
-    "count": (lambda v: _whole(v) and v >= 0, "a whole number >= 0"),
-    "count_or_null": (lambda v: v is None or (_whole(v) and v >= 0), "a whole number >= 0 (or null)"),
-    "size": (lambda v: _whole(v) and v >= 1, "a whole number >= 1"),
-    "number": (_number, "a number"),
-    "numbers": (
-        lambda v: _number(v) or (isinstance(v, (list, tuple)) and bool(v) and all(_number(x) for x in v)),
-        "a number (or a list: one per parameter group)",
-    ),
-    "ratio": (lambda v: _number(v) and v >= 0, "a number >= 0"),
-    "flag": (lambda v: isinstance(v, bool), "true or false"),
-    "warmup_type": (lambda v: v in ("log", "linear"), "'log' or 'linear'"),
-    "iteration": (lambda v: _whole(v) and v >= -1, "a whole number >= -1 (-1: from the start)"),
-}
-_PARAM_KIND = {
-    "warmup_min_lr": "lr",
-    "warmup_max_lr": "lr_or_null",
-    "warmup_num_steps": "size",
-    "warmup_type": "warmup_type",
-    "total_num_steps": "size",
-    "warmup_min_ratio": "ratio",
-    "cos_min_ratio": "ratio",
-    "lr_range_test_min_lr": "lr",
-    "lr_range_test_step_size": "size",
-    "lr_range_test_step_rate": "number",
-    "lr_range_test_staircase": "flag",
-    "cycle_min_lr": "lr",
-    "cycle_max_lr": "lr",
-    "decay_lr_rate": "number",
-    "cycle_first_step_size": "size",
-    "cycle_second_step_size": "count_or_null",
-    "cycle_first_stair_count": "count",
-    "cycle_second_stair_count": "count_or_null",
-    "decay_step_size": "count",
-    "cycle_momentum": "flag",
-    "cycle_min_mom": "numbers",
-    "cycle_max_mom": "numbers",
-    "decay_mom_rate": "number",
-    "last_batch_iteration": "iteration",
-}
+_KINDS: Mapping[str, tuple[Callable[[Any], bool], str]] = MappingProxyType(
+    {
+        "lr": (_lrs, "a learning rate >= 0 (or a list: one per parameter group)"),
+        "lr_or_null": (
+            lambda v: v is None or _lrs(v),
+            "a learning rate >= 0, a list of them or null (the optimizer's)",
+        ),
+        "count": (lambda v: _whole(v) and v >= 0, "a whole number >= 0"),
+        "count_or_null": (lambda v: v is None or (_whole(v) and v >= 0), "a whole number >= 0 (or null)"),
+        "size": (lambda v: _whole(v) and v >= 1, "a whole number >= 1"),
+        "number": (_number, "a number"),
+        "numbers": (
+            lambda v: _number(v) or (isinstance(v, (list, tuple)) and bool(v) and all(_number(x) for x in v)),
+            "a number (or a list: one per parameter group)",
+        ),
+        "ratio": (lambda v: _number(v) and v >= 0, "a number >= 0"),
+        "flag": (lambda v: isinstance(v, bool), "true or false"),
+        "warmup_type": (lambda v: v in ("log", "linear"), "'log' or 'linear'"),
+        "iteration": (lambda v: _whole(v) and v >= -1, "a whole number >= -1 (-1: from the start)"),
+    }
+)
+_PARAM_KIND = MappingProxyType(
+    {
+        "warmup_min_lr": "lr",
+        "warmup_max_lr": "lr_or_null",
+        "warmup_num_steps": "size",
+        "warmup_type": "warmup_type",
+        "total_num_steps": "size",
+        "warmup_min_ratio": "ratio",
+        "cos_min_ratio": "ratio",
+        "lr_range_test_min_lr": "lr",
+        "lr_range_test_step_size": "size",
+        "lr_range_test_step_rate": "number",
+        "lr_range_test_staircase": "flag",
+        "cycle_min_lr": "lr",
+        "cycle_max_lr": "lr",
+        "decay_lr_rate": "number",
+        "cycle_first_step_size": "size",
+        "cycle_second_step_size": "count_or_null",
+        "cycle_first_stair_count": "count",
+        "cycle_second_stair_count": "count_or_null",
+        "decay_step_size": "count",
+        "cycle_momentum": "flag",
+        "cycle_min_mom": "numbers",
+        "cycle_max_mom": "numbers",
+        "decay_mom_rate": "number",
+        "last_batch_iteration": "iteration",
+    }
+)
 
 
 def schedule_class(name: str, source: str = "<config>") -> type[DeepSpeedSchedule]:

@@ -1,6 +1,9 @@
-"""elasticzero.live: in-process reconfiguration of a ZeRO job — the workers' side of live recovery (issue 21).
+"""elasticzero.live: the training object of every run, and in-process reconfiguration of a ZeRO job — the workers'
+side of live recovery.
 
-The round file the agent writes and the workers watch (:mod:`.rounds`), each round's fresh default group
+:class:`Training` (:mod:`.training`) is what users train with, in a plain run and under ``--live-recovery`` alike:
+enter it, iterate it (:class:`Done`: every committed step once), hook it (:class:`Hooks`). Beneath it: the
+round file the agent writes and the workers watch (:mod:`.rounds`), each round's fresh default group
 (:mod:`.group`), bounded waits that leave a collective stuck on a lost or frozen peer once a new round is in the file
 (:mod:`.bounded`), and the loop construct that enters each round — forms its group, reshards the ZeRO state in memory
 (or hands a joining process its state from its peers) and redoes the step in flight (:mod:`.loop`). See
@@ -14,16 +17,13 @@ from __future__ import annotations
 from elasticzero._lazy import lazy_getattr
 
 _LAZY = {
-    "NodeRound": "elasticzero.live.rounds",
-    "RoundError": "elasticzero.live.rounds",
-    "RoundFile": "elasticzero.live.rounds",
-    "StoreAddress": "elasticzero.live.rounds",
-    "ROUND_FILE_ENV": "elasticzero.live.rounds",
-    "write_round": "elasticzero.live.rounds",
-    "Reconfigure": "elasticzero.live.bounded",
-    "BoundedWait": "elasticzero.live.bounded",
-    "LiveError": "elasticzero.live.bounded",
+    "Training": "elasticzero.live.training",
+    "Hooks": "elasticzero.live.training",
+    "Done": "elasticzero.live.training",
     "LiveTraining": "elasticzero.live.loop",
+    "Attempt": "elasticzero.live.loop",
+    "LiveError": "elasticzero.live.bounded",
+    "Reconfigure": "elasticzero.live.bounded",
     "ReshardFallback": "elasticzero.live.loop",
 }
 

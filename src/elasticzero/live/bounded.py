@@ -139,3 +139,22 @@ class BoundedWait:
                 done.set_exception(err)
             else:
                 done.set_result(None)
+
+
+class Unbounded:
+    """The bound of a static round (a plain run: no round file): every wait runs on the calling thread, no round is
+    ever announced, and a failure is raised as it is (the restart path)."""
+
+    abandoned: NodeRound | None = None
+
+    def __call__(self, wait: Callable[[], None]) -> None:
+        wait()
+
+    def check(self) -> None:
+        """Nothing to leave for: a static round is never replaced in its process."""
+
+    def after_failure(self, err: BaseException) -> None:
+        raise err
+
+    def close(self) -> None:
+        """Nothing runs beside the caller."""

@@ -26,19 +26,28 @@ fresh processes alike (:meth:`LiveTraining._enter`):
    ``resume``: a disk checkpoint); else the reshard's step, the sampler position from the holder of old rank 0's state
    (a fresh process learns both from its peers); some state lost → :class:`ReshardFallback` (the restart path);
 4. a survivor whose step in flight had passed its commit gate everywhere counts it done (the reshard is one step
-   ahead); the sampler is re-cut at the new rank and world (the global batch is kept);
+   ahead; its attempt reports it committed, once); the sampler is re-cut at the new rank and world (the global batch
+   is kept);
 5. a new :class:`BuddyCopies` for the new world.
 
+All of it is one :class:`RoundState`, built whole and assigned once: an entry a newer round interrupts is thrown away
+with everything it built, and starts over with that round from the same holdings.
+
 The attempt's ``with`` leaves on :class:`~elasticzero.live.bounded.Reconfigure` (any wait of the step's collectives
-left for a newer round) and enters the new round in the same process; a newer round arriving while it does starts the
-entry over with it. No committed step is redone.
+left for a newer round) and enters the new round in the same process. No committed step is redone. Errors are
+classified once (:func:`peer_failure`): a lost peer's waits for the agent's round, the step's own (a ``ValueError``
+in the loss, an out-of-memory) is raised at once. :meth:`LiveTraining.bounded` is the one verb for other collectives
+of the round's group. A plain run (no round file) is one :class:`StaticTraining` round with the same attempts; the
+training object of both is :class:`elasticzero.live.Training` (:mod:`.training`).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 import time
+import traceback
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -53,7 +62,7 @@ from elasticzero.device import Facts, Placement, placement
 from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.comm.communicator import Communicator
 from elasticzero.errors import UsageError
-from elasticzero.live.bounded import BoundedWait, LiveError, Reconfigure
+from elasticzero.live.bounded import BoundedWait, LiveError, Reconfigure, Unbounded
 from elasticzero.live.copies import BuddyCopies
 from elasticzero.live.group import RoundGroups, RoundWatch, aborts_on_announce, group_spec
 from elasticzero.live.reshard import Fallback, Holdings, ReshardPlan, reshard_from
@@ -150,40 +159,225 @@ def first_round(env: Mapping[str, str]) -> tuple[RoundFile, NodeRound]:
     return rounds, found
 
 
-class LiveTraining:
+def optimizer_of(built: Any) -> Any:
+    """The optimizer of what ``build(group)`` returned: the optimizer itself, or an object's ``optimizer``."""
+    return built if isinstance(built, torch.optim.Optimizer) else built.optimizer
+
+
+def peer_failure(err: BaseException) -> bool:
+    """Whether ``err``, raised in a live step, may be a lost peer's (the agent's round is then expected): a torch
+    ``DistError``, or a ``RuntimeError`` raised where collectives are issued (a frame in ``torch.distributed`` or in
+    elasticzero's engine or live loop: gloo fails a collective posted on a closed pair when it is issued). Anything
+    else is the step's own error — a ``ValueError`` in the loss, a CUDA out-of-memory — and is raised at once."""
+    if isinstance(err, LiveError | torch.OutOfMemoryError) or not isinstance(err, RuntimeError):
+        return False
+    if isinstance(err, dist.DistError):
+        return True
+    return any(_COLLECTIVE_FRAME.search(f.filename) for f in traceback.extract_tb(err.__traceback__))
+
+
+_COLLECTIVE_FRAME = re.compile(r"[\\/](torch[\\/]distributed|elasticzero[\\/](engine|live))[\\/]")
+
+
+@dataclass
+class RoundState:
+    """One round as this process entered it, built whole and assigned once (an entry a newer round interrupted is
+    thrown away with everything it built): the round (``None``: the static round of a plain run), its bound, the NCCL
+    watch, what ``build`` returned and its optimizer, the copies, the re-cut sampler and the step. Only ``step`` (and
+    the sampler's position) move afterwards: at each commit."""
+
+    round: NodeRound | None
+    bound: Any  # BoundedWait, or Unbounded in a static round
+    watch: RoundWatch | None
+    built: Any
+    opt: Any
+    copies: BuddyCopies | None
+    sampler: ElasticSampler
+    step: int
+
+
+class _Rounds:
+    """What both kinds of training share: the round in force (:class:`RoundState`), the record, the steps, the
+    bounded verb and the commit."""
+
+    now: RoundState
+
+    def __init__(self) -> None:
+        self.record: list[tuple[int, list[int]]] = []  # (step, this rank's samples) of every committed step
+        self.events: list[RoundEvent] = []
+        self.in_attempt = False
+
+    @property
+    def step(self) -> int:
+        return self.now.step
+
+    @property
+    def sampler(self) -> ElasticSampler:
+        return self.now.sampler
+
+    @property
+    def opt(self) -> Any:
+        return self.now.opt
+
+    @property
+    def built(self) -> Any:
+        return self.now.built
+
+    @property
+    def bound(self) -> Any:
+        return self.now.bound
+
+    @property
+    def copies(self) -> BuddyCopies | None:
+        return self.now.copies
+
+    @property
+    def round(self) -> NodeRound | None:
+        return self.now.round
+
+    @property
+    def rank(self) -> int:
+        return int(self.opt.rank) if hasattr(self.opt, "rank") else dist.get_rank()
+
+    @property
+    def model(self) -> Any:
+        return self.opt.module
+
+    @property
+    def micro_batches(self) -> list[list[int]]:
+        """This rank's sample indices of the step in flight, one list per micro-batch."""
+        return micro_batches_of(self.sampler)
+
+    def steps(self, total: int) -> Iterator[Attempt]:
+        """Attempts until ``total`` steps are committed (a step left for a new round is attempted again)."""
+        while self.step < total:
+            yield Attempt(self)
+
+    def bounded(self, work: Callable[[], None]) -> bool:
+        """Run ``work`` — collectives of the round's group outside the engine (a checkpoint save, an evaluation) —
+        bounded like the engine's waits. True once it completed in this round. When a newer round was announced (or
+        a peer's loss failed it and the agent's round came) meanwhile: inside an attempt the attempt is left
+        (:class:`Reconfigure`, its ``with`` enters the round and the step is attempted again there); outside one the
+        round is entered here and False returned — decide again there, over the new round's state, whether to redo
+        ``work``. The thread running an abandoned ``work`` stays in it (a save left so is fenced out of its directory
+        by the new round's checkpointer). In a static round (a plain run) ``work`` just runs."""
+        if self.in_attempt:
+            self.bound.check()  # a round announced before the work: leave now, not after it
+            self.bound(work)
+            return True
+        try:
+            self.bound.check()
+            self.bound(work)
+            return True
+        except Reconfigure as leave:
+            round_ = leave.round
+        except RuntimeError as err:  # issued on a group a lost peer's sockets closed: the agent's round is expected
+            round_ = self._round_after(err, self.bound)
+        self.reconfigure(round_)
+        return False
+
+    def commit(self) -> None:
+        """The step in flight completed: record its samples, move the sampler one global batch on."""
+        now = self.now
+        self.record.append((now.step, [i for mb in micro_batches_of(now.sampler) for i in mb]))
+        now.sampler.advance(now.sampler.accumulation_steps)
+        now.step += 1
+        if self.events and self.events[-1].first_step_at is None:
+            self.events[-1] = _first_step(self.events[-1], time.monotonic())
+
+    def reconfigure(self, round_: NodeRound) -> None:
+        raise LiveError(f"round {round_.number} announced to a static round")  # pragma: no cover - live only
+
+    def _round_after(self, err: RuntimeError, bound: Any) -> NodeRound:
+        if not peer_failure(err):
+            raise err
+        try:
+            bound.after_failure(err)
+        except Reconfigure as leave:
+            return leave.round
+        raise err  # after_failure raises; for the type checker
+
+    def close(self) -> None:
+        """Stop the copies and the bound's thread."""
+        if self.copies is not None:
+            self.copies.close()
+        self.bound.close()
+        if self.now.watch is not None:
+            self.now.watch.close()
+
+
+def micro_batches_of(s: ElasticSampler) -> list[list[int]]:
+    """``s``'s rank's sample indices of the global batch at its position, one list per micro-batch."""
+    return [s.micro_batch(s.epoch, p) for p in range(s.consumed, s.consumed + s.global_batch_size, s.micro_step)]
+
+
+#: the job's start sampler: the sampler itself, or made from the first round's ``build`` result
+SamplerSource = ElasticSampler | Callable[[Any], ElasticSampler]
+
+
+def template_of(source: SamplerSource, built: Any) -> ElasticSampler:
+    return source if isinstance(source, ElasticSampler) else source(built)
+
+
+class StaticTraining(_Rounds):
+    """A plain run's one round: the default group (``group``) as the launcher formed it, ``build(group)`` once, the
+    job's start from ``resume`` (the disk checkpoint), no copies and no watch — a failure is the restart path's."""
+
+    def __init__(
+        self,
+        build: Callable[[Any], Any],
+        *,
+        sampler: SamplerSource,
+        group: Any,
+        resume: Callable[[Any, ElasticSampler], int] | None = None,
+        start_step: int = 0,
+    ) -> None:
+        super().__init__()
+        built = build(group)
+        template = template_of(sampler, built)
+        step = resume(built, template) if resume is not None else start_step
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        recut_ = recut(template, template.state_dict(), 0, rank, world)
+        self.now = RoundState(None, Unbounded(), None, built, optimizer_of(built), None, recut_, step)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+
+class LiveTraining(_Rounds):
     """A ZeRO training job that survives membership changes in its processes (see the module).
 
     Build it with :meth:`from_agent` under the agent; the constructor takes the pieces explicitly.
 
     Args:
-        build: ``build(group) -> ZeroOptimizer`` (a fresh model and its optimizer on ``group``).
-        sampler: the job's :class:`ElasticSampler` at its start position (the loop re-cuts it for each round's rank
-            and world, and moves it; never iterate it). A process joining a running job takes the position from its
-            peers; the settings (samples, global batch, micro batch, seed) must be the job's.
+        build: ``build(group)``: a fresh model and its ZeRO optimizer on ``group`` — the optimizer, or an object
+            whose ``optimizer`` it is (called once per round entered; its ``copies_config``, when it has one, a config's
+            ``zero.copies``, set the copies instead of the four options below).
+        sampler: the job's :class:`ElasticSampler` at its start position, or ``sampler(built)`` making it from the
+            first ``build`` result (the loop re-cuts it for each round's rank and world, and moves it; never iterate
+            it). A process joining a running job takes the position from its peers; the settings (samples, global
+            batch, micro batch, seed) must be the job's.
         rounds: the :class:`RoundFile` the waits poll; ``first``: the round this process starts in.
         local_rank: this process's local rank (its entry in the round's ranks).
         where: the device and backend (:func:`elasticzero.device.placement`); default: CPU over gloo.
         nodes: ``nodes(world_size)``, the node of every rank of a round (the buddy placement); default: gathered.
         poll_s, failure_grace_s: the bound of the waits (:class:`BoundedWait`).
         group_timeout: the collective timeout of the groups it forms (default: the placement's, the launcher's).
-        resume: the job's first round only (nobody holds state): ``resume(opt) -> step`` loads the disk checkpoint
-            into the optimizer as built and returns its step (``sampler`` given at that step's position); default:
-            the state as built, at ``start_step``.
+        resume: the job's first round only (nobody holds state): ``resume(built, sampler) -> step`` loads the disk
+            checkpoint into what ``build`` returned and the job's sampler, and returns its step; default: the state as
+            built, at ``start_step``.
         start_step: the step a fresh job starts at without ``resume``.
         replicate, node_shift, overlap, early: the buddy copies (:class:`BuddyCopies`'s ``enabled``, ``node_shift``,
             ``overlap``, ``early``; a config's ``zero.copies``): without copies a lost node's state is lost, and its
             loss falls back to the disk checkpoint (``ReshardFallback``).
     """
 
-    opt: ZeroOptimizer
-    copies: BuddyCopies
-    bound: BoundedWait
-
     def __init__(
         self,
-        build: Callable[[Any], ZeroOptimizer],
+        build: Callable[[Any], Any],
         *,
-        sampler: ElasticSampler,
+        sampler: SamplerSource,
         rounds: RoundFile,
         first: NodeRound,
         local_rank: int = 0,
@@ -192,30 +386,27 @@ class LiveTraining:
         poll_s: float = 0.05,
         failure_grace_s: float = 30.0,
         group_timeout: timedelta | None = None,
-        resume: Callable[[ZeroOptimizer], int] | None = None,
+        resume: Callable[[Any, ElasticSampler], int] | None = None,
         start_step: int = 0,
         replicate: bool = True,
         node_shift: int = 1,
         overlap: bool = True,
         early: bool = True,
     ) -> None:
+        super().__init__()
         self.build, self.rounds, self.nodes, self.resume = build, rounds, nodes, resume
         self.replicate, self.node_shift, self.overlap, self.early = replicate, node_shift, overlap, early  # copies
         self.local_rank, self.where = local_rank, where or Placement("cpu", "gloo", alone=False)
         self.poll_s, self.failure_grace_s, self.group_timeout = poll_s, failure_grace_s, group_timeout
-        self.sampler, self.step, self.round = sampler, start_step, first
         self.groups = RoundGroups()  # every round's group, the abandoned ones kept
-        self.watch: RoundWatch | None = None  # NCCL: aborts the round's group when a newer one is announced
-        self.record: list[tuple[int, list[int]]] = []  # (step, this rank's samples) of every committed step
-        self.events: list[RoundEvent] = []
-        self._enter_until_settled(first, Holdings())
+        self._enter_until_settled(first, Holdings(), Start(start_step, sampler), None)
 
     @classmethod
     def from_agent(
         cls,
-        build: Callable[[Any], ZeroOptimizer],
+        build: Callable[[Any], Any],
         *,
-        sampler: ElasticSampler,
+        sampler: SamplerSource,
         env: Mapping[str, str] | None = None,
         **options: Any,
     ) -> LiveTraining:
@@ -236,138 +427,127 @@ class LiveTraining:
         )
 
     @property
-    def rank(self) -> int:
-        return self.opt.rank
-
-    @property
-    def model(self) -> Any:
-        return self.opt.module
-
-    @property
-    def micro_batches(self) -> list[list[int]]:
-        """This rank's sample indices of the step in flight, one list per micro-batch."""
-        s = self.sampler
-        starts = range(s.consumed, s.consumed + s.global_batch_size, s.micro_step)
-        return [s.micro_batch(s.epoch, p) for p in starts]
-
-    def steps(self, total: int) -> Iterator[Attempt]:
-        """Attempts until ``total`` steps are committed (a step left for a new round is attempted again)."""
-        while self.step < total:
-            yield Attempt(self)
-
-    def between_steps(self, work: Callable[[], None]) -> bool:
-        """Run ``work`` — collectives of the round's group outside any step, e.g. the job's last checkpoint save after
-        the loop — bounded like an attempt's waits. True once it completed; False when a newer round was announced
-        (or a peer's loss failed it and the agent's round came) meanwhile: that round is entered here, ``work``
-        abandoned as an attempt's (see :meth:`Attempt.bounded`); decide again there, over the new round's state,
-        whether to redo it."""
-        try:
-            self.bound.check()
-            self.bound(work)
-            return True
-        except Reconfigure as leave:
-            round_ = leave.round
-        except RuntimeError as err:  # issued on a group a lost peer's sockets closed: the agent's round is expected
-            round_ = self._round_after(err)
-        self.reconfigure(round_)
-        return False
-
-    def close(self) -> None:
-        """Stop the copies (the last round's group stays the default group; the abandoned ones stay referenced)."""
-        self.copies.close()
-        self.bound.close()
-        if self.watch is not None:
-            self.watch.close()
-
-    # -- commit and reconfigure ---------------------------------------------------------------------------------------
-    def commit(self) -> None:
-        """The step in flight completed: record its samples, move the sampler one global batch on."""
-        self.record.append((self.step, [i for mb in self.micro_batches for i in mb]))
-        self.sampler.advance(self.sampler.accumulation_steps)
-        self.step += 1
-        if self.events and self.events[-1].first_step_at is None:
-            self.events[-1] = _first_step(self.events[-1], time.monotonic())
+    def watch(self) -> RoundWatch | None:
+        return self.now.watch
 
     def reconfigure(self, round_: NodeRound) -> None:
         """Leave the old round for ``round_`` in this process (see the module)."""
         left_at = time.monotonic()
-        entered = self._enter_until_settled(round_, self.copies.holdings())
+        now = self.now
+        start = Start(now.step, now.sampler)
+        entered = self._enter_until_settled(round_, now.copies.holdings() if now.copies else Holdings(), start, now)
         self.events.append(RoundEvent(entered, left_at, time.monotonic(), self.step))
 
-    def _enter_until_settled(self, round_: NodeRound, holdings: Holdings) -> NodeRound:
+    def _enter_until_settled(
+        self, round_: NodeRound, holdings: Holdings, start: Start, old: RoundState | None
+    ) -> NodeRound:
         """:meth:`_enter` ``round_``; a newer round in the file meanwhile (a second change) starts over with it, from
-        the same holdings. Returns the round entered."""
+        the same holdings and the same start (everything the interrupted entry built is thrown away). The entered
+        round's value is assigned once; a step in flight its reshard counted done is committed then, once. Returns
+        the round entered."""
         while True:
+            bound = self._bound(round_)  # a failure from here on waits for a round newer than this one
             try:
-                self._enter(round_, holdings)
-                return round_
+                value, caught_up = self._enter(round_, bound, holdings, start, old)
+                break
             except Reconfigure as again:
                 round_ = again.round
             except RuntimeError as err:  # a member lost meanwhile: its sockets closed, the agent's round is expected
-                round_ = self._round_after(err)
+                round_ = self._round_after(err, bound)
+            old = None  # the old group was left by the interrupted entry
+        if caught_up:
+            self._commit_in_flight(start)
+        self.now = value
+        return round_
 
-    def _round_after(self, err: RuntimeError) -> NodeRound:
-        if isinstance(err, LiveError):
-            raise err
-        try:
-            self.bound.after_failure(err)
-        except Reconfigure as leave:
-            return leave.round
-        raise err  # after_failure raises; for the type checker
+    def _commit_in_flight(self, start: Start) -> None:
+        """Record the step in flight at ``start`` (the reshard counted it done: its gate passed everywhere)."""
+        sampler = start.sampler
+        assert isinstance(sampler, ElasticSampler)
+        self.record.append((start.step, [i for mb in micro_batches_of(sampler) for i in mb]))
 
-    def _enter(self, round_: NodeRound, holdings: Holdings) -> None:
-        """Form ``round_``'s group, build the optimizer at its world, fill it, position the sampler (the module's
-        steps 1-5); the same code for a survivor (``holdings`` its own) and a fresh process (``Holdings()``)."""
-        self.bound = self._bound(round_)  # first: a failure from here on waits for a round newer than this one
+    def _enter(
+        self, round_: NodeRound, bound: BoundedWait, holdings: Holdings, start: Start, old: RoundState | None
+    ) -> tuple[RoundState, bool]:
+        """Form ``round_``'s group, build at its world, fill it, position the sampler (the module's steps 1-5); the
+        same code for a survivor (``holdings`` its own) and a fresh process (``Holdings()``). Returns the round's
+        value and whether the step in flight was counted done."""
         reporter().entered_round()  # the hang watch: no step in this round yet (watched again from its first)
-        if self.watch is not None:
-            self.watch.close()
-        aborted = self.watch is not None and self.watch.fired  # NCCL: the watch aborted the old group (final now)
+        aborted = False
+        if old is not None and old.watch is not None:
+            old.watch.close()
+            aborted = old.watch.fired  # NCCL: the watch aborted the old group (final now)
         spec = group_spec(round_, self.local_rank, self.where, self.group_timeout)
-        group = self.groups.form(spec, aborted=aborted, check=self.bound.check)  # leavable until all members arrived
-        self._watch(round_, group)
-        opt = self._bounded(self.build(group))
+        group = self.groups.form(spec, aborted=aborted, check=bound.check)  # leavable until all members arrived
+        watch = self._watch(round_, group)
+        try:
+            return self._fill(round_, bound, holdings, start, group, watch)
+        except BaseException:
+            if watch is not None:  # the entry is thrown away whole: its watch must not abort a later round's group
+                watch.close()
+            raise
+
+    def _fill(
+        self, round_: NodeRound, bound: BoundedWait, holdings: Holdings, start: Start, group: Any, watch: Any
+    ) -> tuple[RoundState, bool]:
+        """Build at ``group``'s world, fill it from ``holdings`` (or the disk: ``resume``), re-cut the sampler."""
+        built = self.build(group)
+        opt = optimizer_of(built)
+        opt.communicator = Communicator(opt.process_group, owner=type(opt).__name__, waiter=bound)
         plan = reshard_from(opt, holdings)
-        mine: Position = (self.step, self.sampler.state_dict()) if holdings.owner is not None else None
+        mine: Position = (start.step, _sampler(start).state_dict()) if holdings.owner is not None else None
         at = resume_point(plan, opt.communicator.all_gather_object(mine, tag="reshard"))
+        template = template_of(start.sampler, built)
         if at is None:
-            step = self.resume(opt) if self.resume is not None else self.step
-            at = ResumeAt(step, self.sampler.state_dict(), 0)
-        elif holdings.owner is not None:
-            self._catch_up(at.step)
-        self.sampler = recut(self.sampler, at.position, at.behind, opt.rank, opt.world_size)
-        self.step, self.round, self.opt = at.step, round_, opt
-        self.copies = self._make_copies(at.step)
+            step = self.resume(built, template) if self.resume is not None else start.step
+            at = ResumeAt(step, template.state_dict(), 0)
+        caught_up = holdings.owner is not None and caught_up_with(at.step, start.step)
+        sampler = recut(template, at.position, at.behind, opt.rank, opt.world_size)
+        copies = self._make_copies(opt, at.step, bound, getattr(built, "copies_config", None))
+        return RoundState(round_, bound, watch, built, opt, copies, sampler, at.step), caught_up
 
-    def _catch_up(self, step: int) -> None:
-        """A survivor at the reshard's ``step``: its step in flight counted done when its commit gate passed everywhere
-        (``step`` one past it), else redone."""
-        if step == self.step + 1:
-            self.commit()
-        if step != self.step:
-            raise LiveError(f"the in-memory reshard is at step {step}, this rank was at step {self.step}")
-
-    def _watch(self, round_: NodeRound, group: Any) -> None:
+    def _watch(self, round_: NodeRound, group: Any) -> RoundWatch | None:
         """Under NCCL (:func:`aborts_on_announce`), a watch that aborts ``group`` once a newer round is announced."""
-        self.watch = None
         if aborts_on_announce(str(dist.get_backend(group))):
             poll = functools.partial(self.rounds.poll, round_.number)
-            self.watch = RoundWatch(poll, group.abort, self.poll_s)
+            return RoundWatch(poll, group.abort, self.poll_s)
+        return None
 
     def _bound(self, round_: NodeRound) -> BoundedWait:
         poll = functools.partial(self.rounds.poll, round_.number)
         return BoundedWait(poll, poll_s=self.poll_s, failure_grace_s=self.failure_grace_s)
 
-    def _bounded(self, opt: ZeroOptimizer) -> ZeroOptimizer:
-        opt.communicator = Communicator(opt.process_group, owner=type(opt).__name__, waiter=self.bound)
-        return opt
-
-    def _make_copies(self, step: int) -> BuddyCopies:
-        nodes = self.nodes(self.opt.world_size) if self.nodes is not None else None
+    def _make_copies(self, opt: ZeroOptimizer, step: int, bound: BoundedWait, config: Any) -> BuddyCopies:
+        """The round's copies: the constructor's settings, or ``config`` (what ``build`` returned says: a config's
+        ``zero.copies``, with ``enabled``, ``node_shift``, ``overlap``, ``early``) when given."""
+        nodes = self.nodes(opt.world_size) if self.nodes is not None else None
+        r = config
+        on, shift = (self.replicate, self.node_shift) if r is None else (r.enabled, r.node_shift)
+        overlap, early = (self.overlap, self.early) if r is None else (r.overlap, r.early)
         return BuddyCopies(
-            self.opt, nodes=nodes, step=step, waiter=self.bound,
-            enabled=self.replicate, node_shift=self.node_shift, overlap=self.overlap, early=self.early,
-        )  # fmt: skip
+            opt, nodes=nodes, step=step, waiter=bound, enabled=on, node_shift=shift, overlap=overlap, early=early
+        )
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where an entry starts from: the last settled round's step and sampler (or the job's start: a sampler source)."""
+
+    step: int
+    sampler: SamplerSource
+
+
+def _sampler(start: Start) -> ElasticSampler:
+    assert isinstance(start.sampler, ElasticSampler), "a survivor's start is a settled round's sampler"
+    return start.sampler
+
+
+def caught_up_with(step: int, in_flight: int) -> bool:
+    """A survivor at the reshard's ``step``: its step in flight (``in_flight``) counted done when its commit gate
+    passed everywhere (``step`` one past it), else redone; any other distance is a :class:`LiveError`."""
+    if step not in (in_flight, in_flight + 1):
+        raise LiveError(f"the in-memory reshard is at step {step}, this rank was at step {in_flight}")
+    return step == in_flight + 1
 
 
 def _first_step(event: RoundEvent, at: float) -> RoundEvent:
@@ -377,10 +557,17 @@ def _first_step(event: RoundEvent, at: float) -> RoundEvent:
 class Attempt:
     """One attempt at the step in flight: ``with attempt:`` around the step's work (see the module)."""
 
-    def __init__(self, live: LiveTraining) -> None:
-        self.live = live
-        #: after the ``with``: whether the step committed (False: it was left for a new round and is attempted again —
-        #: the ``with`` swallowed that, so code after it must look here before it counts the step)
+    def __init__(self, live: _Rounds, *, commits: bool = True) -> None:
+        self.live, self.commits = live, commits
+        #: after the ``with``: whether its body ran to its end in one round (``commits`` False: an attempt at work
+        #: between steps that commits no step, e.g. the job's last save)
+        self.completed = False
+        #: the step this attempt is at (fixed when it begins; ``live.step`` moves on at its commit)
+        self.number = live.step
+        #: after the ``with``: whether the step committed — by this attempt, or (its round left after the step's
+        #: commit gate passed on every member) by the reshard that counted it done. False: it was left for a new
+        #: round before the gate and is attempted again — the ``with`` swallowed that, so code after it must look
+        #: here before it counts the step. Every committed step reports True exactly once.
         self.committed = False
 
     @property
@@ -388,7 +575,7 @@ class Attempt:
         return self.live.step
 
     @property
-    def opt(self) -> ZeroOptimizer:
+    def opt(self) -> Any:
         return self.live.opt
 
     @property
@@ -404,34 +591,32 @@ class Attempt:
         on something other than the engine's collectives."""
         self.live.bound.check()
 
-    def bounded(self, work: Callable[[], None]) -> None:
-        """Run ``work`` — collectives of the round's group outside the engine, e.g. a checkpoint save — bounded like
-        the engine's waits: on the bound's helper thread, left with :class:`Reconfigure` when a newer round is
-        announced (the thread stays in the abandoned work; a save left so is fenced out of the directory by the new
-        round's checkpointer)."""
-        self.live.bound(work)
-
     def __enter__(self) -> Attempt:
         try:
             self.live.bound.check()  # a round announced between two steps
         except Reconfigure as leave:
             self.live.reconfigure(leave.round)
+        self.number, self.live.in_attempt = self.live.step, True
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        self.live.in_attempt = False
         if exc is None:
-            self.live.commit()
-            self.committed = True
+            self.completed = True
+            if self.commits:
+                self.live.commit()
+                self.committed = True
             return False
         abandoned = self.live.bound.abandoned  # set by the wait that left (autograd may wrap its Reconfigure)
-        if abandoned is None and isinstance(exc, RuntimeError) and not isinstance(exc, LiveError):
-            try:  # torch's and gloo's errors: a peer may be gone
+        if abandoned is None and isinstance(exc, RuntimeError) and peer_failure(exc):
+            try:  # torch's and gloo's errors where collectives are issued: a peer may be gone
                 self.live.bound.after_failure(exc)
             except Reconfigure as leave:
                 abandoned = leave.round
             except BaseException:
                 return False  # no round came: the failure is the step's own
         if abandoned is None:
-            return False
+            return False  # the step's own error (the user's, an out-of-memory): raised at once
         self.live.reconfigure(abandoned)
+        self.committed = self.commits and self.live.step > self.number  # the reshard counted this step done
         return True

@@ -97,5 +97,13 @@ def test_success_both_exit_zero_promptly_and_node0_hosts_store(cluster: Cluster)
     print(f"both succeeded; exits {abs(t_1 - t_0):.1f}s apart")
     assert (code_0, code_1) == (0, 0), [a.output() for a in cluster.agents]
     assert abs(t_1 - t_0) < PROMPT_S
-    assert sorted(r["rank"] for r in cluster.reports()) == [0, 1]
+    # one world of the two agents, group ranks from the node table (node_rank_hint): the elasticzero rendezvous' case
+    # of test_run_basic.test_two_agents_form_one_world, whose job this is
+    reports = cluster.reports()
+    assert sorted(r["rank"] for r in reports) == [0, 1]
+    assert all(r["world_size"] == 2 and r["sum"] == 3.0 for r in reports)
+    assert sorted(r["env"]["CROSS_RANK"] for r in reports) == ["0", "1"]
+    assert {r["env"]["CROSS_SIZE"] for r in reports} == {"2"}
+    assert sorted(r["env"]["CUDA_VISIBLE_DEVICES"] for r in reports) == ["0", "1"]
+    assert all(r["env"]["CROSS_RANK"] == r["env"]["CUDA_VISIBLE_DEVICES"] for r in reports)
     assert cluster.leftovers() == []

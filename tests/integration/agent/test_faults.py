@@ -1,8 +1,8 @@
 """Real faults against real agents (each agent a separate process = a "node" on loopback).
 
 worker SIGKILL → group restart, --max-restarts honoured; failure reaches idle nodes through the rendezvous;
-root cause reported with its error file; agent SIGKILL → its workers die (no orphans), survivors re-rendezvous at
-the smaller size (min nodes honoured); a new agent joins → scale up.
+root cause reported with its error file; a new agent joins → scale up; then that agent's SIGKILL → its workers die
+(no orphans), survivors re-rendezvous at the smaller size (min nodes honoured).
 """
 
 from __future__ import annotations
@@ -94,24 +94,6 @@ def test_root_cause_rank_and_error_file_reported(cluster: Cluster) -> None:
     assert cluster.leftovers() == []
 
 
-def test_agent_sigkill_takes_its_workers_and_survivors_shrink(cluster: Cluster) -> None:
-    start_nodes(cluster, 3, "2:3", max_restarts=2, worker_opts=["loop=1"])
-    first = running_world(cluster, 3, 0, 180)
-    victim = cluster.agents[2]
-    victim_workers = [r["pid"] for r in first if r["env"]["MASTER_ADDR"] and _child_of(r["pid"], victim.proc.pid)]  # type: ignore[arg-type]
-    assert len(victim_workers) == 1
-    t_kill = time.time()
-    victim.proc.send_signal(signal.SIGKILL)
-    victim.proc.wait(timeout=10)
-    wait_for(lambda: not alive(victim_workers[0]), 5, "the killed agent's worker to die (PDEATHSIG)")  # type: ignore[arg-type]
-    second = running_world(cluster, 2, t_kill, 120)
-    recovery = max(r["time"] for r in second) - t_kill  # type: ignore[operator]
-    print(f"agent SIGKILL -> survivors running at world size 2 after {recovery:.1f}s")
-    (cluster.out / "stop").touch()
-    assert [a.proc.wait(timeout=60) for a in cluster.agents[:2]] == [0, 0]
-    assert cluster.leftovers() == []
-
-
 def test_min_nodes_honoured_when_too_few_survive(cluster: Cluster) -> None:
     conf = "join_timeout=25,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=4,close_timeout=5"
     start_nodes(cluster, 2, "2:3", max_restarts=2, rdzv_conf=conf, worker_opts=["loop=1"])
@@ -124,16 +106,29 @@ def test_min_nodes_honoured_when_too_few_survive(cluster: Cluster) -> None:
     assert cluster.leftovers() == []
 
 
-def test_new_agent_joins_scale_up(cluster: Cluster) -> None:
-    endpoint = start_nodes(cluster, 2, "2:3", worker_opts=["loop=1"])
+def test_new_agent_joins_scale_up_then_its_sigkill_takes_its_workers_and_survivors_shrink(cluster: Cluster) -> None:
+    # one job for both membership changes: a third agent joins a world of 2 (scale up), then that agent is SIGKILLed
+    endpoint = start_nodes(cluster, 2, "2:3", max_restarts=2, worker_opts=["loop=1"])
     running_world(cluster, 2, 0, 150)
     t_join = time.time()
-    cluster.start(cluster.argv(endpoint, "2:3", nproc=1, worker_opts=["loop=1"]))
+    cluster.start(cluster.argv(endpoint, "2:3", nproc=1, max_restarts=2, worker_opts=["loop=1"]))
     third = running_world(cluster, 3, t_join, 150)
     assert sorted(r["rank"] for r in third) == [0, 1, 2]
     assert {r["env"]["TORCHELASTIC_RESTART_COUNT"] for r in third} == {"0"}  # membership change is not a retry
+
+    victim = cluster.agents[2]
+    victim_workers = [r["pid"] for r in third if r["env"]["MASTER_ADDR"] and _child_of(r["pid"], victim.proc.pid)]  # type: ignore[arg-type]
+    assert len(victim_workers) == 1
+    t_kill = time.time()
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait(timeout=10)
+    wait_for(lambda: not alive(victim_workers[0]), 5, "the killed agent's worker to die (PDEATHSIG)")  # type: ignore[arg-type]
+    second = running_world(cluster, 2, t_kill, 120)
+    recovery = max(r["time"] for r in second) - t_kill  # type: ignore[operator]
+    print(f"agent SIGKILL -> survivors running at world size 2 after {recovery:.1f}s")
     (cluster.out / "stop").touch()
-    assert [a.proc.wait(timeout=60) for a in cluster.agents] == [0, 0, 0]
+    assert [a.proc.wait(timeout=60) for a in cluster.agents[:2]] == [0, 0]
+    assert cluster.leftovers() == []
 
 
 def _child_of(pid: int, parent: int) -> bool:

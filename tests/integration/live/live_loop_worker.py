@@ -43,7 +43,8 @@ from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.stage1 import ZeroStage1
 from elasticzero.engine.zero.stage2 import ZeroStage2
 from elasticzero.engine.zero.stage3 import ZeroStage3
-from elasticzero.live import ROUND_FILE_ENV, LiveError, LiveTraining, NodeRound, StoreAddress, write_round
+from elasticzero.live import LiveError, LiveTraining
+from elasticzero.live.rounds import ROUND_FILE_ENV, NodeRound, StoreAddress, write_round
 from ez_testing import free_port
 from gpt import GPT, config_for
 
@@ -56,13 +57,15 @@ LIVE = [(2, "KILL", "fp32"), (2, "STOP", "fp32"), (1, "STOP", "fp32"), (3, "KILL
 JOIN = (2, "JOIN", "fp32")  # 2 -> 3: a fresh process gets its shards from its peers
 JOIN_LOST = (2, "JOINLOST", "fp32")  # 2 -> 3 named, the joiner never arrives -> round 2 at 2 again
 LOSE2 = (2, "KILL2", "fp32")  # ranks 1 and 2 killed: rank 1's copy was on rank 2, a fallback for rank 0
-CASES = [*LIVE, JOIN, JOIN_LOST, LOSE2]
+AFTER_GATE = (2, "GATEKILL", "fp32")  # the victim killed after step K's commit gate, before the attempt ends
+CASES = [*LIVE, JOIN, JOIN_LOST, LOSE2, AFTER_GATE]
 JOINS = ("JOIN", "JOINLOST")
 ARRIVAL_S = 1.0  # how long the driver lets the two wait for the lost joiner's arrival before it writes round 2
 WAIT_S = 60  # how long a joined rank waits in step K for round 1 before the case fails
 
 
 def victims(sig: str) -> list[int]:
+    """The ranks lost in a case (``GATEKILL``: SIGKILLed, like ``KILL``)."""
     return {"KILL2": [1, 2], "JOIN": [], "JOINLOST": []}.get(sig, [VICTIM])
 
 
@@ -116,7 +119,7 @@ def at_step_k(attempt: Any, live: LiveTraining, out: Path, sig: str) -> None:
     at_k = full_state(attempt.opt)
     if live.rank == 0:
         torch.save(at_k, f"{out}.at_k.pt")
-    if live.rank in victims(sig):
+    if live.rank in victims(sig) and sig != "GATEKILL":
         os.kill(os.getpid(), getattr(signal, f"SIG{sig.rstrip('2')}"))
     if sig in JOINS:
         Path(f"{out}.waiting{live.rank}").touch()
@@ -127,26 +130,45 @@ def at_step_k(attempt: Any, live: LiveTraining, out: Path, sig: str) -> None:
         raise TimeoutError(f"no round 1 within {WAIT_S} s")
 
 
+def after_the_gate(attempt: Any, live: LiveTraining) -> None:
+    """``GATEKILL``, step K of round 0, after the optimizer step (its commit gate passed on every member): the victim
+    SIGKILLs itself, the others wait in the attempt until round 1 leaves it — the step was committed everywhere, the
+    reshard counts it done, and the attempt reports it committed."""
+    if live.rank in victims("GATEKILL"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        attempt.check()
+        time.sleep(0.01)
+    raise TimeoutError(f"no round 1 within {WAIT_S} s")
+
+
 def train(rank: int, out: Path, sig: str, stage: int, precision: str) -> None:
     env = {ROUND_FILE_ENV: round_file(out, rank), "LOCAL_RANK": "0"}
     live = LiveTraining.from_agent(
         builder(stage, precision), sampler=sampler_at(0, 1), env=env, nodes=lambda n: list(range(n))
     )
-    data = tokens()
+    data, reported = tokens(), []
     for attempt in live.steps(TOTAL):
         with attempt:
-            if attempt.step == K and live.round.number == 0:
+            at_k = attempt.step == K and live.round.number == 0
+            if at_k:
                 at_step_k(attempt, live, out, sig)
             batches = attempt.micro_batches
             for idx in batches:
                 (loss_of(attempt.model, data[idx]) / len(batches)).backward()
             attempt.opt.step()
             attempt.opt.zero_grad()
+            if at_k and sig == "GATEKILL":
+                after_the_gate(attempt, live)
+        if attempt.committed:  # what a user's post-commit code sees: every committed step once
+            reported.append(attempt.number)
     events = [
         {"round": e.round.number, **{k: getattr(e, k) for k in ("left_at", "ready_at", "step", "first_step_at")}}
         for e in live.events
     ]
     result = {"pid": os.getpid(), "record": live.record, "events": events, "world": live.opt.world_size}
+    result["reported"] = reported
     final = live.opt.full_state_dict()  # collective over the last round's group
     if live.rank == 0:
         torch.save(final, f"{out}.final.pt")

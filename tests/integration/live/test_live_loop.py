@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 from live_loop_worker import (
+    AFTER_GATE,
     GLOBAL_BATCH,
     JOIN,
     JOIN_LOST,
@@ -111,9 +112,9 @@ def bf16_gradient(model: torch.nn.Module, data: torch.Tensor, step: int, ranks: 
     return total
 
 
-def record_problems(records: list[list[Any]], first: list[int]) -> list[str]:
-    """Every step rank ``r`` trained (from ``first[r]``) committed once; from step K the samples of all ranks are the
-    step's global batch, before it disjoint parts of it."""
+def record_problems(records: list[list[Any]], first: list[int], whole_from: int = K) -> list[str]:
+    """Every step rank ``r`` trained (from ``first[r]``) committed once; from step ``whole_from`` the samples of all
+    ranks are the step's global batch, before it disjoint parts of it."""
     order, bad = epoch_order(SAMPLES, 0, 0).tolist(), []
     for r, rec in enumerate(records):
         if [s for s, _ in rec] != list(range(first[r], TOTAL)):
@@ -121,7 +122,8 @@ def record_problems(records: list[list[Any]], first: list[int]) -> list[str]:
     for step in range(TOTAL):
         want = order[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
         got = [i for rec in records for s, idx in rec if s == step for i in idx]
-        whole = sorted(got) == sorted(want) if step >= K else set(got) <= set(want) and len(set(got)) == len(got)
+        part = set(got) <= set(want) and len(set(got)) == len(got)
+        whole = sorted(got) == sorted(want) if step >= whole_from else part
         if not whole:
             bad.append(f"step {step}: samples {got} are not the global batch {want}")
     return bad
@@ -155,6 +157,7 @@ def test_live_loop(runs: Path, stage: int, sig: str, precision: str) -> None:
     assert [res["world"] for res in results] == [VICTIM] * VICTIM
     for res in results:
         assert [(e["round"], e["step"]) for e in res["events"]] == [(1, K)], res["events"]
+        assert res["reported"] == list(range(TOTAL))  # every committed step reported committed once
     assert record_problems([res["record"] for res in results], [0] * VICTIM) == []
     ratio = final_ratio(out, precision, VICTIM)
     assert ratio <= 1, f"final parameters off by {ratio:.3g}x the {precision} rounding scale (ez_numerics rule)"
@@ -217,3 +220,23 @@ def test_both_copies_lost_is_one_clear_error_for_the_restart_path(runs: Path) ->
     said = Path(f"{out}.rank0.live_error").read_text()
     assert said.startswith("ReshardFallback: ") and "both copies of the state of old rank(s) [1] are lost" in said
     assert "disk checkpoint" in said
+
+
+def test_a_step_left_after_its_commit_gate_is_reported_committed_once(runs: Path) -> None:
+    """The victim is SIGKILLed after step K's optimizer step — its commit gate passed on every member — while the
+    survivors are still in step K's attempt. The reshard of round 1 counts step K done (round 1 starts at K + 1), and
+    the survivors' attempt at step K reports it committed: a user's post-commit code (a log line, a metric, a counter)
+    sees every step once, K too. Same processes, every step recorded once, the parameters of an uninterrupted run."""
+    stage, sig, precision = AFTER_GATE
+    out = Path(f"{runs}.{case_name(stage, sig, precision)}")
+    harness = json.loads(Path(f"{out}.harness.json").read_text())
+    errors = [Path(f"{out}.rank{r}.err") for r in range(VICTIM)]
+    assert harness["codes"] == [0] * VICTIM + [-signal.SIGKILL], [e.read_text() for e in errors if e.exists()]
+    results = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(VICTIM)]
+    assert [res["pid"] for res in results] == harness["pids"][:VICTIM]
+    for res in results:
+        assert [(e["round"], e["step"]) for e in res["events"]] == [(1, K + 1)], res["events"]
+        assert res["reported"] == list(range(TOTAL)), res["reported"]
+    assert record_problems([res["record"] for res in results], [0] * VICTIM, whole_from=K + 1) == []
+    ratio = final_ratio(out, precision, VICTIM)
+    assert ratio <= 1, f"final parameters off by {ratio:.3g}x the {precision} rounding scale (ez_numerics rule)"

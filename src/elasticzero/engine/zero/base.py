@@ -19,8 +19,10 @@ from torch.utils.hooks import RemovableHandle
 from elasticzero.engine.bucketer import GradBucketer, phase
 from elasticzero.engine.precision import as_policy
 from elasticzero.engine.zero import clip
+from elasticzero.engine.zero.bindings import hold_params
 from elasticzero.engine.zero.casting import compute_dtypes, input_caster, keep_fp32_hooks
 from elasticzero.engine.zero.comm.communicator import Communicator
+from elasticzero.engine.zero.eager import outside_graph
 from elasticzero.engine.zero.flat import FlatBucket, Grouping, _device_of, layout_buckets, size_groups
 from elasticzero.engine.zero.inner import assign_groups, build_optimizer
 from elasticzero.engine.zero.layout import ParamSlot, ZeroLayout
@@ -123,6 +125,8 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
         self.masters: list[nn.Parameter] = [master for master, _ in made]
         self._flat: list[torch.Tensor] = [flat for _, flat in made]  # per bucket: the buffer its parameters view
         self._cast_frozen()
+        # module.to()/.half(), param.data = ..., DDP, torch's clip: followed or refused (bindings.py, standin.py)
+        self._bindings, self._stand_ins = hold_params(module, self.buckets, self._flat, type(self).__name__)
 
         inner_groups = []
         for gi, opts in enumerate(group_options):
@@ -137,6 +141,7 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
         self._ready = True
         self._grad_watchers: OrderedDict[int, GradWatcher] = OrderedDict()  # a RemovableHandle refers to it weakly
         self.bucketer = self._make_bucketer()
+        self._bound_hook = module.register_forward_pre_hook(outside_graph(self._before_forward), prepend=True)
         self._input_hook = None
         if self.options.cast_forward_inputs and self.policy.param_dtype != torch.float32:
             self._input_hook = module.register_forward_pre_hook(input_caster(self.policy.param_dtype), with_kwargs=True)
@@ -174,8 +179,15 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
             on_reduced=self._reduced,
             max_inflight=self.max_inflight,
             timers=self.timers,
+            on_finalize=self._stand_ins.post,  # torch's clip_grad_norm_ on the module now raises (standin.py)
             **overrides,
         )
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        """The root module's first forward pre-hook: the gradient stand-ins go (autograd must not accumulate into
+        them), and every parameter must still be the engine's (:meth:`~.bindings.ParamBindings.check`)."""
+        self._stand_ins.lift()
+        self._bindings.check(f"{type(module).__name__}.forward")
 
     def _reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
         """The bucketer's ``on_reduced``: the stage's :meth:`_on_reduced`, between telling the watchers."""
@@ -202,6 +214,7 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._bindings.check("opt.step()")  # a step of masters the module no longer views would train nothing
         with phase(self.timers, "step"):
             self.optim.step()
         with phase(self.timers, "allgather"):

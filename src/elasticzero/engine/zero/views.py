@@ -18,6 +18,7 @@ from elasticzero.engine.zero.flat import FlatBucket
 from elasticzero.engine.zero.layout import ParamSlot, ZeroLayout
 from elasticzero.engine.zero.memory import model_state_report
 from elasticzero.engine.zero.sharded import Origin, ShardedState
+from elasticzero.engine.zero.standin import is_stand_in
 from elasticzero.errors import UsageError
 
 
@@ -189,7 +190,7 @@ class ZeroStateViews(OwnsCommunicator):
                     [m.grad for m in self.masters]
                     + self._held_grad_storage()
                     + self.bucketer.held_buffers()
-                    + [p.grad for p in trainable],
+                    + [p.grad for p in trainable if not is_stand_in(p.grad)],
                 ),
                 ("optim_state", state),
                 ("frozen", frozen),

@@ -1,0 +1,213 @@
+"""The training object (:class:`elasticzero.live.Training`, through the example's ``training``): its save rule
+(whether a round's member takes the last committed step's checkpoint — a collective — is decided only over what every
+member of the round agrees on: :func:`due` and the round kit's ``held``, fresh at every round), the flags live mode
+refuses, the last save after the loop taken in a round announced before it, and a user's own error inside a live step
+raised at once with its own traceback. The join race the rule fixes, end to end under agents:
+tests/integration/elastic/test_live_e2e.py."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elasticzero.checkpoint.commit import step_dir
+from elasticzero.errors import UsageError
+from elasticzero.live import Hooks, Training
+from elasticzero.live.loop import Attempt
+from elasticzero.live.rounds import ROUND_FILE_ENV, NodeRound, StoreAddress, write_round
+from elasticzero.live.training import due
+from ez_testing import REPO, free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+SAVE, TOTAL = 5, 20
+STEPS = 2  # a whole live job's (the last step's save after the loop)
+
+
+@pytest.fixture
+def train_gpt(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.syspath_prepend(str(REPO / "examples"))  # as Python does for the script: its gpt.py beside it
+    import train_gpt
+
+    return train_gpt
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    """A world-size-1 gloo default group (each round's group in these tests), destroyed after the test."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def cpu_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device rule sees a CPU machine (as in test_loop_rules.py): on a GPU one the round's group would be NCCL."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_a_save_step_is_due_once_per_round() -> None:
+    assert due(10, SAVE, TOTAL, None)
+    assert not due(10, SAVE, TOTAL, 10)  # this round's checkpointer saved it already
+    assert not due(11, SAVE, TOTAL, 10)  # not a save step
+    assert due(TOTAL, 0, TOTAL, None)  # the job's last step, also without --save-every
+    assert not due(0, SAVE, TOTAL, None)  # nothing committed yet
+    assert not due(15, SAVE, TOTAL, 15)  # the step the first round resumed from disk
+
+
+def job(train_gpt: Any, tmp_path: Path, *flags: str, ckpt: str = "ckpt") -> Training:
+    config = REPO / "examples" / "configs" / "gpt.yaml"
+    argv = ["--config", str(config), "--zero", "2", "--size", "tiny", "--seq-len", "32", "--corpus-bytes", "4700"]
+    argv += ["--cache-dir", str(tmp_path / "corpus"), "--checkpoint-dir", str(tmp_path / ckpt), *flags]
+    training: Training = train_gpt.training(train_gpt.parser().parse_args(argv))
+    training.leave_process = False  # a test goes on after it
+    return training
+
+
+class Saves(Hooks):
+    """Records the checkpoint phases seen (one ``manifest`` per save taken)."""
+
+    def __init__(self) -> None:
+        self.taken: list[int] = []
+
+    def checkpoint_phase(self, training: Training, phase: str, step: int) -> None:
+        if phase == "manifest":
+            self.taken.append(step)
+
+
+def at_step(training: Training, step: int) -> None:
+    """The training as if its last committed step were ``step`` (the round's value, its kit kept)."""
+    training.rounds.now = replace(training.rounds.now, step=step)
+
+
+def new_round(training: Training) -> None:
+    """What entering a round builds afresh on every member: the kit (pieces, checkpointer: nothing held)."""
+    training.rounds.now = replace(training.rounds.now, built=training._build(dist.group.WORLD))
+
+
+@pytest.mark.parametrize("old_round_saved", [False, True], ids=["announced-before-the-save", "after-the-save"])
+def test_a_survivor_and_a_fresh_joiner_take_the_same_saves_in_the_new_round(
+    train_gpt: Any, world_of_one: None, tmp_path: Path, old_round_saved: bool
+) -> None:
+    """The survivor commits save step 10 alone; a join's round is announced before its save ran (the race the bench
+    hit: the survivor then took the save alone in the new round, while the fresh joiner trained — mismatched
+    collectives, the round hung until the hang watch killed the survivor) or after it. In the new round both are at
+    step 10 and both take step 10's checkpoint, once. (Each a world of one here, with a directory of its own.)"""
+    flags = ["--steps", str(TOTAL), "--save-every", str(SAVE)]
+    survivor, joiner = (
+        job(train_gpt, tmp_path, *flags, ckpt="survivor"),
+        job(train_gpt, tmp_path, *flags, ckpt="joiner"),
+    )
+    saves = {"survivor": Saves(), "joiner": Saves()}
+    survivor.hooks, joiner.hooks = (saves["survivor"],), (saves["joiner"],)
+    with survivor, joiner:
+        at_step(survivor, 10)
+        if old_round_saved:
+            survivor._due(Attempt(survivor.rounds), [])  # the old round's save
+        new_round(survivor)
+        new_round(joiner)
+        at_step(joiner, 10)  # its peers' step
+        for training in (survivor, joiner):
+            for _ in range(2):  # the attempt at step 11, then one redone in the same round: the save is taken once
+                training._due(Attempt(training.rounds), [])
+    assert saves["survivor"].taken == [10] * (1 + old_round_saved) and saves["joiner"].taken == [10]
+    assert all((tmp_path / who / step_dir(10)).is_dir() for who in saves)
+
+
+def test_live_mode_refuses_async_save_and_ddp(train_gpt: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused before any round is formed (nothing launched, nothing written): one line naming the flag; ZeRO stage 0
+    (DDP, nothing to reshard) when the first round builds."""
+    monkeypatch.setenv(ROUND_FILE_ENV, str(tmp_path / "round.json"))
+    with pytest.raises(UsageError, match=r"^async_save \(--async-save\): not under --live-recovery"):
+        job(train_gpt, tmp_path, "--steps", "4", "--async-save")
+    assert not dist.is_initialized() and not (tmp_path / "ckpt").exists()
+
+
+class Announcing(Hooks):
+    """Writes round 1 into the round file at the start of the attempt after the last step (before its save)."""
+
+    def __init__(self, path: str, round_: NodeRound) -> None:
+        self.path, self.round, self.before, self.saved_by = path, round_, None, None
+
+    def before_save(self, training: Training, attempt: Any) -> None:
+        if training.step == STEPS and self.before is None:
+            self.before = training.kit.checkpointer
+            write_round(self.path, self.round)
+
+    def checkpoint_phase(self, training: Training, phase: str, step: int) -> None:
+        self.saved_by = training.kit.checkpointer
+
+
+def test_the_last_save_after_the_loop_is_taken_in_the_round_announced_before_it(
+    train_gpt: Any, tmp_path: Path, cpu_machine: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real Training in a world of one under a round file: round 1 is announced after the last step's commit,
+    before its save after the loop (what a peer lost or a node joining there announces). The save leaves for round 1
+    (entered in this process, the state carried over) and is taken there, once, by round 1's checkpointer."""
+    path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
+    write_round(path, NodeRound(0, 1, ((0, 0),), store, "r0/"))
+    monkeypatch.setenv(ROUND_FILE_ENV, path)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    training = job(train_gpt, tmp_path, "--steps", str(STEPS))
+    hook = Announcing(path, NodeRound(1, 1, ((0, 0),), store, "r1/"))
+    training.hooks = (hook,)
+    try:
+        with training:
+            committed = [done.step for done in training if done.loss is not None]
+    finally:
+        if hasattr(training, "rounds"):  # the last round's group stays the default group: leave it
+            training.rounds.groups.abandon()  # type: ignore[attr-defined]
+    assert committed == [1, 2]
+    assert [(e.round.number, e.step) for e in training.events] == [(1, STEPS)]  # entered at the last step
+    assert [s for s, _ in training.rounds.record] == list(range(STEPS))
+    assert hook.saved_by is not hook.before and training.kit.held == STEPS
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step")) == [step_dir(STEPS)]
+
+
+class Failing:
+    """The example's loss, raising ``error`` at step 2's first micro-batch."""
+
+    def __init__(self, training: Training, error: BaseException) -> None:
+        self.training, self.loss, self.error = training, training.loss, error
+
+    def __call__(self, net: Any, batch: Any) -> torch.Tensor:
+        if self.training.step == 1:
+            raise self.error
+        return self.loss(net, batch)
+
+
+@pytest.mark.parametrize(
+    "error", [ValueError("a bad label"), torch.OutOfMemoryError("CUDA out of memory (simulated)")], ids=["value", "oom"]
+)
+def test_a_users_own_error_in_a_live_step_is_raised_at_once_with_its_traceback(
+    train_gpt: Any, tmp_path: Path, cpu_machine: None, monkeypatch: pytest.MonkeyPatch, error: BaseException
+) -> None:
+    """A ValueError in the loss, an out-of-memory (a RuntimeError) — the step's own errors, not a lost peer's — leave
+    a live job at once with their own traceback, not after the bound's failure grace (30 s) spent waiting for a round
+    the agent will not write."""
+    path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
+    write_round(path, NodeRound(0, 1, ((0, 0),), store, "r0/"))
+    monkeypatch.setenv(ROUND_FILE_ENV, path)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    training = job(train_gpt, tmp_path, "--steps", "4")
+    training.loss = Failing(training, error)
+    t0 = 0.0
+    try:
+        with pytest.raises(type(error)) as raised, training:
+            for _ in training:
+                t0 = time.monotonic()  # step 1 committed: step 2's attempt begins
+    finally:
+        if hasattr(training, "rounds"):
+            training.rounds.groups.abandon()  # type: ignore[attr-defined]
+    took = time.monotonic() - t0
+    assert raised.value is error and took < 2.0, took  # 2 s: one tiny step's forward, far below the 30 s grace
+    frames = [f.name for f in traceback.extract_tb(raised.tb)]
+    assert frames[-1] == "__call__" and "_train_step" in frames  # raised where it happened, not re-raised later

@@ -7,6 +7,8 @@ store in-process: no port), and writes one JSON result: ``checks`` (name, ok, de
 - ``checkpoint``: the ``Checkpointer``'s async save of a stage-2 and a stage-3 state on the device: the stall it puts
   on the training loop against a step, the steps taken while it writes, and a resume into fresh objects that is
   bit-exact with the saved state and has the parameters back on the device.
+- ``offload``: ZeRO-Offload at world size 1: stages 1/2/3 offloaded against the same stage resident (fp32, the
+  ez_numerics rule), the state's placement (host memory, page-locked, a copy stream) and the device memory it saves.
 - ``live``: a world of one ``LiveTraining`` (live recovery's loop) on the device through two rounds written by the
   section (a round file, as the agent writes it): the round's group formed twice in one process (NCCL: the old one
   aborted, then destroyed), the state carried into an optimizer built afresh bitwise, training going on. It forms its
@@ -516,10 +518,116 @@ def clone_state(opt: Any) -> dict[str, Any]:
     return {"masters": [m.detach().clone() for m in opt.masters], "optim": inner}
 
 
+# -- offload ----------------------------------------------------------------------------------------------------------
+def offload(device: torch.device, quick: bool) -> dict[str, Any]:
+    """ZeRO-Offload at world size 1: ZeroStage1/2/3 with the optimizer offloaded (stage 3 its parameters too) train
+    like the same stage without offload (fp32; the ez_numerics rule, a float64 run of the same GPT being the truth)
+    with the step taken in backward; the masters, the optimizer state and the gradient shards are in host memory,
+    page-locked, the copies on a stream of their own; the offloaded run's peak device memory is below the resident
+    one's. On the CPU (a check of this code) the host path runs with ``cpu_copies`` (no pinning, no stream)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return _offload(device, quick)
+
+
+def _offload(device: torch.device, quick: bool) -> dict[str, Any]:
+    from elasticzero.engine.zero.offload import OffloadOptions
+    from ez_numerics import error_ratio
+
+    cfg = config_for("tiny" if quick else "small", block_size=64)
+    data = batches(cfg, 2 if quick else 4, 4, 64, device)
+    truth = offload_truth(cfg, device, data)
+    checks, out = [], {}
+    for stage in (1, 2, 3):
+        options = OffloadOptions(optimizer=True, params=stage == 3, cpu_copies=device.type == "cpu")
+        runs = {}
+        for name, opts in (("offloaded", options), ("resident", None)):
+            model = gpt(cfg, device, 0)
+            opt = zero_stage(stage)(
+                model, torch.optim.AdamW, offload=opts, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY
+            )
+            out[f"stage{stage}_{name}"] = offload_train(model, opt, data, device)
+            runs[name] = weights(model, opt)
+            if opts is not None:
+                checks += placement_checks(stage, model, opt, data[0], device)
+        ratio = error_ratio(runs["offloaded"], runs["resident"], truth)
+        out[f"stage{stage}_error_ratio"] = ratio
+        detail = f"error ratio {ratio:.2f} <= 1 (ez_numerics: 3x the resident run's own fp32 rounding vs float64)"
+        checks.append(check(f"fp32 ZeroStage{stage} offloaded = resident", ratio <= 1.0, detail))
+    if device.type == "cuda":
+        checks.append(memory_check(out))
+    return {"checks": checks, "data": out}
+
+
+def offload_truth(cfg: GPTConfig, device: torch.device, data: list[Batch]) -> dict[str, torch.Tensor]:
+    """The same training in float64 (plain AdamW, torch's single-tensor implementation)."""
+    model = gpt(cfg, device, 0).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, foreach=False)
+    for x, y in data:
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().double() for k, v in model.state_dict().items()}
+
+
+def offload_train(model: torch.nn.Module, opt: Any, data: list[Batch], device: torch.device) -> dict[str, Any]:
+    """One step per batch, the backward inside ``opt.stepping_in_backward()`` (no clip: the step runs in backward);
+    the peak device memory and whether an offloaded bucket stepped during a backward."""
+    from elasticzero.engine import optimizer_step
+
+    stepped_in_backward = False
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    for x, y in data:
+        with opt.stepping_in_backward():
+            lm_loss(model(x), y).backward()
+        offloader = getattr(opt, "_offload", None)
+        stepped_in_backward |= bool(offloader is not None and offloader._steps.stepped)
+        optimizer_step(opt)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"peak_device_bytes": peak, "stepped_in_backward": stepped_in_backward}
+
+
+def placement_checks(stage: int, model: torch.nn.Module, opt: Any, batch: Batch, device: torch.device) -> list[Any]:
+    """Where the offloaded state is: masters, optimizer state and (after a backward) gradient shards in host memory,
+    page-locked on CUDA (the state itself never crosses the bus: it need not be); the copy stream on CUDA."""
+    cuda = device.type == "cuda"
+    masters = list(opt.masters)
+    state = [t for m in masters for t in opt.optim.state[m].values() if torch.is_tensor(t) and t.dim() == 1]
+    lm_loss(model(batch[0]), batch[1]).backward()
+    grads = [m.grad for m in masters if m.grad is not None]
+    opt.zero_grad()
+    on_host = all(t.device.type == "cpu" for t in (*masters, *state, *grads)) and bool(grads) and bool(state)
+    pinned = all(t.is_pinned() == cuda for t in (*masters, *grads))
+    stream = opt._offload.copier.stream
+    side = stream is not None and stream != torch.cuda.current_stream(device) if cuda else stream is None
+    detail = f"{len(masters)} masters, {len(state)} state tensors, {len(grads)} gradient shards on the host"
+    return [
+        check(f"ZeroStage{stage} offloaded state in host memory", on_host, detail),
+        check(f"ZeroStage{stage} host buffers page-locked", pinned, "pinned" if cuda else "the CPU: none needed"),
+        check(f"ZeroStage{stage} copies on a side stream", side, "a stream of its own" if cuda else "none on the CPU"),
+    ]
+
+
+def memory_check(out: dict[str, Any]) -> dict[str, Any]:
+    """On the GPU: each stage's offloaded peak device memory below its resident one, and the early step ran."""
+    lines, ok = [], True
+    for stage in (1, 2, 3):
+        got, ref = (out[f"stage{stage}_{k}"] for k in ("offloaded", "resident"))
+        ok &= got["peak_device_bytes"] < ref["peak_device_bytes"] and got["stepped_in_backward"]
+        lines.append(
+            f"stage{stage} {got['peak_device_bytes'] / 2**20:.1f} vs {ref['peak_device_bytes'] / 2**20:.1f} MiB"
+        )
+    return check("offloaded peak device memory < resident; step in backward", ok, "; ".join(lines))
+
+
 SECTIONS: dict[str, Callable[[torch.device, bool], dict[str, Any]]] = {
     "correctness": correctness,
     "checkpoint": checkpoint,
     "live": live,
+    "offload": offload,
 }
 OWN_WORLD = {"live"}  # sections that form their process groups themselves
 

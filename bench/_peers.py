@@ -39,15 +39,29 @@ PEERS = (
 ``ds_stageN`` = DeepSpeed ZeRO stage N on CPU; ``<peer>_compiled`` = that peer with every transformer block compiled
 (``block.compile()`` after wrapping, torchtitan's per-block pattern; Inductor compiles in the warm-up steps)."""
 COMPILED_SUFFIX = "_compiled"
-ALL_PEERS = ("adamw", *PEERS)
+OFFLOAD_PEERS = ("fsdp2_offload", "ez_stage2_offload", "ez_stage3_offload", "ez_stage3_offload_opt")
+"""The offload peers (``engine_bench.py --largest``, GPU only): ``fsdp2_offload`` = ``fully_shard`` with
+``CPUOffloadPolicy(pin_memory=True)`` (parameters, gradients and the optimizer step on the host);
+``ez_stage3_offload`` = ``ZeroStage3`` with optimizer and parameter offload (the same split); ``_opt``: optimizer
+offload only (a compute-dtype copy of the shards stays on the device); ``ez_stage2_offload``: ``ZeroStage2`` with
+optimizer offload. The elasticzero ones step each bucket on the host as its gradient lands (no clipping here)."""
+ALL_PEERS = ("adamw", *PEERS, *OFFLOAD_PEERS)
 """``adamw`` (plain ``torch.optim.AdamW`` on the bare model, no wrapper, no collective: the single-device baseline
 ``bench/gpu_check.py`` divides by) is not in the default run."""
 
 GPU_SIZES: dict[str, dict[str, int]] = {
     "gpt350m": {"vocab_size": 32768, "n_layer": 24, "n_head": 16, "n_embd": 1024},
     "gpt70m": {"vocab_size": 8192, "n_layer": 8, "n_head": 8, "n_embd": 768},
+    "gpt1b": {"vocab_size": 32768, "n_layer": 24, "n_head": 16, "n_embd": 2048},
+    "gpt2b": {"vocab_size": 32768, "n_layer": 32, "n_head": 20, "n_embd": 2560},
+    "gpt4b": {"vocab_size": 32768, "n_layer": 32, "n_head": 24, "n_embd": 3072},
+    "gpt7b": {"vocab_size": 32768, "n_layer": 32, "n_head": 32, "n_embd": 4096},
+    "gpt10b": {"vocab_size": 32768, "n_layer": 40, "n_head": 40, "n_embd": 4608},
+    "gpt13b": {"vocab_size": 32768, "n_layer": 40, "n_head": 40, "n_embd": 5120},
 }
-"""GPT shapes for one GPU, over ``examples/gpt.py``'s ``bench`` size: ~370M and ~70M parameters at block 1024."""
+"""GPT shapes for one GPU, over ``examples/gpt.py``'s ``bench`` size: ~70M, ~370M, then ~1.3B to ~13B parameters at
+block 1024 (``SEARCH_SIZES``: the largest-model search's ladder)."""
+SEARCH_SIZES = ("gpt350m", "gpt1b", "gpt2b", "gpt4b", "gpt7b", "gpt10b", "gpt13b")
 
 # bytes per parameter per rank held by fp32 AdamW training per the ZeRO paper (N ranks): params, grads, 2 states
 FORMULA: dict[str, Callable[[int], float]] = {
@@ -64,6 +78,8 @@ FORMULA: dict[str, Callable[[int], float]] = {
     "ds_stage3": lambda n: 16 / n,
 }
 FORMULA |= {p: FORMULA[p.removesuffix(COMPILED_SUFFIX)] for p in PEERS if p.endswith(COMPILED_SUFFIX)}
+# offloaded: the same bytes, held in host and device memory together
+FORMULA |= {p: FORMULA[p.split("_offload")[0]] for p in OFFLOAD_PEERS}
 # communication per rank per step in units of Ψ, as the ZeRO paper counts it (all-reduce = 2Ψ)
 COMM_GOAL = {
     "adamw": 0,
@@ -79,6 +95,13 @@ COMM_GOAL = {
     "ds_stage3": 3,
 }
 COMM_GOAL |= {p: COMM_GOAL[p.removesuffix(COMPILED_SUFFIX)] for p in PEERS if p.endswith(COMPILED_SUFFIX)}
+COMM_GOAL |= {"fsdp2_offload": 3, "ez_stage2_offload": 2, "ez_stage3_offload": 3, "ez_stage3_offload_opt": 3}
+
+
+def host_threads(peer: str, world: int, cpus: int | None) -> int:
+    """Intra-op threads of a rank: 1 (the engines' own CPU work is small; ranks share the machine), but an offload
+    peer's optimizer step runs on the host, so it gets its share of the cores."""
+    return max(1, (cpus or 1) // max(1, world)) if peer in OFFLOAD_PEERS else 1
 
 
 @dataclass
@@ -181,12 +204,50 @@ def build_fsdp2(model: nn.Module, lr: float, reshard_after_forward: bool, settin
     return Peer(model, opt.step, lambda: opt.zero_grad(set_to_none=True))
 
 
-def build_ez(model: nn.Module, lr: float, stage: int, bucket_mb: float, setting: Setting = CPU) -> Peer:
+def build_fsdp2_offload(model: nn.Module, lr: float, setting: Setting) -> Peer:
+    """FSDP2 with ``CPUOffloadPolicy(pin_memory=True)``: sharded parameters, gradients and AdamW's state on the host,
+    the optimizer step there after backward (FSDP2's design); blocks then root, as :func:`build_fsdp2`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(setting.device.type, (torch.distributed.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=setting.low, reduce_dtype=torch.float32 if setting.low else None)
+    policy = CPUOffloadPolicy(pin_memory=True)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), **_adamw_kwargs(lr, setting))  # fused on the host's shards
+    return Peer(model, opt.step, lambda: opt.zero_grad(set_to_none=True), info={"offload": "CPUOffloadPolicy"})
+
+
+def build_ez_offload(model: nn.Module, lr: float, name: str, bucket_mb: float, setting: Setting) -> Peer:
+    """``ZeroStage{2,3}`` with ZeRO-Offload (:data:`OFFLOAD_PEERS`), the step taken in backward as buckets land."""
+    from elasticzero.engine.zero.offload import OffloadOptions
+
+    stage = int(name.removeprefix("ez_stage")[0])
+    options = OffloadOptions(optimizer=True, params=name == "ez_stage3_offload")
+    peer = build_ez(model, lr, stage, bucket_mb, setting, offload=options)
+    arm = peer.info.pop("stepping_in_backward")
+
+    def backward(loss: torch.Tensor) -> None:
+        with arm():
+            loss.backward()
+
+    peer.backward = backward
+    peer.info["offload"] = str(options)
+    return peer
+
+
+def build_ez(
+    model: nn.Module, lr: float, stage: int, bucket_mb: float, setting: Setting = CPU, offload: Any = None
+) -> Peer:
     """elasticzero ``ZeroStage{stage}`` wrapping AdamW; reads the engine's own collective counter."""
     import elasticzero
 
     cls = getattr(elasticzero, f"ZeroStage{stage}")
     kwargs: dict[str, Any] = {"precision": setting.precision, **_adamw_kwargs(lr, setting)}
+    if offload is not None:
+        kwargs["offload"] = offload
     accepted = inspect.signature(cls).parameters
     for name in ("bucket_bytes", "reduce_bucket_bytes", "bucket_size_bytes"):
         if name in accepted:
@@ -201,7 +262,9 @@ def build_ez(model: nn.Module, lr: float, stage: int, bucket_mb: float, setting:
                 out[op] = out.get(op, 0) + n
         return out
 
-    info = {"kwargs": {k: v for k, v in kwargs.items() if k != "betas"}}
+    info: dict[str, Any] = {"kwargs": {k: v for k, v in kwargs.items() if k not in ("betas", "offload")}}
+    if offload is not None:
+        info["stepping_in_backward"] = opt.stepping_in_backward
     return Peer(
         model,
         opt.step,
@@ -250,6 +313,10 @@ def build(name: str, model: nn.Module, lr: float, bucket_mb: float, batch_size: 
         return build_torch_zero1(model, lr, bucket_mb, setting)
     if name in ("fsdp2", "fsdp2_keep"):
         return build_fsdp2(model, lr, name == "fsdp2", setting)
+    if name == "fsdp2_offload":
+        return build_fsdp2_offload(model, lr, setting)
+    if name in OFFLOAD_PEERS:
+        return build_ez_offload(model, lr, name, bucket_mb, setting)
     if name.startswith("ez_stage"):
         return build_ez(model, lr, int(name[-1]), bucket_mb, setting)
     if name.startswith("ds_stage"):
@@ -273,7 +340,7 @@ def preflight(name: str) -> str | None:
         if name.startswith("ez_stage"):
             import elasticzero
 
-            getattr(elasticzero, f"ZeroStage{name[-1]}")
+            getattr(elasticzero, f"ZeroStage{name.removeprefix('ez_stage')[0]}")
         elif name.startswith("ds_stage"):
             import deepspeed  # noqa: F401
     except Exception as exc:

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     x, y = synthetic_batch(cfg, args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed + 1 + rank))
     x, y = x.to(setting.device), y.to(setting.device)
     peer = _peers.build(args.peer, model, args.lr, args.bucket_mb, args.batch_size, setting)
-    torch.set_num_threads(1)  # engines may reset it at init
+    torch.set_num_threads(_peers.host_threads(args.peer, world, os.cpu_count()))  # engines may reset it at init
     clock = StepClock(setting.device)
 
     def one_step(timed: bool = False) -> torch.Tensor:

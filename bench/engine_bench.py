@@ -9,6 +9,14 @@ a markdown table and the goal ratios of issue 4 and saves everything (per-rank r
     .venv/bin/python bench/engine_bench.py --quick    # ~1 minute smoke run (~4M params, fewer steps)
     .venv/bin/python bench/engine_bench.py --model llama --peers ddp,fsdp2,ez_stage1,ez_stage2,ez_stage3
     python bench/engine_bench.py --device cuda --precision bf16 --world-size 8 --size gpt350m --seq-len 1024
+    python bench/engine_bench.py --largest --device cuda --seq-len 1024   # ZeRO-Offload against FSDP2's (one GPU)
+    python bench/engine_bench.py --largest --dry-run                      # the plan only, anywhere
+
+``--largest`` (GPU mode, world size 1, bf16): for each peer of :data:`LARGEST_PEERS` the GPT sizes of
+``_peers.SEARCH_SIZES`` are tried smallest first until one does not train (out of memory, device or host: a larger one
+would not either); it prints the largest model each trains, and on the largest model that both ``ez_stage3_offload``
+and ``fsdp2_offload`` (FSDP2 with ``CPUOffloadPolicy``) train, the step-time ratio (issue 30's goal: at most 0.5x)
+and the ratio of the largest models (goal: at least 1x).
 """
 
 from __future__ import annotations
@@ -25,13 +33,17 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests"), str(HERE.parent / "examples")]
 
-from _peers import ALL_PEERS, PEERS  # noqa: E402
+from _peers import ALL_PEERS, GPU_SIZES, PEERS, SEARCH_SIZES  # noqa: E402
 from _report import ratios, summarise, table  # noqa: E402
 from ez_ports import free_port  # noqa: E402 (tests/ on sys.path: the one free-port rule of tests and benchmarks)
+from gpt import SIZES  # noqa: E402
 
 DEFAULT_DS_VENV = Path(os.environ.get("EZ_DS_VENV", "/work/ds-venv"))
+LARGEST_PEERS = ("ez_stage3", "fsdp2", "ez_stage3_offload_opt", "ez_stage3_offload", "fsdp2_offload")
+"""``--largest``'s peers: resident ZeRO-3 and FSDP2 (what fits without offload), then the offloading ones."""
+HEAD_TO_HEAD = ("ez_stage3_offload", "fsdp2_offload")  # the same split: parameters, gradients and step on the host
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,7 +80,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per peer before its ranks are killed")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/engine_bench-<utc>.json)")
     p.add_argument("--report", type=Path, default=None, help="re-print table and ratios from a saved JSON (no run)")
+    p.add_argument("--largest", action="store_true", help="GPU mode: largest GPT per peer at world 1, offload ratios")
+    p.add_argument("--sizes", default=",".join(SEARCH_SIZES), help="--largest: GPT sizes to try, smallest first")
+    p.add_argument("--dry-run", action="store_true", help="print what would run (peers, sizes, worker flags); run none")
     args = p.parse_args(argv)
+    peers_given = args.peers is not None
     quick = {"size": "small", "warmup": 1, "steps": 3, "comm_steps": 1, "rounds": 1}
     full = {"size": "bench", "warmup": 2, "steps": 5, "comm_steps": 1, "rounds": 1}
     for key, value in (quick if args.quick else full).items():
@@ -79,10 +95,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.peers = ",".join(peer for peer in PEERS if args.device == "cpu" or peer not in on_cpu_only)
     if args.device == "cuda" and set(args.peers.split(",")) & set(on_cpu_only):
         p.error(f"--device cuda: the DeepSpeed peers ({', '.join(on_cpu_only)}) run on the CPU only")
+    if args.largest:
+        largest_defaults(args, p, peers_given)
     unknown = set(args.peers.split(",")) - set(ALL_PEERS)
     if unknown:
         p.error(f"unknown peers: {', '.join(sorted(unknown))}")
     return args
+
+
+def largest_defaults(args: argparse.Namespace, p: argparse.ArgumentParser, peers_given: bool) -> None:
+    """``--largest``: world size 1, bf16, its peers unless ``--peers`` named others, at most 1 + 3 steps per size."""
+    if args.world_size not in (1, 2):  # 2 is the default: left alone, it becomes 1
+        p.error("--largest runs at world size 1 (one GPU)")
+    args.world_size, args.precision = 1, "bf16"
+    if not peers_given:
+        args.peers = ",".join(LARGEST_PEERS)
+    args.warmup, args.steps, args.comm_steps = min(args.warmup, 1), min(args.steps, 3), 1
+    unknown = [s for s in args.sizes.split(",") if not known_size(s)]
+    if unknown:
+        p.error(f"--sizes: unknown GPT sizes {', '.join(unknown)}")
+
+
+def known_size(size: str) -> bool:
+    """A size ``_worker.model_config`` builds: examples/gpt.py's names or ``_peers.GPU_SIZES``."""
+    return size in GPU_SIZES or size in SIZES
 
 
 def run_peer(peer: str, args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
@@ -171,11 +207,112 @@ def report(path: Path) -> int:
     return 0
 
 
+# -- --largest: the largest model per peer, and ZeRO-Offload against FSDP2's CPUOffloadPolicy -------------------------
+def search_largest(peer: str, sizes: list[str], attempt: Any) -> dict[str, dict[str, Any]]:
+    """``attempt(size)`` (a summarised row) for ``sizes`` smallest first, stopping after the first that did not
+    train: a larger model of the same family does not fit where a smaller one did not."""
+    rows: dict[str, dict[str, Any]] = {}
+    for size in sizes:
+        rows[size] = attempt(size)
+        if rows[size]["status"] != "ok":
+            break
+    return rows
+
+
+def largest_trained(rows: dict[str, dict[str, Any]]) -> str | None:
+    """The largest size that trained (the last ``ok`` before the first failure, sizes in search order)."""
+    trained = None
+    for size, row in rows.items():
+        if row["status"] != "ok":
+            break
+        trained = size
+    return trained
+
+
+def offload_verdict(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The figures of issue 30: per peer its largest model (size, parameters); on the largest size both
+    :data:`HEAD_TO_HEAD` peers trained, each elasticzero offload peer's step time over ``fsdp2_offload``'s; the
+    largest elasticzero offload model over FSDP2's in parameters."""
+    largest = {p: largest_trained(rows) for p, rows in results.items()}
+    params = {p: (results[p][s]["params"] if s else 0) for p, s in largest.items()}
+    ez, fsdp = HEAD_TO_HEAD
+    both = [s for s in results.get(ez, {}) if results.get(fsdp, {}).get(s, {}).get("status") == "ok"]
+    common = next((s for s in reversed(both) if results[ez][s]["status"] == "ok"), None)
+    step: dict[str, float | None] = {}
+    for peer in results:
+        if (
+            peer.startswith("ez_")
+            and "offload" in peer
+            and common
+            and results[peer].get(common, {}).get("status") == "ok"
+        ):
+            step[peer] = results[peer][common]["step_ms_median"] / results[fsdp][common]["step_ms_median"]
+    model = params.get(ez, 0) / params[fsdp] if params.get(fsdp) else None
+    return {"largest": largest, "params": params, "common_size": common, "step_ratio": step, "model_ratio": model}
+
+
+def verdict_lines(verdict: dict[str, Any]) -> list[str]:
+    """The verdict said plainly, goals included."""
+    lines = [
+        f"  {p:22s} largest: {s or 'none'} ({verdict['params'][p]:,} params)" for p, s in verdict["largest"].items()
+    ]
+    common = verdict["common_size"]
+    for peer, ratio in verdict["step_ratio"].items():
+        lines.append(f"  step time {peer} / fsdp2_offload on {common}: {ratio:.2f}x (goal <= 0.5x)")
+    if not verdict["step_ratio"]:
+        lines.append("  step time: no size that both ez_stage3_offload and fsdp2_offload trained")
+    ratio = verdict["model_ratio"]
+    lines.append(
+        f"  largest model ez_stage3_offload / fsdp2_offload: {'-' if ratio is None else f'{ratio:.2f}'}x (goal >= 1x)"
+    )
+    return lines
+
+
+def largest_main(args: argparse.Namespace) -> int:
+    """``--largest``: the search for every peer, the verdict, the JSON (``--dry-run``: the plan only)."""
+    sizes, peers = args.sizes.split(","), args.peers.split(",")
+    print(
+        f"engine_bench --largest: peers {', '.join(peers)}; sizes {', '.join(sizes)} (smallest first, until one fails)"
+    )
+    print(f"  world 1, {args.device}, bf16, batch {args.batch_size} x {args.seq_len}, {args.warmup}+{args.steps} steps")
+    if args.dry_run:
+        for peer in peers:
+            print(f"  would run: _worker.py --peer={peer} --size=<each size> --device={args.device} --precision=bf16")
+        return 0
+    started = datetime.now(timezone.utc)
+    out = args.out or HERE / "results" / f"engine_bench_largest-{started:%Y%m%dT%H%M%SZ}.json"
+    workdir = out.with_suffix("")
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    for peer in peers:
+        results[peer] = search_largest(peer, sizes, lambda size, peer=peer: attempt_size(peer, size, args, workdir))
+    verdict = offload_verdict(results)
+    print("\n".join(verdict_lines(verdict)))
+    doc = {"started_utc": started.isoformat(), "argv": sys.argv, "git_head": git_head(), "results": results}
+    out.write_text(
+        json.dumps({**doc, "verdict": verdict, "settings": {k: str(v) for k, v in vars(args).items()}}, indent=1)
+    )
+    print(f"\nsaved {out}")
+    return 0
+
+
+def attempt_size(peer: str, size: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """One run of ``peer`` on GPT ``size`` at world 1 (its own rank process); the summarised row, printed."""
+    sized = argparse.Namespace(**{**vars(args), "size": size})
+    (workdir / size).mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    row = summarise(peer, [run_peer(peer, sized, workdir / size)])
+    shown = f"{row['step_ms_median']:.0f} ms/step" if row["status"] == "ok" else row["status"][:160]
+    print(f"  {peer:22s} {size:8s} {time.monotonic() - t0:6.1f}s  {shown}", flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every requested peer sequentially, print the table and ratios, save JSON."""
     args = parse_args(argv)
     if args.report:
         return report(args.report)
+    if args.largest:
+        return largest_main(args)
     started = datetime.now(timezone.utc)
     out = args.out or HERE / "results" / f"engine_bench-{started:%Y%m%dT%H%M%SZ}.json"
     workdir = out.with_suffix("")  # per-rank JSON + logs beside the summary

@@ -1,7 +1,7 @@
 """See elasticzero work on one GPU, in under 5 minutes: correctness, the example job, checkpoints, live recovery's
 loop, speed and memory.
 
-Five sections, each in processes of its own (one failing prints FAIL with its reason and the others still run):
+Six sections, each in processes of its own (one failing prints FAIL with its reason and the others still run):
 
 1. correctness — ZeroStage1/2/3 at world size 1 over NCCL against ``torch.optim.AdamW`` on the same GPT and batches
    (``bench/_gpu_sections.py``): fp32 equal to the bit (stages 1/2) or within a derived fp32-rounding bound (stage 3),
@@ -14,13 +14,16 @@ Five sections, each in processes of its own (one failing prints FAIL with its re
    as the agent does): the group formed twice in one process (the old one aborted), the state carried bitwise into
    an optimizer built afresh, every step committed once. One GPU cannot run two NCCL ranks, so the buddy copies and
    the reshard's transfers between ranks are not run here;
-5. performance — a ~370M-parameter GPT (``--quick``: ~70M), bf16, batch 8 x 1024: median step time and peak
+5. offload — ZeRO-Offload at world size 1: ZeroStage1/2/3 with the optimizer (stage 3: and the parameters) in host
+   memory against the same stage resident, fp32 by the ez_numerics rule with the step in backward; the state in
+   host memory, page-locked, copied on a side stream; the peak device memory below the resident run's;
+6. performance — a ~370M-parameter GPT (``--quick``: ~70M), bf16, batch 8 x 1024: median step time and peak
    ``torch.cuda.max_memory_allocated`` of fused AdamW, DDP, FSDP2 and ZeroStage1/2/3, as ratios to fused AdamW
    (``bench/engine_bench.py``'s rank worker at world size 1, every AdamW fused), then each stage's world-1 step-time
    and memory ratio on a line of its own; ``--profile-dir DIR`` adds a torch.profiler operator table
    (``DIR/<peer>.rank0.txt``, by device time) and a Chrome trace per peer.
 
-Prints a compact report and writes it as JSON (``--out``); exits 1 if a correctness section (1-4) failed.
+Prints a compact report and writes it as JSON (``--out``); exits 1 if a correctness section (1-5) failed.
 
     python bench/gpu_check.py                      # on GPU 0
     python bench/gpu_check.py --quick              # smaller model, fewer steps
@@ -57,7 +60,7 @@ from engine_bench import run_peer  # noqa: E402
 from ez_ports import free_port  # noqa: E402 (tests/ on sys.path: the one free-port rule of tests and benchmarks)
 
 PERF_PEERS = ("adamw", "ddp", "fsdp2", "ez_stage1", "ez_stage2", "ez_stage3")
-CORRECTNESS = ("correctness", "example", "checkpoint", "live")
+CORRECTNESS = ("correctness", "example", "checkpoint", "live", "offload")
 SECTIONS = (*CORRECTNESS, "performance")
 BUDGET_S = 300.0  # the whole GPU run (issue 22: under 5 minutes on one H100)
 
@@ -310,6 +313,7 @@ def run_section(name: str, args: argparse.Namespace, workdir: Path, plan: Plan) 
         "correctness": lambda: child_section("correctness", args.device, args.quick, workdir, plan),
         "checkpoint": lambda: child_section("checkpoint", args.device, args.quick, workdir, plan),
         "live": lambda: child_section("live", args.device, args.quick, workdir, plan),
+        "offload": lambda: child_section("offload", args.device, args.quick, workdir, plan),
         "example": lambda: example_section(args.device, args.quick, workdir, plan),
         "performance": lambda: performance_section(args.device, plan, workdir, args.profile_dir),
     }

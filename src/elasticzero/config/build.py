@@ -38,7 +38,7 @@ from elasticzero.config.auto import AutoValues
 from elasticzero.config.batch import check_batch_sizes, resolve_world_size
 from elasticzero.config.elastic import BatchPlan, batch_plan
 from elasticzero.config.load import load_config, optimizer_class
-from elasticzero.config.schema import ActivationCheckpointingConfig, EngineConfig, Precision
+from elasticzero.config.schema import ActivationCheckpointingConfig, EngineConfig, OffloadConfig, Precision
 from elasticzero.engine.accumulation import GradAccumulation
 from elasticzero.engine.activations import BlockSpec, checkpoint_activations, find_blocks
 from elasticzero.engine.loss_scaler import LossScaler
@@ -46,6 +46,7 @@ from elasticzero.engine.lr_schedules import DeepSpeedSchedule, build_schedule
 from elasticzero.engine.precision import PrecisionPolicy
 from elasticzero.engine.step import StepResult, backward, clip_grad_norm, optimizer_step
 from elasticzero.engine.timers import PhaseTimers
+from elasticzero.engine.zero.offload import OffloadOptions
 from elasticzero.engine.zero.options import ZeroOptions
 from elasticzero.errors import UsageError
 
@@ -81,8 +82,19 @@ class EnginePieces:
         return None if self.clip_grad_norm is None else clip_grad_norm(self.optimizer, self.clip_grad_norm)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, through the loss scaler when there is one."""
-        backward(loss, self.scaler)
+        """``loss.backward()``, through the loss scaler when there is one; on the micro-batch that ends an optimizer
+        step, with ZeRO-Offload's step in backward armed (where the clip and the scaler allow it)."""
+        with self._arming():
+            backward(loss, self.scaler)
+
+    def _arming(self) -> AbstractContextManager[Any]:
+        """``optimizer.stepping_in_backward`` on the accumulation boundary when the config asks for it, else a
+        plain context."""
+        arm = getattr(self.optimizer, "stepping_in_backward", None)
+        wanted = self.config.zero.offload.optimizer and self.config.zero.offload.step_in_backward
+        if arm is None or not wanted or not self.accumulation.is_boundary:
+            return nullcontext()
+        return arm(clipping=self.clip_grad_norm is not None, loss_scaling=self.scaler is not None)
 
     def step(self) -> StepResult:
         """End the optimizer step: unscale → clip → step → update the scale → zero_grad
@@ -227,6 +239,18 @@ def _checkpoint_blocks(model: torch.nn.Module, ac: ActivationCheckpointingConfig
         raise UsageError(f"activation_checkpointing: {exc}") from None
 
 
+def offload_options(cfg: OffloadConfig) -> OffloadOptions:
+    """The engine's :class:`~elasticzero.engine.zero.offload.OffloadOptions` for a ``zero.offload`` block."""
+    return OffloadOptions(
+        optimizer=cfg.optimizer,
+        params=cfg.params,
+        pin_memory=cfg.pin_memory,
+        ratio=cfg.ratio,
+        device_budget_bytes=cfg.device_budget_bytes,
+        step_in_backward=cfg.step_in_backward,
+    )
+
+
 def _with_plan(cfg: EngineConfig, plan: BatchPlan) -> EngineConfig:
     """``cfg`` with ``plan``'s batch sizes: ``cfg`` itself when they are its own, else a copy."""
     sizes = (plan.global_batch_size, plan.micro_batch_size, plan.accumulation_steps)
@@ -239,7 +263,7 @@ def _with_plan(cfg: EngineConfig, plan: BatchPlan) -> EngineConfig:
 
 def _zero_options(cfg: EngineConfig, process_group: Any, policy: PrecisionPolicy, timers: PhaseTimers) -> ZeroOptions:
     """The stage's options from ``cfg``: each ``zero.*`` option set there and taken by the stage (a warning names one
-    it does not take, :meth:`ZeroOptions.taken_by`), the timers when enabled."""
+    it does not take, :meth:`ZeroOptions.taken_by`), the timers when enabled, ``zero.offload`` when it is on."""
     taken = ZeroOptions.taken_by(cfg.zero.stage)
     chosen: dict[str, Any] = {}
     for key in _ZERO_OPTIONS:
@@ -248,6 +272,8 @@ def _zero_options(cfg: EngineConfig, process_group: Any, policy: PrecisionPolicy
             chosen[key] = value
         elif value is not None:
             log.warning("zero.%s is not used by ZeroStage%d", key, cfg.zero.stage)
+    if cfg.zero.offload.optimizer:
+        chosen["offload"] = offload_options(cfg.zero.offload)
     return ZeroOptions(
         process_group=process_group, precision=policy, timers=timers if cfg.timers.enabled else None, **chosen
     )

@@ -6,8 +6,9 @@ one of three lists:
 
 * ``mapped``: translated (``zero_optimization.stage`` → ``zero.stage``, ...);
 * ``ignored``: known keys that do not change the training result here (logging, monitors, DeepSpeed-internal
-  performance knobs such as ``overlap_comm``, offload set to ``"none"``). Never an error;
-* ``unsupported``: keys that would change training if honoured (real offload, ``torch_autocast``, ...),
+  performance knobs such as ``overlap_comm``, offload set to ``"none"``, NVMe swap sizes with CPU offload). Never an
+  error;
+* ``unsupported``: keys that would change training if honoured (NVMe offload, ``torch_autocast``, ...),
   ``"auto"`` values left unfilled (:func:`elasticzero.config.auto.fill_auto` fills them from a front door's or a
   script's own arguments; or write the number), and keys DeepSpeed does not know
   either (typos: DeepSpeed silently ignores them; a close known key is suggested).
@@ -45,10 +46,10 @@ _IGNORED_TOP: dict[str, str] = {
     "comms_logger": _MONITOR,
     "memory_breakdown": _MONITOR,
     "zero_allow_untested_optimizer": "every torch.optim optimizer is allowed",
-    "zero_force_ds_cpu_optimizer": "DeepSpeed's CPU Adam is not used",
+    "zero_force_ds_cpu_optimizer": "DeepSpeed's CPU Adam is not used (offload steps with torch's fused CPU AdamW)",
     "dataloader_drop_last": "applies to DeepSpeed's own data loader only",
     "checkpoint": "DeepSpeed checkpoint options do not apply: save weights with opt.full_state_dict()",
-    "aio": "NVMe offload I/O (offload is not supported)",
+    "aio": "NVMe offload I/O (NVMe offload is refused; CPU offload needs none)",
     "seq_parallel_communication_data_type": "sequence parallelism is not used",
     "autotuning": "read by elasticzero-autotune / elasticzero-launch --autotuning, not by the training run",
     "timers": _MONITOR,
@@ -89,13 +90,6 @@ _Check = Callable[[Any], "str | None"]
 
 def _only(harmless: Any, reason: str) -> _Check:
     return lambda v: None if v == harmless else reason
-
-
-def _offload(v: Any) -> str | None:
-    device = v.get("device", "none") if isinstance(v, Mapping) else v
-    if device in (None, "none", False):
-        return None
-    return "CPU/NVMe offload is not provided (set device: none)"
 
 
 _CONDITIONAL_TOP: dict[str, _Check] = {
@@ -157,11 +151,6 @@ _ZERO_IGNORED: dict[str, str] = {
     "save_muon_momentum_buffer_in_memory": "DeepSpeed's Muon optimizer only (no torch equivalent)",
 }
 _ZERO_CONDITIONAL: dict[str, _Check] = {
-    "offload_optimizer": _offload,
-    "offload_param": _offload,
-    "cpu_offload": _only(False, "CPU offload is not provided"),
-    "cpu_offload_params": _only(False, "CPU offload is not provided"),
-    "cpu_offload_use_pin_memory": lambda v: None,
     "zero_hpz_partition_size": _only(1, "hierarchical partitioning (ZeRO++) is not provided"),
     "zero_quantized_weights": _only(False, "quantized communication (ZeRO++) is not provided"),
     "zero_quantized_nontrainable_weights": _only(False, "quantized communication (ZeRO++) is not provided"),
@@ -169,6 +158,35 @@ _ZERO_CONDITIONAL: dict[str, _Check] = {
     "mics_shard_size": lambda v: None if v is None or v <= 0 else "MiCS sharding is not provided",
     "zenflow": _only(None, "ZenFlow's stale updates of unimportant gradients change training: not provided"),
 }
+
+_OFFLOAD_BLOCKS = {"offload_optimizer": "optimizer", "offload_param": "params"}
+_OFFLOAD_LEGACY = {  # DeepSpeed's deprecated booleans -> zero.offload field
+    "cpu_offload": "optimizer",
+    "cpu_offload_params": "params",
+    "cpu_offload_use_pin_memory": "pin_memory",
+}
+_NVME_ONLY = "NVMe swap setting (ZeRO-Infinity): no effect with device cpu, as in DeepSpeed"
+_OFFLOAD_IGNORED: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "nvme_path",
+            "nvme_path_per_local_rank",
+            "buffer_count",
+            "buffer_size",
+            "max_in_cpu",
+            "pipeline_read",
+            "pipeline_write",
+            "fast_init",
+        ),
+        _NVME_ONLY,
+    ),
+    "super_offload": "DeepSpeed's Superchip scheduling; here the host step overlaps backward (step_in_backward)",
+    "cpuadam_cores_perc": "the host step runs on torch's intra-op threads (torch.set_num_threads)",
+}
+_NVME_REFUSED = (
+    "NVMe offload (ZeRO-Infinity) is not provided: use device: cpu (host memory); if host memory is short, keep part "
+    "of the state on the device with offload_optimizer.ratio < 1"
+)
 
 _FP16_MAPPED = {
     "enabled",
@@ -479,6 +497,7 @@ def _map_zero(zero: Any, out: dict[str, Any], rep: DeepSpeedReport, source: str,
     low = 2 if dtype in ("fp16", "bf16") else 4
     reduce_item = low if out["precision"].get("reduce_in_low_precision") else 4
     mapped: dict[str, Any] = {}
+    offload: dict[str, Any] = {}
     for key, value in zero.items():
         path = f"zero_optimization.{key}"
         if key == "stage":
@@ -498,12 +517,71 @@ def _map_zero(zero: Any, out: dict[str, Any], rep: DeepSpeedReport, source: str,
             rep.mapped.append((path, "zero.prefetch (> 0: prefetch the next unit; the size itself is not used)"))
         elif key in _ZERO_IGNORED:
             rep.ignored.append((path, _ZERO_IGNORED[key]))
+        elif key in _OFFLOAD_BLOCKS:
+            _map_offload_block(_OFFLOAD_BLOCKS[key], value, offload, rep, path, source)
+        elif key in _OFFLOAD_LEGACY:
+            _map_offload_legacy(_OFFLOAD_LEGACY[key], value, offload, rep, path)
         elif key in _ZERO_CONDITIONAL:
             _classify(rep, path, _ZERO_CONDITIONAL[key](value), "harmless value")
         else:
-            known = _ZERO_MAPPED | set(_ZERO_IGNORED) | set(_ZERO_CONDITIONAL)
+            known = (
+                _ZERO_MAPPED | set(_ZERO_IGNORED) | set(_ZERO_CONDITIONAL) | set(_OFFLOAD_BLOCKS) | set(_OFFLOAD_LEGACY)
+            )
             rep.unsupported.append((path, _unknown(key, known, "zero_optimization.")))
+    if offload:
+        mapped["offload"] = offload
     out["zero"] = mapped
+
+
+def _map_offload_block(
+    field_name: str, block: Any, offload: dict[str, Any], rep: DeepSpeedReport, path: str, source: str
+) -> None:
+    """``offload_optimizer`` / ``offload_param``: device cpu turns ``zero.offload.<field_name>`` on (its
+    ``pin_memory``, DeepSpeed's default false, and the optimizer's ``ratio`` mapped); none is off; nvme refused."""
+    if not isinstance(block, Mapping):
+        raise UsageError(f'{source}: {path} must be a mapping like {{"device": "cpu"}}, got {block!r}')
+    device = str(block.get("device") or "none").lower()
+    if device == "none":
+        rep.ignored.append((path, "offload off (device: none)"))
+        return
+    if device != "cpu":
+        reason = _NVME_REFUSED if device == "nvme" else f"device {device!r}: elasticzero offloads to cpu (or none)"
+        rep.unsupported.append((f"{path}.device", reason))
+        return
+    offload[field_name] = True
+    offload["pin_memory"] = bool(offload.get("pin_memory")) or bool(block.get("pin_memory", False))
+    rep.mapped.append((f"{path}.device", f"zero.offload.{field_name}=true"))
+    for key, value in block.items():
+        _map_offload_key(field_name, key, value, offload, rep, f"{path}.{key}")
+
+
+def _map_offload_key(
+    field_name: str, key: str, value: Any, offload: dict[str, Any], rep: DeepSpeedReport, path: str
+) -> None:
+    """One key of an offload block with device cpu."""
+    if key == "device":
+        return
+    if key == "pin_memory":
+        rep.mapped.append(
+            (path, "zero.offload.pin_memory (one setting for every host buffer: on if any block says so)")
+        )
+    elif key == "ratio" and field_name == "optimizer":
+        offload["ratio"] = float(value)
+        rep.mapped.append((path, "zero.offload.ratio (share of the optimizer state's bytes, largest buckets first)"))
+    elif key in _OFFLOAD_IGNORED:
+        rep.ignored.append((path, _OFFLOAD_IGNORED[key]))
+    else:
+        known = {"device", "pin_memory", "ratio", *_OFFLOAD_IGNORED}
+        rep.unsupported.append((path, _unknown(key, known, path.rsplit(".", 1)[0] + ".")))
+
+
+def _map_offload_legacy(field_name: str, value: Any, offload: dict[str, Any], rep: DeepSpeedReport, path: str) -> None:
+    """DeepSpeed's deprecated ``cpu_offload`` / ``cpu_offload_params`` / ``cpu_offload_use_pin_memory`` booleans."""
+    if not value:
+        rep.ignored.append((path, "false: nothing to offload"))
+        return
+    offload[field_name] = True
+    rep.mapped.append((path, f"zero.offload.{field_name}=true (DeepSpeed's deprecated spelling)"))
 
 
 def _map_optimizer(opt: Any, out: dict[str, Any], rep: DeepSpeedReport, source: str) -> None:
@@ -584,6 +662,12 @@ def key_verdicts() -> dict[str, str]:
     table |= {f"optimizer.params.{k}": "ignored" for k in _OPTIMIZER_PARAMS_IGNORED}
     del table["optimizer.torch_adam"], table["optimizer.fused"]  # params keys, added just above
     table |= {"scheduler.type": "mapped", "scheduler.params": "mapped"}
+    for block in _OFFLOAD_BLOCKS:  # none: ignored; cpu: mapped; nvme: refused
+        path = f"zero_optimization.{block}"
+        table |= {path: "depends", f"{path}.device": "depends", f"{path}.pin_memory": "mapped"}
+        table |= {f"{path}.{k}": "ignored" for k in _OFFLOAD_IGNORED}
+    table["zero_optimization.offload_optimizer.ratio"] = "mapped"
+    table |= {f"zero_optimization.{k}": "depends" for k in _OFFLOAD_LEGACY}  # false: ignored; true: mapped
     table |= {
         "optimizer.params.bias_correction": "depends",
         "optimizer.params.max_grad_norm": "refused",

@@ -228,6 +228,7 @@ def validate(cfg: EngineConfig, *, source: str = "<config>", world_size: int | N
     need(z.stage in (0, 1, 2, 3), "zero.stage", "must be 0, 1, 2 or 3", z.stage)
     need(z.bucket_bytes is None or z.bucket_bytes > 0, "zero.bucket_bytes", "must be > 0 (or null)", z.bucket_bytes)
     need(z.copies.node_shift >= 1, "zero.copies.node_shift", "must be >= 1", z.copies.node_shift)
+    _check_offload(z, need)
     ls = cfg.precision.loss_scale
     need(ls.init_scale > 0, "precision.loss_scale.init_scale", "must be > 0", ls.init_scale)
     need(ls.growth_factor > 1, "precision.loss_scale.growth_factor", "must be > 1", ls.growth_factor)
@@ -260,6 +261,31 @@ def validate(cfg: EngineConfig, *, source: str = "<config>", world_size: int | N
     )
     if cfg.precision.dtype is not Precision.fp16 and ls.enabled:
         log.info("%s: loss scaling is on with %s (only fp16 needs it)", source, cfg.precision.dtype.value)
+
+
+def _check_offload(z: Any, need: Any) -> None:
+    """``zero.offload``: a ZeRO stage to offload from, ``params`` on stage 3 with ``optimizer``, ranges."""
+    off = z.offload
+    need(0.0 <= off.ratio <= 1.0, "zero.offload.ratio", "must be in [0, 1]", off.ratio)
+    budget = off.device_budget_bytes
+    need(budget is None or budget >= 0, "zero.offload.device_budget_bytes", "must be >= 0 (or null)", budget)
+    if off.optimizer or off.params:
+        need(z.stage in (1, 2, 3), "zero.offload", "needs a ZeRO stage (1-3) to offload from; zero.stage", z.stage)
+    if off.params:
+        need(
+            z.stage == 3,
+            "zero.offload.params",
+            "is for ZeRO stage 3 only (stages 1/2 keep whole parameters on the device): drop it or use stage 3; "
+            "zero.stage",
+            z.stage,
+        )
+        need(
+            off.optimizer,
+            "zero.offload.params",
+            "needs zero.offload.optimizer: true (in ZeRO-3 the parameter shards are the fp32 masters the optimizer "
+            "steps); zero.offload.optimizer",
+            off.optimizer,
+        )
 
 
 def optimizer_class(name: str, source: str = "<config>") -> type:

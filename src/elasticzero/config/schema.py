@@ -26,6 +26,7 @@ __all__ = [
     "ElasticityConfig",
     "EngineConfig",
     "LossScaleConfig",
+    "OffloadConfig",
     "OptimizerConfig",
     "Precision",
     "PrecisionConfig",
@@ -56,6 +57,19 @@ class CopiesConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """ZeRO-Offload (:mod:`elasticzero.engine.zero.offload`; DeepSpeed's ``offload_optimizer`` / ``offload_param``):
+    what lives in host memory instead of the device's. On a CPU device it changes nothing (the state is there)."""
+
+    optimizer: bool = False  # fp32 masters, optimizer state and the optimizer step in host memory (stages 1-3)
+    params: bool = False  # stage 3 only: the parameter shards too, each unit gathered from there (needs optimizer)
+    pin_memory: bool = True  # page-locked host buffers for what crosses the bus (pageable: every copy synchronous)
+    ratio: float = 1.0  # share of the optimizer state's bytes offloaded, the largest buckets first
+    device_budget_bytes: int | None = None  # instead of ratio: bytes of masters + optimizer state kept on the device
+    step_in_backward: bool = True  # step each offloaded bucket as its gradient lands, when nothing forbids it
+
+
+@dataclass
 class ZeroConfig:
     """Which ZeRO stage shards what, and how communication is bucketed (``None``: the stage's default)."""
 
@@ -66,6 +80,7 @@ class ZeroConfig:
     prefetch: bool | None = None  # stage 3: all-gather the next unit while the current one computes
     reshard_after_forward: bool | None = None  # stage 3: free each unit after its forward (3Ψ) or keep it (2Ψ)
     copies: CopiesConfig = field(default_factory=CopiesConfig)  # live recovery's in-memory buddy copies
+    offload: OffloadConfig = field(default_factory=OffloadConfig)  # ZeRO-Offload: state in host memory
 
 
 @dataclass

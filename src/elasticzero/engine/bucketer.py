@@ -254,6 +254,12 @@ class GradBucketer(OwnsCommunicator):
         for s in self._arrived.values():
             s.clear()
 
+    def forget(self, bucket: FlatBucket) -> None:
+        """Mark a kept buffer's slots unwritten (zeroed lazily, as :meth:`zero_buffers` does): its contents were
+        taken elsewhere (ZeRO-Offload landed the reduced shard in host memory) and must not be added to again."""
+        if self.keep_buffers and bucket.index in self._buffers:
+            self._unwritten[bucket.index] = set(range(len(bucket.params)))
+
     def finalize(self) -> None:
         """Launch every bucket not yet launched (in flush order) and complete all reductions.
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
-SECTIONS = {"correctness", "example", "checkpoint", "live", "performance"}
+SECTIONS = {"correctness", "example", "checkpoint", "live", "offload", "performance"}
 PEERS = {"adamw", "ddp", "fsdp2", "ez_stage1", "ez_stage2", "ez_stage3"}
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(420)]
@@ -28,7 +28,7 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path: Path) -> None:
     assert doc["device"] == "cpu" and doc["ran_on_gpu"] is False and doc["passed"] is True
     sections = doc["sections"]
     assert set(sections) == SECTIONS
-    for name in ("correctness", "example", "checkpoint", "live"):
+    for name in ("correctness", "example", "checkpoint", "live", "offload"):
         section = sections[name]
         assert section["status"] == "PASS", section
         assert section["checks"] and all(c["ok"] for c in section["checks"]), section["checks"]
@@ -38,6 +38,9 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path: Path) -> None:
     assert sections["correctness"]["data"]["fp32_stage1"]["bitwise"] is True
     assert sections["correctness"]["data"]["fp32_stage2"]["bitwise"] is True
     assert sections["checkpoint"]["environment"]["backend"] == "gloo"
+    for stage in (1, 2, 3):  # the host path ran (cpu_copies) and stepped during backward
+        assert sections["offload"]["data"][f"stage{stage}_offloaded"]["stepped_in_backward"] is True
+        assert sections["offload"]["data"][f"stage{stage}_error_ratio"] <= 1.0
     assert sections["live"]["environment"]["backend"] == "gloo" and sections["live"]["data"]["events"] == [[1, 2]]
     perf = sections["performance"]
     assert perf["status"] == "DONE" and perf["failed"] == []

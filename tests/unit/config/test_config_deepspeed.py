@@ -88,7 +88,7 @@ BAD = {
     "gradient_acumulation_steps": 2,
     "scheduler": {"type": "WarmupLR", "parms": {}},
     "fp16": {"enabled": True, "auto_cast": True},
-    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "overlap_com": True},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}, "overlap_com": True},
 }
 
 
@@ -103,7 +103,7 @@ def test_unsupported_keys_strict_error_names_all_of_them() -> None:
         "did you mean 'gradient_accumulation_steps'?)",
         "scheduler.parms (not a DeepSpeed key elasticzero knows; did you mean 'scheduler.params'?)",
         "fp16.auto_cast (inputs are not cast",
-        "zero_optimization.offload_optimizer (CPU/NVMe offload is not provided",
+        "zero_optimization.offload_optimizer.device (NVMe offload (ZeRO-Infinity) is not provided: use device: cpu",
         "zero_optimization.overlap_com (not a DeepSpeed key elasticzero knows; did you mean "
         "'zero_optimization.overlap_comm'?)",
         "strict=False",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -118,3 +119,32 @@ def test_stateful_round_trips_through_a_checkpoint(world1: None, tmp_path: Path,
     _train(resumed, resumed.wrap(fresh), batches[4:])
     ckpt.close()
     assert all(torch.equal(v, expected[k]) for k, v in fresh.state_dict().items())
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_offload_reaches_the_stage_and_the_boundary_backward_arms_its_early_step(world1: None, clip: float) -> None:
+    """``zero.offload`` becomes the stage's ``offload=`` (on the CPU the identity); on the host path (``cpu_copies``)
+    ``pieces.backward`` arms the step in backward on the accumulation boundary only, and not under clipping; the
+    training equals the same pieces without offload."""
+    from elasticzero import ZeroStage2
+    from elasticzero.engine.zero.offload import OffloadOptions
+
+    cfg = {**CFG, "clip_grad_norm": clip, "zero": {"stage": 2, "offload": {"optimizer": True}}}
+    pieces = build_pieces(_model(), cfg)
+    assert pieces.optimizer.options.offload == OffloadOptions(optimizer=True)  # type: ignore[attr-defined]
+    assert not pieces.optimizer.home(0).host  # type: ignore[attr-defined]  # the CPU: state already in host memory
+    host = ZeroStage2(_model(), torch.optim.AdamW, lr=0.01, offload=OffloadOptions(optimizer=True, cpu_copies=True))
+    pieces = dataclasses.replace(pieces, optimizer=host)
+    plain = build_pieces(_model(), {**CFG, "clip_grad_norm": clip, "zero": {"stage": 2}})
+    armed = []
+    for x, y in _micro_batches(4):
+        for p in (pieces, plain):
+            net, acc = p.optimizer.module, p.accumulation  # type: ignore[attr-defined]
+            with acc.no_sync(net, p.optimizer):
+                p.backward(acc.scale_loss((net(x) - y).square().mean()))
+            if p is pieces:
+                armed.append(bool(host._offload._steps.stepped))  # submitted during that backward
+            if acc.advance():
+                p.step()
+    assert armed == ([False, True, False, True] if clip == 0 else [False] * 4)
+    assert all(torch.equal(a, b) for a, b in zip(host.masters, plain.optimizer.masters, strict=True))  # type: ignore[attr-defined]

@@ -24,8 +24,10 @@ from elasticzero.engine.zero.casting import compute_dtypes, input_caster, keep_f
 from elasticzero.engine.zero.comm.communicator import Communicator
 from elasticzero.engine.zero.eager import outside_graph
 from elasticzero.engine.zero.flat import FlatBucket, Grouping, _device_of, layout_buckets, size_groups
+from elasticzero.engine.zero.host import Offloader, offloader_for
 from elasticzero.engine.zero.inner import assign_groups, build_optimizer
 from elasticzero.engine.zero.layout import ParamSlot, ZeroLayout
+from elasticzero.engine.zero.offload import BucketHome, check_stage, early_step_blocker
 from elasticzero.engine.zero.options import ZeroOptions
 from elasticzero.engine.zero.views import ZeroStateViews
 from elasticzero.engine.zero.watch import Factor, GradWatcher
@@ -121,8 +123,11 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
         self.layout = ZeroLayout(self.world_size, tuple(b.layout for b in self.buckets))
         self.partition: dict[str, ParamSlot] = self.layout.params
         self.numel = self.layout.numel
+        check_stage(self.options.offload, self.stage)
+        shards = [b.shard_numel for b in self.buckets]
+        self._offload = offloader_for(self.options.offload, self.device, shards, optimizer_class, optimizer_kwargs)
         made = [self._materialize(b) for b in self.buckets]
-        self.masters: list[nn.Parameter] = [master for master, _ in made]
+        self.masters: list[nn.Parameter] = [self._adopt(i, master) for i, (master, _) in enumerate(made)]
         self._flat: list[torch.Tensor] = [flat for _, flat in made]  # per bucket: the buffer its parameters view
         self._cast_frozen()
         # module.to()/.half(), param.data = ..., DDP, torch's clip: followed or refused (bindings.py, standin.py)
@@ -139,6 +144,10 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
         self.state = self.optim.state
         self.defaults = self.optim.defaults
         self._ready = True
+        if self._offload is not None:
+            self._offload.bind(self.optim, self.masters, [self._compute_dtype_of(b) for b in self.buckets])
+            self._bind_offload(self._offload)
+            self._offload.push_all()
         self._grad_watchers: OrderedDict[int, GradWatcher] = OrderedDict()  # a RemovableHandle refers to it weakly
         self.bucketer = self._make_bucketer()
         self._bound_hook = module.register_forward_pre_hook(outside_graph(self._before_forward), prepend=True)
@@ -165,6 +174,17 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
         """This rank's fp32 master shard of ``bucket``, and the full flat buffer the bucket's parameters now view."""
         raise NotImplementedError
 
+    def _adopt(self, index: int, master: nn.Parameter) -> nn.Parameter:
+        """The master of bucket ``index`` where its offload home says: itself, or a host copy."""
+        return master if self._offload is None else self._offload.adopt(index, master)
+
+    def _bind_offload(self, offloader: Offloader) -> None:
+        """Tell ``offloader`` where each offloaded bucket's updated shard goes on the device (a stage's choice)."""
+
+    def home(self, index: int) -> BucketHome:
+        """Where bucket ``index``'s optimizer state lives (:class:`~elasticzero.engine.zero.offload.BucketHome`)."""
+        return BucketHome() if self._offload is None else self._offload.home(index)
+
     def _make_bucketer(self) -> GradBucketer:
         raise NotImplementedError
 
@@ -179,9 +199,16 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
             on_reduced=self._reduced,
             max_inflight=self.max_inflight,
             timers=self.timers,
-            on_finalize=self._stand_ins.post,  # torch's clip_grad_norm_ on the module now raises (standin.py)
+            on_finalize=self._end_backward,
             **overrides,
         )
+
+    def _end_backward(self) -> None:
+        """The bucketer's ``on_finalize``: every gradient shard of this backward is where it lives (offload: landed
+        in host memory), and torch's clip_grad_norm_ on the module now raises (the gradient stand-ins, standin.py)."""
+        if self._offload is not None:
+            self._offload.end_backward()
+        self._stand_ins.post()
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         """The root module's first forward pre-hook: the gradient stand-ins go (autograd must not accumulate into
@@ -195,6 +222,8 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
         for w in watchers:
             w.grads_changing(bucket.index)
         self._on_reduced(bucket, shard)
+        if watchers and self._offload is not None and self.home(bucket.index).host:
+            self._offload.settle(bucket.index)  # the watchers read the host gradient
         grad = self.masters[bucket.index].grad
         if grad is not None:  # every stage sets it here
             for w in watchers:
@@ -216,10 +245,30 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
                 loss = closure()
         self._bindings.check("opt.step()")  # a step of masters the module no longer views would train nothing
         with phase(self.timers, "step"):
-            self.optim.step()
+            if self._offload is None:
+                self.optim.step()
+            else:
+                self._offload.step()  # bucket by bucket, the offloaded ones on the host, each pushed as it steps
         with phase(self.timers, "allgather"):
             self._gather_params()
         return loss
+
+    @contextlib.contextmanager
+    def stepping_in_backward(self, *, clipping: bool = False, loss_scaling: bool = False) -> Iterator[str | None]:
+        """Around the backward that ends an optimizer step: each offloaded bucket takes its step on the host as soon
+        as its gradient lands, overlapped with the rest of backward; :meth:`step` then steps what is left and waits.
+        Only where :func:`~elasticzero.engine.zero.offload.early_step_blocker` allows it (no clipping, no loss
+        scaler, no gradient watcher); yields why not (None: armed). Without offloaded buckets it does nothing."""
+        watched = bool(self._grad_watchers)
+        reason = early_step_blocker(armed=True, clipping=clipping, loss_scaling=loss_scaling, watched=watched)
+        if self._offload is None:
+            yield "no bucket is offloaded"
+            return
+        self._offload.armed = reason is None
+        try:
+            yield reason
+        finally:
+            self._offload.armed = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop (``set_to_none``) or zero the gradient shards, and any gradient still held for accumulation."""

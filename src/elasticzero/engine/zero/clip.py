@@ -46,9 +46,10 @@ def clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
 
 
 def scale_by_(grads: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
-    """Multiply ``grads`` in place by the 0-dim tensor ``coef`` (cast to each gradient's dtype)."""
+    """Multiply ``grads`` in place by the 0-dim tensor ``coef`` (moved to each gradient's device and dtype: offloaded
+    shards live in host memory)."""
     for g in grads:
-        g.mul_(coef.to(g.dtype))
+        g.mul_(coef.to(device=g.device, dtype=g.dtype))
 
 
 def clip_(grads: Sequence[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
@@ -60,9 +61,9 @@ def unscale_and_check_(
     grads: Sequence[torch.Tensor], inv_scale: float, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
     """Multiply ``grads`` by ``inv_scale`` in place; 0-dim fp32 tensor on ``device``, 1.0 if any local inf/NaN else
-    0.0."""
+    0.0 (a shard in host memory, offloaded, is checked there)."""
     found = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
         g.mul_(inv_scale)
-        found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+        found = torch.maximum(found, (~torch.isfinite(g)).any().float().to(found.device))
     return found

@@ -98,7 +98,8 @@ class ZeroCheckpointState:
         for i, (b, m) in enumerate(zip(opt.buckets, opt.masters, strict=True)):
             inner, pieces = opt.optim.state[m], b.local_pieces()
             masters = [loaded.params[p.name] for p in pieces]
-            self._adopt_or_copy(m, masters, pieces, _constant(m), keep_storage=opt.master_views_params(i))
+            keep = opt.master_views_params(i) or m.is_pinned()  # an offloaded master stays page-locked
+            self._adopt_or_copy(m, masters, pieces, _constant(m), keep_storage=keep)
             if never_stepped(state, pieces):  # none here either: the first step makes it, as in a fresh optimizer
                 opt.optim.state.pop(m, None)
                 continue

@@ -19,6 +19,7 @@ from torch import nn
 
 from elasticzero.engine.bucketer import DEFAULT_BUCKET_BYTES
 from elasticzero.engine.precision import PrecisionPolicy
+from elasticzero.engine.zero.offload import OffloadOptions
 from elasticzero.errors import UsageError
 
 UnitSpec = Iterable[nn.Module] | tuple[type[nn.Module], ...] | type[nn.Module] | Callable[[nn.Module], bool] | None
@@ -45,6 +46,10 @@ class ZeroOptions:
             compute dtype.
         units, reshard_after_forward, prefetch, prefetch_bytes: stage 3 only (see
             :class:`~elasticzero.engine.zero.stage3.ZeroStage3`).
+        offload: ZeRO-Offload (:class:`~elasticzero.engine.zero.offload.OffloadOptions`): the fp32 masters, the
+            optimizer state and the step in host memory, for the buckets its budget picks (its ``params``: stage 3
+            only); on a CPU device it changes nothing. None: everything on the device (docs/engine.md,
+            "ZeRO-Offload").
     """
 
     process_group: Any = None
@@ -58,6 +63,7 @@ class ZeroOptions:
     reshard_after_forward: bool = field(default=True, metadata=stages_only(3))
     prefetch: bool = field(default=True, metadata=stages_only(3))
     prefetch_bytes: int = field(default=0, metadata=stages_only(3))
+    offload: OffloadOptions | None = None
 
     @classmethod
     def names(cls) -> frozenset[str]:

@@ -42,6 +42,8 @@ class ZeroStage1(_ReplicatedParamsZero):
         """Where a bucket is reduce-scattered to: a scratch tensor kept for it, since :meth:`_on_reduced` copies the
         shard into the kept buffer at once (at most ``max_inflight`` exist; a new tensor every bucket would be fresh
         memory to the CPU allocator, page-faulted in every step)."""
+        if self.home(bucket.index).host:  # its landing reads the shard after this returns: a tensor of its own
+            return torch.empty(bucket.shard_numel, dtype=self.policy.reduce_dtype, device=self.device)
         largest = max(b.shard_numel for b in self.buckets)
         scratch = (
             self._free_scratch.pop()

@@ -14,6 +14,7 @@ from torch import nn
 from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.comm.work import same_memory
 from elasticzero.engine.zero.flat import FlatBucket, flatten_into, view_params_into
+from elasticzero.engine.zero.host import Offloader
 from elasticzero.errors import UsageError
 
 
@@ -42,6 +43,9 @@ class _ReplicatedParamsZero(ZeroOptimizer):
         buf = self.bucketer.buffer(bucket)
         lo, hi = bucket.shard_range()
         master = self.masters[bucket.index]
+        if self._land(bucket, shard):
+            self.bucketer.forget(bucket)  # the next backward writes it afresh, after this landing settled
+            return
         if buf.dtype != torch.float32:
             if master.grad is None:
                 master.grad = shard.float()
@@ -54,6 +58,22 @@ class _ReplicatedParamsZero(ZeroOptimizer):
         if not same_memory(buf[lo:hi], shard):  # a one-rank group reduces the buffer in place
             buf[lo:hi].copy_(shard)  # chunk = previous accumulated mean + this backward's mean
         master.grad = buf[lo:hi]
+
+    def _land(self, bucket: FlatBucket, shard: torch.Tensor) -> bool:
+        """An offloaded bucket: its reduced shard lands in host memory as the master's gradient (added to what it
+        holds: accumulation); False for a bucket on the device."""
+        if not self.home(bucket.index).host:
+            return False
+        self._offload.reduced(bucket.index, shard)  # type: ignore[union-attr]
+        return True
+
+    def _bind_offload(self, offloader: Offloader) -> None:
+        """An offloaded bucket's updated shard is pushed into this rank's chunk of its compute buffer (then
+        all-gathered from there)."""
+        for b, compute in zip(self.buckets, self._flat, strict=True):
+            if self.home(b.index).host:
+                lo, hi = b.shard_range()
+                offloader.push_into(b.index, compute[lo:hi])
 
     def _register_state_dict_hooks(self) -> None:
         self.module.register_load_state_dict_post_hook(self._refresh_masters)
@@ -81,7 +101,9 @@ class _ReplicatedParamsZero(ZeroOptimizer):
             for b, m, compute in zip(self.buckets, self.masters, self._flat, strict=True):
                 lo, hi = b.shard_range()
                 chunk = compute[lo:hi]
-                if chunk.data_ptr() != m.data_ptr() or chunk.dtype != m.dtype:
+                if self.home(b.index).host:
+                    self._offload.order(b.index)  # type: ignore[union-attr]  # pushed after its step
+                elif chunk.data_ptr() != m.data_ptr() or chunk.dtype != m.dtype:
                     chunk.copy_(m)
                 works.append(self.communicator.all_gather(compute, chunk, async_op=True))
             for w in works:

@@ -55,12 +55,16 @@ class ZeroStage2(_ReplicatedParamsZero):
     def _fresh_shard_out(self, bucket: FlatBucket) -> torch.Tensor | None:
         """The reduce-scatter's destination: the persistent shard for the step's first fp32 reduction (the master
         has no gradient), else a new tensor (added to the gradient, or cast into the shard)."""
+        if self.home(bucket.index).host:  # lands in host memory: a transient device shard
+            return None
         fresh = self.masters[bucket.index].grad is None
         return self._grad_shard(bucket) if fresh and self.policy.reduce_dtype == torch.float32 else None
 
     def _on_reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
         if self.bucketer.keep_buffers:
             self._reduced_into_kept_buffer(bucket, shard)
+            return
+        if self._land(bucket, shard):
             return
         master = self.masters[bucket.index]
         if master.grad is not None:

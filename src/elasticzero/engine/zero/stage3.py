@@ -47,6 +47,7 @@ from elasticzero.engine.bucketer import GradBucketer, phase
 from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.eager import outside_graph
 from elasticzero.engine.zero.flat import FlatBucket, Named, flatten_into, view_params_into
+from elasticzero.engine.zero.host import Offloader
 from elasticzero.engine.zero.options import UnitSpec, ZeroOptions
 from elasticzero.errors import UsageError
 
@@ -208,10 +209,35 @@ class ZeroStage3(ZeroOptimizer):
         full.untyped_storage().resize_(full.numel() * full.element_size())
         lo, hi = b.shard_range()
         chunk = full[lo:hi]
+        source = self._shard_source(b.index)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
-            chunk.copy_(self.masters[b.index])
+            chunk.copy_(source, non_blocking=source.is_pinned())
             work = self.communicator.all_gather(full, chunk, async_op=True)
         g.gathered, g.work = True, work
+
+    def _shard_source(self, index: int) -> torch.Tensor:
+        """What bucket ``index``'s gather copies into its chunk: the master (on the device); offloaded, the device
+        copy of the shard its step pushed (the current stream waits for the push), or with ``params`` offloaded the
+        host shard itself (page-locked: the copy does not block the host)."""
+        if not self.home(index).host:
+            return self.masters[index]
+        offloader = self._offload
+        assert offloader is not None
+        if self.home(index).params_on_host:
+            return offloader.source(index)
+        offloader.order(index)
+        return self._device_shards[index]
+
+    def _bind_offload(self, offloader: Offloader) -> None:
+        """Without ``params`` offloaded, an offloaded bucket keeps a compute-dtype copy of its shard on the device
+        (what its gathers read; a step pushes into it); with them, none (gathers copy from the host)."""
+        self._device_shards: dict[int, torch.Tensor] = {}
+        for b in self.buckets:
+            home = self.home(b.index)
+            if home.host and not home.params_on_host:
+                shard = torch.empty(b.shard_numel, dtype=self._compute_dtype_of(b), device=self.device)
+                self._device_shards[b.index] = shard
+                offloader.push_into(b.index, shard)
 
     def _wait(self, b: FlatBucket) -> None:
         g = self._gathers[b.index]
@@ -352,6 +378,9 @@ class ZeroStage3(ZeroOptimizer):
 
     def _on_reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
         master = self.masters[bucket.index]
+        if self.home(bucket.index).host:
+            self._offload.reduced(bucket.index, shard)  # type: ignore[union-attr]
+            return
         if master.grad is None:
             master.grad = shard if shard.dtype == torch.float32 else shard.float()
         else:

@@ -15,6 +15,7 @@ from elasticzero.engine.bucketer import GradBucketer
 from elasticzero.engine.precision import PrecisionPolicy
 from elasticzero.engine.zero.comm.communicator import OwnsCommunicator
 from elasticzero.engine.zero.flat import FlatBucket
+from elasticzero.engine.zero.host import Offloader
 from elasticzero.engine.zero.layout import ParamSlot, ZeroLayout
 from elasticzero.engine.zero.memory import model_state_report
 from elasticzero.engine.zero.sharded import Origin, ShardedState
@@ -38,12 +39,18 @@ class ZeroStateViews(OwnsCommunicator):
     masters: list[nn.Parameter]
     optim: torch.optim.Optimizer
     bucketer: GradBucketer
+    device: torch.device
     _flat: list[torch.Tensor]
     _own_module_state_dict: bool
+    _offload: Offloader | None  # ZeRO-Offload's moving parts (None: every bucket on the device)
 
     # -- stage hooks ---------------------------------------------------------------------------------------------
     def _gather_params(self) -> None:
         """Bring the updated masters back into the module's parameters (stages 1/2: all-gather)."""
+
+    def _offload_buffers(self) -> list[torch.Tensor | None]:
+        """ZeRO-Offload's own host buffers: gradient shards, staging, compute-dtype shards (memory accounting)."""
+        return [] if self._offload is None else list(self._offload.host_buffers())
 
     def _held_grad_storage(self) -> list[torch.Tensor]:
         """Gradient storage a stage keeps between steps beyond the masters' ``.grad`` and the bucketer's buffers
@@ -76,8 +83,8 @@ class ZeroStateViews(OwnsCommunicator):
         full: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for b, m in zip(self.buckets, self.masters, strict=True):
-                out = torch.empty(b.padded_numel, dtype=torch.float32, device=m.device)
-                self.communicator.all_gather(out, m.detach(), tag="state_dict")
+                out = torch.empty(b.padded_numel, dtype=torch.float32, device=self.device)
+                self.communicator.all_gather(out, m.detach().to(self.device), tag="state_dict")  # offloaded: H2D
                 for p, off in zip(b.params, b.offsets, strict=True):
                     full[id(p)] = out[off : off + p.numel()].view(p.shape).clone()
         sd = {}
@@ -107,7 +114,7 @@ class ZeroStateViews(OwnsCommunicator):
         for k, v in self.module_state().items():
             if k in state_dict:
                 v.copy_(state_dict[k])
-        self._gather_params()
+        self.refresh_params()
 
     # -- sharded state (checkpoints, resharding) --------------------------------------------------------------------
     @property
@@ -160,7 +167,10 @@ class ZeroStateViews(OwnsCommunicator):
 
     def refresh_params(self) -> None:
         """Bring the module's parameters up to date with the masters after they were written to (a load): stages
-        1/2 all-gather them (collective), stage 3 drops what is gathered (the next forward gathers afresh)."""
+        1/2 all-gather them (collective), stage 3 drops what is gathered (the next forward gathers afresh); the
+        offloaded buckets' copies on the device are pushed first."""
+        if self._offload is not None:
+            self._offload.push_all()
         self._gather_params()
 
     def memory_report(self) -> dict[str, float]:
@@ -190,7 +200,8 @@ class ZeroStateViews(OwnsCommunicator):
                     [m.grad for m in self.masters]
                     + self._held_grad_storage()
                     + self.bucketer.held_buffers()
-                    + [p.grad for p in trainable if not is_stand_in(p.grad)],
+                    + [p.grad for p in trainable if not is_stand_in(p.grad)]
+                    + self._offload_buffers(),
                 ),
                 ("optim_state", state),
                 ("frozen", frozen),

@@ -37,7 +37,6 @@ from elasticzero.errors import UsageError
 
 __all__ = ["BlockSpec", "HostSave", "checkpoint_activations", "find_blocks", "host_save_plan", "repeated_block_type"]
 
-log = logging.getLogger(__name__)
 
 _Classes: TypeAlias = "type[nn.Module] | tuple[type[nn.Module], ...]"
 BlockSpec: TypeAlias = "_Classes | Callable[[nn.Module], bool] | nn.Module | Iterable[nn.Module] | None"
@@ -187,5 +186,7 @@ def checkpoint_activations(model: nn.Module, blocks: BlockSpec = None, *, cpu: b
     for _, module in found:
         module.forward = CheckpointedForward(module, module.forward, cpu)
     names = [name or "<root>" for name, _ in found]
-    log.info("activation checkpointing (cpu=%s) on %d %s blocks", cpu, len(names), type(found[0][1]).__name__)
+    logging.getLogger(__name__).info(
+        "activation checkpointing (cpu=%s) on %d %s blocks", cpu, len(names), type(found[0][1]).__name__
+    )
     return names

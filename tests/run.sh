@@ -48,9 +48,11 @@ echo "tests/run.sh: install $((t1 - t0))s, test bed $((t2 - t1))s"
 # tests/conftest.py stops a run whose requested capability torch does not use).
 NUMERICAL=(
   tests/unit/engine tests/unit/live/test_copies.py tests/unit/live/test_wire.py tests/unit/config/test_config_build.py
+  tests/unit/config/test_config_activation_checkpointing.py
   tests/integration/engine/test_zero_equality.py tests/integration/engine/test_loss_scaler.py
   tests/integration/engine/test_ring.py tests/integration/checkpoint/test_ckpt_reshard.py
   tests/integration/checkpoint/test_ckpt_deepspeed_import.py tests/integration/hf/test_hf_models.py
+  tests/integration/hf/test_hf_checkpointing.py
 )
 capability() { ATEN_CPU_CAPABILITY=$1 "$VENV/bin/python" -c 'import torch; print(torch.backends.cpu.get_cpu_capability().lower())' 2>/dev/null; }
 # pytest exit 5 = no tests collected: that is a broken suite, not a pass

@@ -25,6 +25,7 @@ _LAZY = {
     "build_loss_scaler": "elasticzero.config.build",
     "EnginePieces": "elasticzero.config.build",
     "ElasticityConfig": "elasticzero.config.schema",
+    "ActivationCheckpointingConfig": "elasticzero.config.schema",
     "BatchPlan": "elasticzero.config.elastic",
     "ElasticBatch": "elasticzero.config.elastic",
     "elastic_batch": "elasticzero.config.elastic",

@@ -29,7 +29,7 @@ import logging
 import warnings
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +39,9 @@ from elasticzero.config.auto import AutoValues
 from elasticzero.config.batch import check_batch_sizes, resolve_world_size
 from elasticzero.config.elastic import BatchPlan, batch_plan
 from elasticzero.config.load import load_config, optimizer_class
-from elasticzero.config.schema import EngineConfig, OffloadConfig, Precision
+from elasticzero.config.schema import ActivationCheckpointingConfig, EngineConfig, OffloadConfig, Precision
 from elasticzero.engine.accumulation import GradAccumulation
+from elasticzero.engine.activations import BlockSpec, checkpoint_activations, find_blocks
 from elasticzero.engine.loss_scaler import LossScaler
 from elasticzero.engine.lr_schedules import DeepSpeedSchedule, build_schedule
 from elasticzero.engine.precision import PrecisionPolicy
@@ -48,6 +49,7 @@ from elasticzero.engine.step import StepResult, backward, clip_grad_norm, optimi
 from elasticzero.engine.timers import PhaseTimers
 from elasticzero.engine.zero.offload import OffloadOptions
 from elasticzero.engine.zero.options import ZeroOptions
+from elasticzero.errors import UsageError
 
 __all__ = ["EnginePieces", "build_loss_scaler", "build_pieces"]
 
@@ -67,6 +69,7 @@ class EnginePieces:
     autocast_dtype: torch.dtype | None  # stage 0 with bf16/fp16: run the forward under torch.autocast(dtype=...)
     micro_batch_size: int
     config: EngineConfig
+    checkpointed: list[str] = field(default_factory=list)  # blocks whose activations are checkpointed (by name)
     scheduler: DeepSpeedSchedule | None = None  # the config's ``scheduler``; None without one
 
     @property
@@ -204,6 +207,7 @@ def build_pieces(
     params = dict(cfg.optimizer.params)
     if "betas" in params:
         params["betas"] = tuple(params["betas"])
+    blocks = _checkpoint_blocks(model, cfg.activation_checkpointing)  # checked before anything is built
 
     autocast_dtype = None
     if cfg.zero.stage == 0:
@@ -219,6 +223,8 @@ def build_pieces(
 
     group = getattr(optimizer, "process_group", None) or process_group
     sched = cfg.scheduler
+    scheduler = None if sched.type is None else build_schedule(optimizer, sched.type, sched.params)
+    checkpointed = [] if blocks is None else checkpoint_activations(model, blocks, cpu=cfg.activation_checkpointing.cpu)
     return EnginePieces(
         optimizer=optimizer,
         scaler=build_loss_scaler(cfg, group),
@@ -229,11 +235,27 @@ def build_pieces(
         autocast_dtype=autocast_dtype,
         micro_batch_size=cfg.micro_batch_size,
         config=cfg,
-        scheduler=None if sched.type is None else build_schedule(optimizer, sched.type, sched.params),
+        checkpointed=checkpointed,
+        scheduler=scheduler,
     )
 
 
 _ZERO_OPTIONS = ("bucket_bytes", "prefetch", "reshard_after_forward")
+
+
+def _checkpoint_blocks(model: torch.nn.Module, ac: ActivationCheckpointingConfig) -> list[torch.nn.Module] | None:
+    """The blocks ``activation_checkpointing`` asks for (None when off): those of the class ``ac.blocks`` names, else
+    the model's repeated blocks; a :class:`~elasticzero.errors.UsageError` naming the key when there are none."""
+    if not ac.enabled:
+        return None
+    name = ac.blocks
+    if name is not None and not any(type(m).__name__ == name for m in model.modules()):
+        raise UsageError(f"activation_checkpointing.blocks: no module of class {name!r} in {type(model).__name__}")
+    spec: BlockSpec = None if name is None else (lambda m: type(m).__name__ == name)
+    try:
+        return [m for _, m in find_blocks(model, spec)]
+    except UsageError as exc:
+        raise UsageError(f"activation_checkpointing: {exc}") from None
 
 
 def offload_options(cfg: OffloadConfig) -> OffloadOptions:

@@ -19,6 +19,7 @@ Policy: with ``strict=True`` (the default) :func:`elasticzero.config.load.load_c
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 from collections.abc import Callable, Mapping
@@ -26,9 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elasticzero.config.batch import resolve_batch_sizes
+from elasticzero.config.schema import EngineConfig
 from elasticzero.errors import UsageError
 
-__all__ = ["DeepSpeedReport", "looks_like_deepspeed", "map_deepspeed"]
+__all__ = ["DeepSpeedReport", "key_verdicts", "looks_like_deepspeed", "map_deepspeed"]
 
 _MONITOR = "monitoring/logging: log from your own loop"
 
@@ -50,11 +52,15 @@ _IGNORED_TOP: dict[str, str] = {
     "aio": "NVMe offload I/O (NVMe offload is refused; CPU offload needs none)",
     "seq_parallel_communication_data_type": "sequence parallelism is not used",
     "autotuning": "read by elasticzero-autotune / elasticzero-launch --autotuning, not by the training run",
+    "timers": _MONITOR,
+    "log_level": _MONITOR,
+    "disable_python_gc": "DeepSpeed's garbage-collection pacing (checkpoint I/O pauses automatic GC here)",
+    "managed_gradient_accumulation": "your loop owns the accumulation boundary (pieces.accumulation.advance())",
+    "datastates_ckpt": "DeepSpeed's DataStates checkpoint engine: checkpoints go through elasticzero.checkpoint",
 }
 
 # top-level DeepSpeed features that would change training: key -> what to do instead
 _UNSUPPORTED_TOP: dict[str, str] = {
-    "activation_checkpointing": "use torch.utils.checkpoint in the model",
     "torch_autocast": "wrap the forward in torch.autocast yourself",
     "amp": "use precision.dtype",
     "data_types": "gradients accumulate in fp32 unless precision.reduce_in_low_precision",
@@ -90,6 +96,7 @@ _CONDITIONAL_TOP: dict[str, _Check] = {
     "prescale_gradients": _only(False, "gradients are averaged after the reduction only"),
     "gradient_predivide_factor": _only(1.0, "gradients are averaged after the reduction only"),
     "disable_allgather": _only(False, "the parameter all-gather is part of the algorithm"),
+    "use_data_before_expert_parallelism": _only(False, "expert parallelism is not provided"),
 }
 
 _ZERO_MAPPED = {"stage", "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"}
@@ -127,6 +134,21 @@ _ZERO_IGNORED: dict[str, str] = {
         ("elastic_checkpoint", "load_from_fp32_weights"),
         "no DeepSpeed checkpoints: opt.load_full_state_dict() loads fp32 weights at any world size",
     ),
+    **dict.fromkeys(
+        (
+            "stage3_model_persistence_threshold",
+            "stage3_use_all_reduce_for_fetch_params",
+            "stage3_allgather_sequential",
+            "parameter_alignment",
+            "pipeline_loading_checkpoint",
+            "override_module_apply",
+            "enable_sanity_checks",
+            "leaf_module",
+        ),
+        "DeepSpeed-internal layout or fetch knob; stage 3 gathers per unit (ZeroStage3(units=...))",
+    ),
+    "compute_grad_norm": "the norm is computed when clipping needs it",
+    "save_muon_momentum_buffer_in_memory": "DeepSpeed's Muon optimizer only (no torch equivalent)",
 }
 _ZERO_CONDITIONAL: dict[str, _Check] = {
     "zero_hpz_partition_size": _only(1, "hierarchical partitioning (ZeRO++) is not provided"),
@@ -134,6 +156,7 @@ _ZERO_CONDITIONAL: dict[str, _Check] = {
     "zero_quantized_nontrainable_weights": _only(False, "quantized communication (ZeRO++) is not provided"),
     "zero_quantized_gradients": _only(False, "quantized communication (ZeRO++) is not provided"),
     "mics_shard_size": lambda v: None if v is None or v <= 0 else "MiCS sharding is not provided",
+    "zenflow": _only(None, "ZenFlow's stale updates of unimportant gradients change training: not provided"),
 }
 
 _OFFLOAD_BLOCKS = {"offload_optimizer": "optimizer", "offload_param": "params"}
@@ -193,17 +216,18 @@ _MAPPED_TOP = {
     "optimizer",
     "fp16",
     "bf16",
+    "bfloat16",
     "zero_optimization",
     "wall_clock_breakdown",
     "communication_data_type",
     "elasticity",
+    "activation_checkpointing",
     "scheduler",
 }
-# only these say "DeepSpeed" (our own schema shares "optimizer", "scheduler", "train_batch_size" and "elasticity")
-_DEEPSPEED_ONLY_TOP = (_MAPPED_TOP - {"optimizer", "scheduler", "train_batch_size", "elasticity"}) | {
-    *_IGNORED_TOP,
-    *_UNSUPPORTED_TOP,
-    *_CONDITIONAL_TOP,
+# only these say "DeepSpeed": not the native schema's own top-level keys ("optimizer", "scheduler", "timers",
+# "train_batch_size", "elasticity", "activation_checkpointing", ...), which a native file uses too
+_DEEPSPEED_ONLY_TOP = {*_MAPPED_TOP, *_IGNORED_TOP, *_UNSUPPORTED_TOP, *_CONDITIONAL_TOP} - {
+    f.name for f in dataclasses.fields(EngineConfig)
 }
 
 # DeepSpeed optimizer "type" (lower case) -> torch.optim class name; "adam" is AdamW unless adam_w_mode is false
@@ -275,6 +299,8 @@ def map_deepspeed(
         out["timers"] = {"enabled": ds["wall_clock_breakdown"]}
         rep.mapped.append(("wall_clock_breakdown", "timers.enabled"))
 
+    _map_activation_checkpointing(ds.get("activation_checkpointing"), out, rep, source)
+
     if _map_elasticity(ds.get("elasticity"), out, rep, source):
         _drop_non_elastic_batch_keys(ds, rep, source)
         return out, rep
@@ -298,7 +324,7 @@ def map_deepspeed(
 # ------------------------------------------------------------------------------------------------ pieces
 def _map_precision(ds: Mapping[str, Any], out: dict[str, Any], rep: DeepSpeedReport, source: str) -> str:
     fp16 = _block(ds, "fp16", source)
-    bf16 = _block(ds, "bf16", source)
+    bf16 = _block(ds, "bf16" if "bf16" in ds else "bfloat16", source)  # "bfloat16": DeepSpeed's old name
     fp16_on, bf16_on = bool(fp16.get("enabled", False)), bool(bf16.get("enabled", False))
     if fp16_on and bf16_on:
         raise UsageError(f"{source}: fp16.enabled and bf16.enabled are both true; enable one of them")
@@ -361,6 +387,42 @@ def _map_precision(ds: Mapping[str, Any], out: dict[str, Any], rep: DeepSpeedRep
             rep.mapped.append(("communication_data_type", "precision.reduce_in_low_precision"))
     out["precision"] = precision
     return dtype
+
+
+# DeepSpeed's activation_checkpointing block configures deepspeed.checkpointing.checkpoint where a model calls it; here
+# the block's presence is the call: the model's repeated blocks are checkpointed (torch.utils.checkpoint)
+_ACT_CKPT_MAPPED = {"cpu_checkpointing": "activation_checkpointing.cpu (torch.autograd.graph.save_on_cpu)"}
+_ACT_CKPT_IGNORED: dict[str, str] = {
+    "partition_activations": "splits each checkpoint over model-parallel ranks: without model parallelism every rank "
+    "keeps its own, as DeepSpeed does at model-parallel size 1",
+    "contiguous_memory_optimization": "copies the checkpoints into one preallocated buffer against fragmentation "
+    "(memory layout only; torch's caching allocator holds them)",
+    "number_checkpoints": "sizes DeepSpeed's contiguous buffer; the blocks are found in the model "
+    "(activation_checkpointing.blocks names their class)",
+    "synchronize_checkpoint_boundary": "a device synchronize around every checkpoint, for timing",
+    "profile": _MONITOR,
+}
+
+
+def _map_activation_checkpointing(block: Any, out: dict[str, Any], rep: DeepSpeedReport, source: str) -> None:
+    """DeepSpeed's ``activation_checkpointing`` block -> ``activation_checkpointing`` (enabled by its presence)."""
+    if block is None:
+        return
+    if not isinstance(block, Mapping):
+        raise UsageError(f"{source}: activation_checkpointing must be a mapping, got {type(block).__name__}")
+    mapped: dict[str, Any] = {"enabled": True}
+    rep.mapped.append(("activation_checkpointing", "activation_checkpointing.enabled (the model's repeated blocks)"))
+    for key, value in block.items():
+        path = f"activation_checkpointing.{key}"
+        if key == "cpu_checkpointing":
+            mapped["cpu"] = value
+            rep.mapped.append((path, _ACT_CKPT_MAPPED[key]))
+        elif key in _ACT_CKPT_IGNORED:
+            rep.ignored.append((path, _ACT_CKPT_IGNORED[key]))
+        else:
+            known = {*_ACT_CKPT_MAPPED, *_ACT_CKPT_IGNORED}
+            rep.unsupported.append((path, _unknown(key, known, "activation_checkpointing.")))
+    out["activation_checkpointing"] = mapped
 
 
 _ELASTIC_MAPPED = {
@@ -570,6 +632,59 @@ def _map_optimizer(opt: Any, out: dict[str, Any], rep: DeepSpeedReport, source: 
     rep.mapped.append(("optimizer.type", f"optimizer.type={name}"))
     if params:
         rep.mapped.append(("optimizer.params", "optimizer.params"))
+
+
+# ------------------------------------------------------------------------------------------------ the key table
+def key_verdicts() -> dict[str, str]:
+    """Every DeepSpeed key this module knows, by dotted path, with what loading does to it whatever its value:
+    ``"mapped"``, ``"ignored"``, ``"refused"`` (reported unsupported), or ``"depends"`` (the value decides: for most,
+    ignored at the harmless value and refused at any other). Keys whose section is judged whole (``flops_profiler``,
+    ``autotuning``, ...) are listed by the section. The migration table in docs/engine.md lists exactly these keys
+    with these verdicts (a unit test reads it), so the guide and the loader cannot drift apart."""
+    table = {
+        **dict.fromkeys(_MAPPED_TOP, "mapped"),
+        **dict.fromkeys(_IGNORED_TOP, "ignored"),
+        **dict.fromkeys(_UNSUPPORTED_TOP, "refused"),
+        **{k: _verdict(check) for k, check in _CONDITIONAL_TOP.items()},
+    }
+    sections: list[tuple[str, Any, Any, Any]] = [  # (section, mapped, ignored, conditional)
+        ("zero_optimization", _ZERO_MAPPED, _ZERO_IGNORED, _ZERO_CONDITIONAL),
+        ("fp16", _FP16_MAPPED, {}, _FP16_CONDITIONAL),
+        ("bf16", {"enabled"}, {}, _BF16_CONDITIONAL),
+        ("optimizer", {"type", "params", "params.adam_w_mode"}, {"legacy_fusion", *_OPTIMIZER_PARAMS_IGNORED}, {}),
+        ("activation_checkpointing", _ACT_CKPT_MAPPED, _ACT_CKPT_IGNORED, {}),
+        ("elasticity", {*_ELASTIC_MAPPED, "version", "num_gpus_per_node"}, {"min_time"}, {}),
+    ]
+    for section, mapped, ignored, conditional in sections:
+        table |= {f"{section}.{k}": "mapped" for k in mapped}
+        table |= {f"{section}.{k}": "ignored" for k in ignored}
+        table |= {f"{section}.{k}": _verdict(check) for k, check in conditional.items()}
+    table |= {f"optimizer.params.{k}": "ignored" for k in _OPTIMIZER_PARAMS_IGNORED}
+    del table["optimizer.torch_adam"], table["optimizer.fused"]  # params keys, added just above
+    table |= {"scheduler.type": "mapped", "scheduler.params": "mapped"}
+    for block in _OFFLOAD_BLOCKS:  # none: ignored; cpu: mapped; nvme: refused
+        path = f"zero_optimization.{block}"
+        table |= {path: "depends", f"{path}.device": "depends", f"{path}.pin_memory": "mapped"}
+        table |= {f"{path}.{k}": "ignored" for k in _OFFLOAD_IGNORED}
+    table["zero_optimization.offload_optimizer.ratio"] = "mapped"
+    table |= {f"zero_optimization.{k}": "depends" for k in _OFFLOAD_LEGACY}  # false: ignored; true: mapped
+    table |= {
+        "optimizer.params.bias_correction": "depends",
+        "optimizer.params.max_grad_norm": "refused",
+        "elasticity.model_parallel_size": "depends",
+    }
+    return table
+
+
+_ANY = object()  # a value no check calls harmless
+
+
+def _verdict(check: _Check) -> str:
+    """``"ignored"`` for a check that accepts any value, else ``"depends"``."""
+    try:
+        return "ignored" if check(_ANY) is None else "depends"
+    except TypeError:  # a check comparing numbers
+        return "depends"
 
 
 def _map_scheduler(sched: Any, out: dict[str, Any], rep: DeepSpeedReport, source: str) -> None:

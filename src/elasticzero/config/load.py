@@ -30,6 +30,7 @@ from elasticzero.config.auto import AutoValues, fill_auto
 from elasticzero.config.batch import check_batch_sizes, resolve_world_size
 from elasticzero.config.deepspeed import DeepSpeedReport, looks_like_deepspeed, map_deepspeed
 from elasticzero.config.elastic import BATCH_KEYS, ElasticBatch, apply_batch_plan, check_world_range, elastic_batch
+from elasticzero.config.schedules import check_schedule
 from elasticzero.config.schema import EngineConfig, Precision
 from elasticzero.errors import UsageError
 
@@ -251,8 +252,6 @@ def validate(cfg: EngineConfig, *, source: str = "<config>", world_size: int | N
     cls = optimizer_class(cfg.optimizer.type, source)
     _check_optimizer_params(cls, cfg.optimizer.params, source)
     if cfg.scheduler.type is not None:
-        from elasticzero.engine.lr_schedules import check_schedule
-
         check_schedule(cfg.scheduler.type, cfg.scheduler.params, source)
     elif cfg.scheduler.params:
         raise UsageError(f"{source}: scheduler.params is set without scheduler.type: name the schedule (or drop them)")

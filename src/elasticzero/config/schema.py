@@ -22,6 +22,7 @@ from enum import Enum
 from typing import Any
 
 __all__ = [
+    "ActivationCheckpointingConfig",
     "ElasticityConfig",
     "EngineConfig",
     "LossScaleConfig",
@@ -148,6 +149,16 @@ class ElasticityConfig:
 
 
 @dataclass
+class ActivationCheckpointingConfig:
+    """Activation checkpointing of the model's repeated blocks
+    (:func:`~elasticzero.engine.activations.checkpoint_activations`; DeepSpeed's ``activation_checkpointing``)."""
+
+    enabled: bool = False
+    cpu: bool = False  # keep the checkpointed blocks' inputs in host memory until the backward (cpu_checkpointing)
+    blocks: str | None = None  # class name of the blocks; None = those of the model's largest ModuleList of one class
+
+
+@dataclass
 class EngineConfig:
     """Every engine setting; the root of a native config file."""
 
@@ -161,3 +172,4 @@ class EngineConfig:
     micro_batch_size: int = 1  # samples per rank per micro-batch
     train_batch_size: int | None = None  # global batch; if set, must equal micro * accumulation * world
     elasticity: ElasticityConfig = field(default_factory=ElasticityConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)

@@ -1,5 +1,6 @@
 """elasticzero.engine: ZeRO stages (``elasticzero.engine.zero``), loss scaling, precision, gradient accumulation,
-timers, and the step helpers every loop shares. Names resolve lazily (PEP 562): importing the package loads no torch.
+timers, activation checkpointing, and the step helpers every loop shares. Names resolve lazily (PEP 562): importing
+the package loads no torch.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ _LAZY = {
     "PhaseTimers": "elasticzero.engine.timers",
     "StepResult": "elasticzero.engine.step",
     "backward": "elasticzero.engine.step",
+    "checkpoint_activations": "elasticzero.engine.activations",
     "clip_grad_norm": "elasticzero.engine.step",
     "optimizer_step": "elasticzero.engine.step",
 }

@@ -20,24 +20,26 @@ The state (``state_dict()``) is ``{"last_batch_iteration": n}``, independent of 
 the optimizer's learning rate to the value for ``n``, so a resumed job continues the uninterrupted run's sequence
 whatever the optimizer's checkpoint holds.
 
-Values DeepSpeed refuses are refused (:func:`check_schedule`, one :class:`~elasticzero.errors.UsageError` line), and
-one it only warns about: an unknown ``warmup_type`` (DeepSpeed falls back to log; a typo should not change the
-schedule). Whole numbers may be written as ``1000.0`` (JSON). ``OneCycle`` cycles the first beta of an optimizer with
-``betas`` (setting the second to 0.99, as DeepSpeed does) and warns and leaves the momentum alone otherwise.
+Values DeepSpeed refuses are refused (:func:`~elasticzero.config.schedules.check_schedule`, one
+:class:`~elasticzero.errors.UsageError` line; :mod:`elasticzero.config.schedules` declares each schedule's parameters
+and defaults, which the classes here take), and one it only warns about: an unknown ``warmup_type`` (DeepSpeed falls
+back to log; a typo should not change the schedule). Whole numbers may be written as ``1000.0`` (JSON). ``OneCycle``
+cycles the first beta of an optimizer with ``betas`` (setting the second to 0.99, as DeepSpeed does) and warns and
+leaves the momentum alone otherwise.
 """
 
 from __future__ import annotations
 
-import difflib
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from elasticzero.config.schedules import check_schedule, schedule_name, whole_numbers
 from elasticzero.errors import UsageError
 
 __all__ = [
@@ -49,7 +51,6 @@ __all__ = [
     "WarmupDecayLR",
     "WarmupLR",
     "build_schedule",
-    "check_schedule",
     "schedule_class",
 ]
 
@@ -336,119 +337,16 @@ def _has_betas(optimizer: torch.optim.Optimizer) -> bool:
     return False
 
 
+#: name -> class, in the order of :data:`~elasticzero.config.schedules.SCHEDULE_PARAMS`, which declares each one's
+#: constructor parameters and defaults (config validation reads that table; a unit test compares it with these)
 SCHEDULES: Mapping[str, type[DeepSpeedSchedule]] = MappingProxyType(
     {c.__name__: c for c in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)}
 )
 
 
-# ------------------------------------------------------------------------------------------------ checks
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _whole(v: Any) -> bool:
-    return _number(v) and float(v).is_integer()
-
-
-def _lrs(v: Any) -> bool:
-    return (_number(v) and v >= 0) or (
-        isinstance(v, (list, tuple)) and bool(v) and all(_number(x) and x >= 0 for x in v)
-    )
-
-
-# parameter -> (accepts the value?, what it must be)
-_KINDS: Mapping[str, tuple[Callable[[Any], bool], str]] = MappingProxyType(
-    {
-        "lr": (_lrs, "a learning rate >= 0 (or a list: one per parameter group)"),
-        "lr_or_null": (
-            lambda v: v is None or _lrs(v),
-            "a learning rate >= 0, a list of them or null (the optimizer's)",
-        ),
-        "count": (lambda v: _whole(v) and v >= 0, "a whole number >= 0"),
-        "count_or_null": (lambda v: v is None or (_whole(v) and v >= 0), "a whole number >= 0 (or null)"),
-        "size": (lambda v: _whole(v) and v >= 1, "a whole number >= 1"),
-        "number": (_number, "a number"),
-        "numbers": (
-            lambda v: _number(v) or (isinstance(v, (list, tuple)) and bool(v) and all(_number(x) for x in v)),
-            "a number (or a list: one per parameter group)",
-        ),
-        "ratio": (lambda v: _number(v) and v >= 0, "a number >= 0"),
-        "flag": (lambda v: isinstance(v, bool), "true or false"),
-        "warmup_type": (lambda v: v in ("log", "linear"), "'log' or 'linear'"),
-        "iteration": (lambda v: _whole(v) and v >= -1, "a whole number >= -1 (-1: from the start)"),
-    }
-)
-_PARAM_KIND = MappingProxyType(
-    {
-        "warmup_min_lr": "lr",
-        "warmup_max_lr": "lr_or_null",
-        "warmup_num_steps": "size",
-        "warmup_type": "warmup_type",
-        "total_num_steps": "size",
-        "warmup_min_ratio": "ratio",
-        "cos_min_ratio": "ratio",
-        "lr_range_test_min_lr": "lr",
-        "lr_range_test_step_size": "size",
-        "lr_range_test_step_rate": "number",
-        "lr_range_test_staircase": "flag",
-        "cycle_min_lr": "lr",
-        "cycle_max_lr": "lr",
-        "decay_lr_rate": "number",
-        "cycle_first_step_size": "size",
-        "cycle_second_step_size": "count_or_null",
-        "cycle_first_stair_count": "count",
-        "cycle_second_stair_count": "count_or_null",
-        "decay_step_size": "count",
-        "cycle_momentum": "flag",
-        "cycle_min_mom": "numbers",
-        "cycle_max_mom": "numbers",
-        "decay_mom_rate": "number",
-        "last_batch_iteration": "iteration",
-    }
-)
-
-
 def schedule_class(name: str, source: str = "<config>") -> type[DeepSpeedSchedule]:
     """The schedule called ``name`` (DeepSpeed's spelling), or a :class:`UsageError` naming the valid ones."""
-    cls = SCHEDULES.get(name)
-    if cls is None:
-        close = difflib.get_close_matches(name, list(SCHEDULES), n=1, cutoff=0.5)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise UsageError(
-            f"{source}: scheduler.type {name!r} is not a known schedule{hint} (valid: {', '.join(SCHEDULES)})"
-        )
-    return cls
-
-
-def schedule_params(cls: type[DeepSpeedSchedule]) -> dict[str, Any]:
-    """``{parameter: default}`` of a schedule's constructor (``inspect.Parameter.empty``: required)."""
-    import inspect
-
-    return {
-        n: p.default for n, p in inspect.signature(cls.__init__).parameters.items() if n not in ("self", "optimizer")
-    }
-
-
-def check_schedule(name: str, params: Mapping[str, Any], source: str = "<config>") -> None:
-    """Refuse an unknown schedule, an unknown or missing parameter, or a value out of range: one :class:`UsageError`
-    line naming ``scheduler.type`` or ``scheduler.params.<key>`` and what it must be."""
-    import inspect
-
-    cls = schedule_class(name, source)
-    allowed = schedule_params(cls)
-    for key, value in params.items():
-        if key not in allowed:
-            close = difflib.get_close_matches(str(key), list(allowed), n=1, cutoff=0.6)
-            hint = f"did you mean 'scheduler.params.{close[0]}'? " if close else ""
-            raise UsageError(
-                f"{source}: unknown key 'scheduler.params.{key}' for {name}; {hint}(valid: {', '.join(allowed)})"
-            )
-        ok, rule = _KINDS[_PARAM_KIND[key]]
-        if not ok(value):
-            raise UsageError(f"{source}: scheduler.params.{key} must be {rule}, got {value!r}")
-    missing = [k for k, d in allowed.items() if d is inspect.Parameter.empty and k not in params]
-    if missing:
-        raise UsageError(f"{source}: {name} needs scheduler.params.{missing[0]} (add it to the scheduler's params)")
+    return SCHEDULES[schedule_name(name, source)]
 
 
 def build_schedule(
@@ -457,6 +355,4 @@ def build_schedule(
     """The schedule ``name`` with DeepSpeed's ``params`` on ``optimizer`` (checked by :func:`check_schedule`); it
     sets the optimizer's learning rate for the first step now."""
     check_schedule(name, params, source)
-    whole = ("count", "count_or_null", "size", "iteration")
-    kwargs = {k: (int(v) if _PARAM_KIND[k] in whole and v is not None else v) for k, v in params.items()}
-    return SCHEDULES[name](optimizer, **kwargs)
+    return SCHEDULES[name](optimizer, **whole_numbers(params))

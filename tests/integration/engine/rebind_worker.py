@@ -13,16 +13,19 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import zero_worker as zw
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import elasticzero
 from elasticzero.errors import UsageError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/ (ez_numerics), for this worker run as a program
+import zero_worker as zw
 
 Call = Callable[[nn.Module, Any], None]
 

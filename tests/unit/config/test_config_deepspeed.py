@@ -226,3 +226,46 @@ def test_format_detection(tmp_path: Path) -> None:
         load_config(f, format="elasticzero")
     with pytest.warns(UserWarning, match="zero \\(not a DeepSpeed key"):
         assert load_config({"zero": {"stage": 2}}, format="deepspeed", strict=False).zero.stage == 0  # dropped
+
+
+def test_activation_checkpointing_block_turns_checkpointing_on() -> None:
+    ds = {
+        "zero_optimization": {"stage": 2},
+        "activation_checkpointing": {
+            "partition_activations": True,
+            "cpu_checkpointing": True,
+            "contiguous_memory_optimization": True,
+            "number_checkpoints": 24,
+            "synchronize_checkpoint_boundary": False,
+            "profile": False,
+        },
+    }
+    cfg, report = load_deepspeed_config(ds, world_size=1)
+    ac = cfg.activation_checkpointing
+    assert (ac.enabled, ac.cpu, ac.blocks) == (True, True, None)
+    mapped, ignored = dict(report.mapped), dict(report.ignored)
+    assert mapped["activation_checkpointing"].startswith("activation_checkpointing.enabled")
+    assert mapped["activation_checkpointing.cpu_checkpointing"].startswith("activation_checkpointing.cpu")
+    assert set(ignored) == {f"activation_checkpointing.{k}" for k in (
+        "partition_activations", "contiguous_memory_optimization", "number_checkpoints",
+        "synchronize_checkpoint_boundary", "profile")}  # fmt: skip
+    assert "model-parallel size 1" in ignored["activation_checkpointing.partition_activations"]
+    off, _ = load_deepspeed_config({"zero_optimization": {"stage": 1}}, world_size=1)
+    assert not off.activation_checkpointing.enabled
+    empty, _ = load_deepspeed_config({"activation_checkpointing": {}}, world_size=1)
+    assert empty.activation_checkpointing.enabled and not empty.activation_checkpointing.cpu
+
+
+def test_activation_checkpointing_typos_and_shapes_are_reported() -> None:
+    with pytest.raises(
+        UsageError,
+        match=r"activation_checkpointing\.cpu_checkpoint \(not a DeepSpeed key elasticzero "
+        r"knows; did you mean 'activation_checkpointing\.cpu_checkpointing'\?\)",
+    ):
+        load_deepspeed_config({"activation_checkpointing": {"cpu_checkpoint": True}}, world_size=1)
+    with pytest.raises(UsageError, match="activation_checkpointing must be a mapping, got bool"):
+        load_deepspeed_config({"zero_optimization": {}, "activation_checkpointing": True}, world_size=1)
+    assert not looks_like_deepspeed({"activation_checkpointing": {"enabled": True}})  # the native schema's key too
+    assert not looks_like_deepspeed({"timers": {"enabled": True}})  # DeepSpeed 0.19 has a timers block as well
+    native = load_config({"activation_checkpointing": {"enabled": True, "cpu": True, "blocks": "Block"}})
+    assert native.activation_checkpointing.blocks == "Block"

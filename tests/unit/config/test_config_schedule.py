@@ -5,6 +5,7 @@ on a skipped fp16 overflow step —, and the config checks."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import warnings
@@ -19,7 +20,8 @@ from torch import nn
 
 from elasticzero.config.build import build_pieces
 from elasticzero.config.load import load_config
-from elasticzero.engine.lr_schedules import SCHEDULES, build_schedule, check_schedule
+from elasticzero.config.schedules import REQUIRED, SCHEDULE_PARAMS, check_schedule
+from elasticzero.engine.lr_schedules import SCHEDULES, build_schedule
 from elasticzero.errors import UsageError
 from ez_testing import free_port
 
@@ -118,6 +120,31 @@ def test_bad_schedules_are_one_line_naming_the_key(name: str, params: dict[str, 
         check_schedule(name, params, "ds.json")
     msg = str(info.value)
     assert msg.startswith("ds.json: ") and needle in msg and "\n" not in msg, msg
+
+
+def test_the_config_table_is_each_schedule_class_s_signature() -> None:
+    """config/schedules.py declares the parameters config validation accepts; the engine's classes must take exactly
+    those, with those defaults, in that order (the order the "valid: ..." lists give)."""
+    assert list(SCHEDULE_PARAMS) == list(SCHEDULES)
+    for name, cls in SCHEDULES.items():
+        signature = inspect.signature(cls.__init__).parameters.values()
+        taken = [(p.name, REQUIRED if p.default is p.empty else p.default) for p in signature]
+        assert taken[:2] == [("self", REQUIRED), ("optimizer", REQUIRED)], name
+        assert taken[2:] == list(SCHEDULE_PARAMS[name].items()), name
+
+
+def test_every_declared_default_passes_its_own_check() -> None:
+    needed = {"total_num_steps": 10, "cycle_min_lr": 0.1, "cycle_max_lr": 1.0}  # the required ones, valid values
+    for name, declared in SCHEDULE_PARAMS.items():
+        params = {k: needed[k] if d is REQUIRED else d for k, d in declared.items()}
+        check_schedule(name, params, "ds.json")  # a parameter without a kind, or a default out of it, raises
+
+
+def test_whole_numbers_reach_the_schedules_as_ints() -> None:
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched = build_schedule(opt, "OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1, "cycle_first_stair_count": 2.0})
+    assert isinstance(sched, SCHEDULES["OneCycle"]) and sched.stairs == (2, 2)
+    assert all(type(s) is int for s in sched.stairs)
 
 
 def test_a_list_of_learning_rates_needs_one_per_group() -> None:

@@ -6,6 +6,7 @@ are told :mod:`.watch`. The stages differ in where gradients and parameters live
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -49,7 +50,7 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
             trainable parameter must appear in exactly one. Default: one group with all of them.
         options: the stage's :class:`~elasticzero.engine.zero.options.ZeroOptions` (precision, bucket_bytes,
             process_group, ...; default: the defaults), which its fields given as keyword arguments override
-            (``precision="bf16"``); kept as ``opt.options``.
+            (``precision="bf16"``); kept as ``opt.options``, without its ``process_group`` (``opt.process_group``).
         grouping: how the trainable parameters form buckets (a stage's bucketing; stage 3 passes its units).
             Default: by ``bucket_bytes``, per param group, dtype and compute dtype, in registration order.
         **kwargs: the :class:`~elasticzero.engine.zero.options.ZeroOptions` fields, the rest passed to
@@ -93,9 +94,13 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
     ) -> None:
         if not dist.is_initialized():
             raise UsageError(f"{type(self).__name__} needs torch.distributed initialised (init_process_group)")
-        self.options, optimizer_kwargs = ZeroOptions.split(kwargs, self.stage, options)
+        options, optimizer_kwargs = ZeroOptions.split(kwargs, self.stage, options)
         self.module = module
-        self._communicator = Communicator(self.options.process_group, owner=type(self).__name__)
+        self._communicator = Communicator(options.process_group, owner=type(self).__name__)
+        # kept without the group: the communicator holds it weakly (opt.process_group), so that
+        # destroy_process_group() can join its threads while this optimizer lives (tests/integration/engine/
+        # test_shutdown.py)
+        self.options = dataclasses.replace(options, process_group=None)
         self.world_size = self._communicator.size
         self.rank = self._communicator.rank
         self.policy = as_policy(self.options.precision)

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401  (see below: imported before the script initialises the group)
 
 # torch.distributed.nn.functional binds ``group.WORLD`` into its functions' default arguments when it is imported. It
 # is imported by torch._dynamo, i.e. by the first torch.optim optimizer a script builds (or by transformers): after

@@ -74,7 +74,7 @@ else
   urc=$?
   [ "$urc" = 5 ] && urc=0  # no multi-process unit test is no broken suite
   [ "$rc" = 0 ] && rc=$urc
-  "$VENV/bin/python" -m pytest -q tests/integration
+  "$VENV/bin/python" -m pytest -q --durations=30 tests/integration  # the slowest 30 listed: where CI time goes
   pytest_rc $?
   irc=$?
   [ "$rc" = 0 ] && rc=$irc

@@ -10,7 +10,11 @@ holder's copy must equal its ward's live state bitwise, and the gradients must h
 (one reduction), at the pre-step hook with accumulation by repeated backward (each bucket reduced twice).
 
 Cases (stage, precision, accumulation): ``once`` one backward per step; ``nosync`` two micro-batches, the first under
-``opt.no_sync()``; ``repeat`` two micro-batches, both reduced.
+``opt.no_sync()``; ``repeat`` two micro-batches, both reduced; ``offload`` one backward, under ZeRO-Offload's host
+path (``cpu_copies``: host masters and gradients, the per-bucket host step); ``offparams`` the same with the stage-3
+parameter shards in host memory too.
+
+``copies_overlap_worker.py OUT MODE...`` runs only the cases of those modes.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from tiny_net import GLOBAL_BATCH, LR, WD, Net, batch, loss_of
 
 from elasticzero.engine.loss_scaler import LossScaler
 from elasticzero.engine.step import optimizer_step
+from elasticzero.engine.zero.offload import OffloadOptions
 from elasticzero.live.copies import BuddyCopies
 from ez_testing import free_port
 
@@ -53,7 +58,14 @@ CASES = [
     (1, "bf16", "nosync"),
     (2, "fp32", "repeat"),
     (3, "bf16", "repeat"),
+    (1, "fp32", "offload"),
+    (2, "bf16", "offload"),
+    (3, "fp32", "offparams"),
 ]
+OFFLOAD = {  # the host path on a CPU device (separate host buffers, per-bucket host steps): what a GPU run does
+    "offload": OffloadOptions(optimizer=True, cpu_copies=True),
+    "offparams": OffloadOptions(optimizer=True, params=True, cpu_copies=True),
+}
 
 
 def micro_batches(step: int, rank: int, mode: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -61,7 +73,7 @@ def micro_batches(step: int, rank: int, mode: str) -> list[tuple[torch.Tensor, t
     x, y = batch(step)
     per = GLOBAL_BATCH // 2
     x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
-    if mode == "once":
+    if mode not in ("nosync", "repeat"):
         return [(x, y)]
     return [(x[: per // 2], y[: per // 2]), (x[per // 2 :], y[per // 2 :])]
 
@@ -80,7 +92,15 @@ def backward(opt: Any, scaler: LossScaler, step: int, mode: str) -> None:
 def run(case: tuple[Any, ...]) -> list[str]:
     s, prec, mode = case
     torch.manual_seed(1)
-    opt = STAGES[s](Net(), torch.optim.AdamW, lr=LR, weight_decay=WD, precision=prec, bucket_bytes=BUCKET_BYTES)
+    opt = STAGES[s](
+        Net(),
+        torch.optim.AdamW,
+        lr=LR,
+        weight_decay=WD,
+        precision=prec,
+        bucket_bytes=BUCKET_BYTES,
+        offload=OFFLOAD.get(mode),
+    )
     rep = BuddyCopies(opt, nodes=[0, 1])
     scaler = LossScaler(2.0**10)
     results = []
@@ -132,4 +152,5 @@ def run_case(case: tuple[Any, ...], out: Path) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for c in CASES:
-        run_case(c, Path(sys.argv[1]))
+        if len(sys.argv) < 3 or c[2] in sys.argv[2:]:
+            run_case(c, Path(sys.argv[1]))

@@ -2,7 +2,8 @@
 with real gloo ranks: one driver process forks a world of 2 per case (``copies_overlap_worker.py``): ZeRO-1/2/3 in
 fp32, bf16 and fp16, through the engine's step path with a loss scaler (one step skipped for an inf) and a clip that
 bites, with one backward per step and with accumulation (``no_sync``: still sent early; repeated backward: sent at the
-pre-step hook). After the steps every holder's copy equals its ward's live state bitwise."""
+pre-step hook), and under ZeRO-Offload's host path once per stage (stage 3 with the parameters offloaded too).
+After the steps every holder's copy equals its ward's live state bitwise."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from elasticzero.engine.zero.base import offloaded_step
 from elasticzero.engine.zero.host import BucketSteps, CopyStream, HostGrads, Offloader, state_bytes_per_element
 from elasticzero.engine.zero.offload import OffloadOptions, plan_homes
 
@@ -145,5 +146,25 @@ def test_armed_offloader_steps_during_backward() -> None:
         off.reduced(0, torch.ones(4))
         off.step()  # waits for the step the landing started; steps nothing twice
         assert torch.equal(master.detach(), torch.full((4,), -1.0))
+    finally:
+        off.close()
+
+
+def test_an_offloaded_step_runs_the_wrapped_optimizers_step_hooks() -> None:
+    """The offloaded step stands for ``optim.step()``: its pre-hook sees the master before the step, its post-hook
+    after, once each (the buddy copies step their shadow optimizers from these hooks, live/copies.py)."""
+    plan = plan_homes(OffloadOptions(optimizer=True, cpu_copies=True), "cpu", [4])
+    off = Offloader(plan, torch.device("cpu"))
+    master = off.adopt(0, nn.Parameter(torch.zeros(4)))
+    optim = torch.optim.SGD([master], lr=1.0)
+    off.bind(optim, [master], [torch.float32])
+    seen: list[tuple[str, float]] = []
+    optim.register_step_pre_hook(lambda o, a, k: seen.append(("pre", master.detach()[0].item())))
+    optim.register_step_post_hook(lambda o, a, k: seen.append(("post", master.detach()[0].item())))
+    try:
+        off.reduced(0, torch.ones(4))
+        off.end_backward()
+        offloaded_step(optim, off)
+        assert seen == [("pre", 0.0), ("post", -1.0)]
     finally:
         off.close()

@@ -33,7 +33,7 @@ from elasticzero.engine.zero.views import ZeroStateViews
 from elasticzero.engine.zero.watch import Factor, GradWatcher
 from elasticzero.errors import UsageError
 
-__all__ = ["Factor", "GradWatcher", "ZeroOptimizer"]
+__all__ = ["Factor", "GradWatcher", "ZeroOptimizer", "offloaded_step"]
 
 
 class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
@@ -247,8 +247,8 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
         with phase(self.timers, "step"):
             if self._offload is None:
                 self.optim.step()
-            else:
-                self._offload.step()  # bucket by bucket, the offloaded ones on the host, each pushed as it steps
+            else:  # bucket by bucket, the offloaded ones on the host, each pushed as it steps
+                offloaded_step(self.optim, self._offload)
         with phase(self.timers, "allgather"):
             self._gather_params()
         return loss
@@ -413,6 +413,14 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
             f"{type(self).__name__}({type(self.optim).__name__}, world_size={self.world_size}, "
             f"buckets={len(self.buckets)}, numel={self.numel}, precision={self.policy})"
         )
+
+
+@torch.optim.Optimizer.profile_hook_step
+def offloaded_step(optim: torch.optim.Optimizer, offloader: Offloader) -> None:
+    """The offloaded step stands for ``optim.step()`` (each bucket steps its own optimizer over ``optim``'s shared
+    state): torch's decorator runs ``optim``'s step pre- and post-hooks around it as ``optim.step()`` would (the buddy
+    copies' hooks, live/copies.py: without them no copy steps, and the census counts no step)."""
+    offloader.step()
 
 
 def _by_size(bucket_bytes: int, reduce_dtype: torch.dtype) -> Grouping:

@@ -91,6 +91,7 @@ from elasticzero.agent.tick import (
     Workers,
     decide,
     leaving_is_membership_change,
+    rejoin_line,
 )
 from elasticzero.torchcompat import DEFAULT_SHUTDOWN_TIMEOUT, agent_shutdown_kwargs, stop_kwargs
 
@@ -248,7 +249,7 @@ class ElasticZeroAgent(LocalElasticAgent):
         """What this tick knows, read in an order that never blocks on a silent store: torch's verdict on the workers;
         after a failure the round's marks; while healthy the peer verdict first (bounded: the store calls after it
         find the store answering), then — unless the store was found silent — the closed flag and the job-failed
-        mark (:meth:`_closed`), and the hang verdict."""
+        mark (:meth:`_closed`), the change mark where a peer is lost (a leaver marked it), and the hang verdict."""
         live, remaining = self._rounds is not None, self._remaining_restarts
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
             return Facts(Workers.FAILED, live, remaining, marks=self._round_view())
@@ -260,7 +261,9 @@ class ElasticZeroAgent(LocalElasticAgent):
         if liveness.store_silent_s is not None:
             return Facts(Workers.HEALTHY, live, remaining, liveness=liveness, peers=plan)
         closed, job_failed = self._closed(worker_group)
-        marks, hang = RoundView(job_failed=job_failed), self._hang.look(worker_group)
+        lost = bool(liveness.gone) and not liveness.self_gone and not closed
+        changing = self._change_mark() if lost else None  # did a leaver announce the change?
+        marks, hang = RoundView(changing, job_failed), self._hang.look(worker_group)
         return Facts(Workers.HEALTHY, live, remaining, marks, liveness=liveness, closed=closed, hang=hang, peers=plan)
 
     def _closed(self, worker_group: WorkerGroup) -> tuple[bool, str | None]:
@@ -275,6 +278,14 @@ class ElasticZeroAgent(LocalElasticAgent):
         if closed is None:
             return bool(worker_group.spec.rdzv_handler.is_closed()), self._job_failed_mark()
         return closed, (self._job_failed_mark() if closed else None)
+
+    def _change_mark(self) -> str | None:
+        """The round's change mark (read after a peer-liveness verdict found the store answering; an error: none)."""
+        try:
+            return _get_if_set(self._store, ROUND_CHANGE_KEY) if self._store is not None else None
+        except Exception as exc:
+            logger.info("could not read the round's change mark: %s", exc)
+            return None
 
     def _job_failed_mark(self) -> str | None:
         return _get_if_set(self._store, JOB_FAILED_KEY) if self._store is not None else None
@@ -320,8 +331,7 @@ class ElasticZeroAgent(LocalElasticAgent):
 
     def _rejoin(self, worker_group: WorkerGroup, why: str, failure: tuple[int, ProcessFailure]) -> RunResult:
         """Restart the workers through a new rendezvous without spending a restart (the round is changing)."""
-        line = describe_failure(*failure)
-        msg = f"workers stopped while the round is changing ({why}); re-joining, no restart spent ({line})"
+        msg = rejoin_line(why, describe_failure(*failure))
         logger.warning(msg)
         print(f"elasticzero-run: {msg}", file=sys.stderr, flush=True)
         self.last_failure = None

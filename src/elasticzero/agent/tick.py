@@ -16,7 +16,9 @@ The rules (docs/agent.md, "Membership changes are not failures", "Peer liveness"
   another node (:class:`Stop`); then a membership change: with ``--live-recovery`` the running workers are handed
   the new round (:class:`HandOff`) unless this node itself was dropped — its workers are stale — else they are
   stopped and the round re-formed (:class:`Reform`); neither spends a restart, and a change the other nodes must
-  hear of is marked first (``mark``); then a hung worker is stopped (:class:`KillHung`: it fails the next tick).
+  hear of is marked first (``mark``) — except a peer lost in a round another node already marked (a node leaving on a
+  signal whose heartbeats stop before this node's workers die of its stop): that node's change, joined without a
+  mark of this node's over it; then a hung worker is stopped (:class:`KillHung`: it fails the next tick).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from elasticzero.agent.progress import Hang
 MEMBERSHIP_RESTART = "restarting its workers for nodes waiting to join"
 #: the cause of a join, in a hand-off's line
 NODES_WAITING = "nodes are waiting to join"
+#: the cause in a re-join line when this node stops its own healthy workers to join a marked round's change
+STOPPED_HERE = "this node stopped its workers"
 
 
 class Change(Enum):
@@ -72,7 +76,8 @@ class Facts:
     workers: Workers
     live: bool = False  #: ``--live-recovery``
     remaining_restarts: int = 0
-    marks: RoundView = RoundView()  #: read after a failure; on a healthy tick, the job-failed mark where it was read
+    #: read after a failure; on a healthy tick, the job-failed mark where it was read, the change mark if a peer is lost
+    marks: RoundView = RoundView()
     nodes_waiting: bool = False  #: torch's loop is restarting healthy workers: nodes wait to join
     liveness: Liveness = field(default_factory=Liveness)  #: the peer-liveness verdict (alive without a peer watch)
     closed: bool = False  #: the rendezvous is closed (another node gave up, or the job finished)
@@ -191,9 +196,27 @@ def _change(change: Change, facts: Facts) -> HandOff | Reform:
             return HandOff(change, MEMBERSHIP_RESTART, NODES_WAITING)
         return Reform(change, MEMBERSHIP_RESTART, f"{MEMBERSHIP_RESTART}; no restart spent")
     gone, plan = facts.liveness.gone, _plan(facts)
+    changing = facts.marks.changing
+    if changing is not None:  # the node that marked the round (e.g. leaving on SIGTERM) announced this change
+        return _join_marked(change, facts.live, gone_reason(gone, plan), changing)
     if facts.live:
         return HandOff(change, gone_line(gone, plan), gone_reason(gone, plan))
     return Reform(change, gone_line(gone, plan), f"{gone_line(gone, plan)}; re-forming the round, no restart spent")
+
+
+def _join_marked(change: Change, live: bool, reason: str, changing: str) -> HandOff | Reform:
+    """A peer lost in a round another node already marked as changing — a node leaving on a signal marks it before it
+    stops its workers, and may stop its heartbeats before this node's workers die of that stop (a collective takes
+    seconds to notice a dead peer). The same change: this node joins it without marking over the leaver's mark (a
+    peer whose workers die next re-joins on it) — handed off in live mode, else its workers stopped and re-joined."""
+    if live:
+        return HandOff(change, None, reason)
+    return Reform(change, None, f"{reason}; {rejoin_line(changing, STOPPED_HERE)}")
+
+
+def rejoin_line(changing: str, cause: str) -> str:
+    """The line of a node re-joining a round another node marked as changing (``cause``: why its workers stopped)."""
+    return f"workers stopped while the round is changing ({changing}); re-joining, no restart spent ({cause})"
 
 
 def _plan(facts: Facts) -> PeerPlan:

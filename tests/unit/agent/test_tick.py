@@ -13,6 +13,7 @@ from elasticzero.agent.progress import Hang
 from elasticzero.agent.tick import (
     MEMBERSHIP_RESTART,
     NODES_WAITING,
+    STOPPED_HERE,
     Action,
     Change,
     Continue,
@@ -28,11 +29,13 @@ from elasticzero.agent.tick import (
     Workers,
     change_of,
     decide,
+    rejoin_line,
 )
 
 PLAN = peer_plan("4", {}, torch_defaults=False, store_in_agent="10.0.0.1:29400")
 GONE = ("10.0.0.2_77_0",)
 CHANGING = "node 1: restarting its workers for nodes waiting to join"
+LEAVING = "node 2: leaving on SIGTERM"
 FAILED = "node 0: root cause: rank 0 exit code 3"
 HANG = Hang(rank=1, local_rank=1, pid=4242, step=7, idle_s=31.0, timeout_s=30.0, where="step", stopped=False)
 ALIVE, LOST, DROPPED, SILENT = Liveness(), Liveness(gone=GONE), Liveness(self_gone=True), Liveness(store_silent_s=4.5)
@@ -73,6 +76,20 @@ def healthy(**kw: object) -> Facts:
         # a peer lost: marked; handed off in live mode, re-formed otherwise
         (healthy(liveness=LOST, live=True), HandOff(Change.PEER_LOST, gone_line(GONE, PLAN), gone_reason(GONE, PLAN))),
         (healthy(liveness=LOST), Reform(Change.PEER_LOST, gone_line(GONE, PLAN), gone_line(GONE, PLAN) + REFORMED)),
+        # a peer lost in a round it marked itself (it left on a signal; its heartbeats stopped before this node's
+        # workers died of its stop): its change, joined without marking over it — re-joined, or handed off in live mode
+        (
+            healthy(liveness=LOST, marks=RoundView(changing=LEAVING)),
+            Reform(Change.PEER_LOST, None, f"{gone_reason(GONE, PLAN)}; {rejoin_line(LEAVING, STOPPED_HERE)}"),
+        ),
+        (
+            healthy(liveness=LOST, marks=RoundView(changing=LEAVING), live=True),
+            HandOff(Change.PEER_LOST, None, gone_reason(GONE, PLAN)),
+        ),
+        (
+            healthy(liveness=LOST, marks=RoundView(LEAVING, FAILED)),
+            Stop(Halt.JOB_FAILED, f"the rendezvous was closed by another node, whose workers failed: {FAILED}"),
+        ),
         # this node dropped: its workers are stale, re-formed in either mode, and not marked
         (healthy(liveness=DROPPED, live=True), Reform(Change.NODE_DROPPED, None, dropped_line(PLAN) + REFORMED)),
         (healthy(liveness=DROPPED), Reform(Change.NODE_DROPPED, None, dropped_line(PLAN) + REFORMED)),
@@ -154,9 +171,12 @@ def test_healthy_ticks_follow_the_rules_order() -> None:
         if isinstance(action, HandOff | Reform):
             change = change_of(facts)
             assert action.change is change, facts
-            assert (action.mark is None) is (change is Change.NODE_DROPPED), facts  # a dropped node's store is stale
+            # a dropped node's store is stale; a lost peer's change already marked is not marked over
+            joined = change is Change.PEER_LOST and facts.marks.changing is not None
+            assert (action.mark is None) is (change is Change.NODE_DROPPED or joined), facts
         if isinstance(action, Reform):
-            assert action.line.endswith("no restart spent"), facts
+            assert "no restart spent" in action.line, facts
+            assert (f"round is changing ({CHANGING}); re-joining" in action.line) is joined, facts
 
 
 def test_the_store_lost_line_needs_the_peer_plan() -> None:

@@ -35,6 +35,7 @@ BELOW: dict[str, tuple[str, ...]] = {
     "elasticzero.data": ("elasticzero.config", "elasticzero.engine"),
     "elasticzero.live": ("elasticzero.engine", "elasticzero.data", "elasticzero.checkpoint"),  # Training: its saves
     "elasticzero.autotune": ("elasticzero.launch", "elasticzero.engine"),  # the engine: the measure window's timers
+    "elasticzero.integrations": ("elasticzero.live",),  # the front doors (HF Trainer, accelerate, Lightning)
     "elasticzero.entry": ("elasticzero.autotune",),  # elasticzero-launch: the launcher, or --autotuning the tuner
     "elasticzero_plugins": ("elasticzero.launch",),  # the launcher backends
 }

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -97,11 +97,14 @@ class EnginePieces:
             return nullcontext()
         return arm(clipping=self.clip_grad_norm is not None, loss_scaling=self.scaler is not None)
 
-    def step(self) -> StepResult:
+    def step(self, *, max_norm: float | Literal["config"] | None = "config") -> StepResult:
         """End the optimizer step: unscale → clip → step → update the scale → zero_grad
         (:func:`~elasticzero.engine.step.optimizer_step`), then the schedule's step unless the optimizer step was
-        skipped (DeepSpeed's engine does not step its scheduler on an fp16 overflow either)."""
-        result = optimizer_step(self.optimizer, scaler=self.scaler, max_norm=self.clip_grad_norm)
+        skipped (DeepSpeed's engine does not step its scheduler on an fp16 overflow either). ``max_norm``: the
+        clipping norm of this step (None: no clip; default: the config's ``clip_grad_norm``) — a front door whose
+        framework decides the clip per step (Lightning's ``configure_gradient_clipping``) passes it."""
+        norm = self.clip_grad_norm if isinstance(max_norm, str) else max_norm
+        result = optimizer_step(self.optimizer, scaler=self.scaler, max_norm=norm)
         if self.scheduler is not None and not result.skipped:
             self.scheduler.step()
         return result

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import shutil
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -43,6 +44,7 @@ from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 
 from elasticzero.checkpoint import Checkpointer
@@ -239,6 +241,7 @@ class ElasticZeroStrategy(ParallelStrategy):
         self._overrides = (*overrides, *([] if stage is None else [f"zero.stage={stage}"]))
         self._timeout = timeout
         self._pieces: EnginePieces | None = None
+        self._root: EngineRoot | None = None
         self._ckpt_group: Any = None
 
     @classmethod
@@ -280,7 +283,7 @@ class ElasticZeroStrategy(ParallelStrategy):
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     def set_world_ranks(self) -> None:
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def setup_environment(self) -> None:
         """The default process group from the launcher's environment (unless one exists), then Lightning's."""
@@ -296,24 +299,29 @@ class ElasticZeroStrategy(ParallelStrategy):
 
     def setup(self, trainer: Any) -> None:
         """Fitting: the model on its device, then wrapped by the engine with the config's optimizer and schedule
-        (``configure_optimizers`` is not called). Otherwise the module is run as it is (a stage built by an earlier
-        fit of this strategy stays)."""
+        (``configure_optimizers`` is not called). Otherwise the engine's root of an earlier fit of this module, or
+        the plain module on its device."""
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
-            self.model = self.model if self._pieces is None else EngineRoot(self.lightning_module)  # type: ignore[arg-type]
+            self._setup_evaluation()
             return
         self.model_to_device()
-        if self._ckpt_group is None:
-            self._ckpt_group = dist.new_group(backend="gloo")  # the checkpoints' own collectives
         root = EngineRoot(self.lightning_module)  # type: ignore[arg-type]
         pieces = build_pieces(root, self.engine_config(trainer))
-        self._pieces = pieces
+        self._pieces, self._root = pieces, root
         self.model = root
         self.optimizers = [pieces.optimizer]
         self.lr_scheduler_configs = []
         self.precision_plugin = ElasticZeroPrecision(self.precision_plugin.precision, pieces)
         log.info("elasticzero: ZeRO stage %d; the config's optimizer and schedule", pieces.config.zero.stage)
+
+    def _setup_evaluation(self) -> None:
+        root = self._root
+        if root is not None and root.module is self.lightning_module:
+            self.model = root  # the engine's hooks sit on this root
+        else:
+            self.model_to_device()
 
     def engine_config(self, trainer: Any) -> EngineConfig:
         """The config loaded (a DeepSpeed one's ``"auto"`` from the ``Trainer``) and reconciled with the Trainer."""
@@ -364,6 +372,9 @@ class ElasticZeroStrategy(ParallelStrategy):
         """Lightning's teardown without moving the model to the CPU (the engine's parameters stay where it put
         them: a move would be refused)."""
         assert self.cluster_environment is not None and self.accelerator is not None
+        group, self._ckpt_group = self._ckpt_group, None
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)  # the checkpoints' group: its gloo threads joined before the process ends
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -397,7 +408,7 @@ class ElasticZeroStrategy(ParallelStrategy):
             raise UsageError("strategy='elasticzero' saves through the engine's Checkpointer: drop storage_options")
         path = Path(self.broadcast(str(filepath)))
         step = int(checkpoint.get("global_step", 0))
-        with Checkpointer(path, keep_last=1, process_group=self._ckpt_group) as ckpt:
+        with Checkpointer(path, keep_last=1, process_group=self._checkpoint_group()) as ckpt:
             ckpt.save(step, self.pieces.stateful(self.model))  # type: ignore[arg-type]
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         if self.is_global_zero:
@@ -406,22 +417,29 @@ class ElasticZeroStrategy(ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """The newest committed step of the folder into the engine (any world size and stage), and Lightning's
-        part; a folder without both is one :class:`UsageError` (the engine's state is left untouched)."""
+        part; a folder without both, of one step, is one :class:`UsageError` before anything is loaded."""
         path = Path(self.broadcast(str(checkpoint_path)))
         meta_file = path / META_FILE
         if not meta_file.is_file():
             raise UsageError(f"{path}: not a checkpoint of strategy='elasticzero' (no {META_FILE}); give its folder")
         meta = torch.load(meta_file, map_location="cpu", weights_only=weights_only)
-        ckpt = Checkpointer(path, read_only=True, process_group=self._ckpt_group)
-        step = ckpt.load_latest(self.pieces.stateful(self.model))  # type: ignore[arg-type]
-        if step != meta.get("elasticzero_step"):
-            raise UsageError(f"{path}: {META_FILE} is of step {meta.get('elasticzero_step')}, the shards of {step}")
+        ckpt = Checkpointer(path, read_only=True, process_group=self._checkpoint_group())
+        step = ckpt.latest_step()
+        if step is None or step != meta.get("elasticzero_step"):
+            found = "no committed step" if step is None else f"the shards of step {step}"
+            raise UsageError(f"{path}: {META_FILE} is of step {meta.get('elasticzero_step')}, {found}")
+        ckpt.load(step, self.pieces.stateful(self.model))  # type: ignore[arg-type]
         return dict(meta)
+
+    def _checkpoint_group(self) -> Any:
+        """The checkpoints' own gloo group (their collectives never mix with training's), made at the first save or
+        load of a fit (collective: every rank saves and loads), destroyed by :meth:`teardown`."""
+        if self._ckpt_group is None:
+            self._ckpt_group = dist.new_group(backend="gloo")
+        return self._ckpt_group
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            import shutil
-
             shutil.rmtree(filepath, ignore_errors=True)
 
 

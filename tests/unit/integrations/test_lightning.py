@@ -115,3 +115,15 @@ def test_the_plugin_refuses_clipping_by_value_and_an_engine_not_built() -> None:
         plugin.clip_gradients(None, 0.0, GradClipAlgorithmType.NORM)  # 0: the config's norm, not known yet
     plugin.clip_gradients(None, 0.5, GradClipAlgorithmType.NORM)  # a norm given: recorded for the step
     assert plugin._max_norm == 0.5
+
+
+def test_a_trainer_with_a_precision_the_engine_has_not_is_refused_when_built() -> None:
+    import lightning as L
+
+    with pytest.raises(UsageError, match="fp32 masters"):
+        L.Trainer(accelerator="cpu", strategy="elasticzero", precision="bf16-true", logger=False)
+
+
+def test_a_folder_that_is_not_its_checkpoint_is_refused_before_anything_loads(tmp_path: Any) -> None:
+    with pytest.raises(UsageError, match=r"no lightning\.pt"):
+        ezl.ElasticZeroStrategy().load_checkpoint(tmp_path)

@@ -109,15 +109,22 @@ def zero_source(zero_config: ConfigSource | None, args: Any) -> ConfigSource:
     return source
 
 
-def check_arguments(args: Any, optimizers: tuple[Any, Any]) -> None:
-    """Refuse what the door cannot honour, one line each: another engine, or an optimizer/schedule passed in."""
+def check_arguments(args: Any, optimizers: tuple[Any, ...]) -> None:
+    """Refuse what the door cannot honour, one line each: another engine, an optimizer/schedule (or its class)
+    passed in, the batch size searched by rebuilding."""
     if getattr(args, "deepspeed", None):
         raise UsageError(f"ZeroTrainer: --deepspeed {args.deepspeed} runs DeepSpeed; pass it as --zero_config instead")
     if getattr(args, "fsdp", None):
         raise UsageError("ZeroTrainer: --fsdp shards with FSDP; the ZeRO stage comes from the config, drop --fsdp")
     if any(o is not None for o in optimizers):
         raise UsageError(
-            "ZeroTrainer: optimizers=(...) is built from the config (optimizer, scheduler sections); drop optimizers="
+            "ZeroTrainer: optimizers=(...) or optimizer_cls_and_kwargs= is built from the config (its optimizer and "
+            "scheduler sections); drop it"
+        )
+    if getattr(args, "auto_find_batch_size", False):
+        raise UsageError(
+            "ZeroTrainer: --auto_find_batch_size rebuilds the model after an out-of-memory error; the engine is built "
+            "once: set --per_device_train_batch_size"
         )
 
 
@@ -274,7 +281,7 @@ class ZeroTrainer(Trainer):
 
     def __init__(self, *args: Any, zero_config: ConfigSource | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        check_arguments(self.args, (self.optimizer, self.lr_scheduler))
+        check_arguments(self.args, (self.optimizer, self.lr_scheduler, self.optimizer_cls_and_kwargs))
         self.zero_source = zero_source(zero_config, self.args)
         self.engine: EnginePieces | None = None  # built when the Trainer asks for its optimizer
         self._checkpoint_group: Any = None

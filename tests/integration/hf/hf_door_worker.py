@@ -2,12 +2,12 @@
 
 ``PHASE=train`` (2 ranks): the same ``Trainer`` job (tiny Llama from ``hf_worker.build``, nothing downloaded, a
 fixed token set in order, 4 steps, AdamW, clipping, a linear schedule) run as plain DDP in fp32 and in float64 (the
-truth of ``ez_numerics``), then under ``ZeroTrainer`` at stages 1, 2, 3 from a native config; the stage-2 run saves
-``checkpoint-2`` and ``checkpoint-4``; the stage-3 model is exported with ``save_model`` and reloaded with
-``from_pretrained``; last, the HF docs' ``ds_config`` with ``"auto"`` values (``examples/configs/ds_zero2_hf.json``)
-trains 2 steps. ``PHASE=resume`` (1 rank): ``ZeroTrainer`` at stage 3 resumes from the stage-2 ``checkpoint-2`` and
-trains steps 3 and 4 (the global batch kept: 2 micro-batches of 2). Each rank writes
-``OUT/report.<phase>.rank<r>.json``.
+truth of ``ez_numerics``), then under ``ZeroTrainer`` at stages 1 (micro-batches of 1, 2 accumulated), 2, 3 from a
+native config; the stage-2 run saves ``checkpoint-2`` and ``checkpoint-4``; the stage-3 model is exported with
+``save_model`` and reloaded with ``from_pretrained``; the DDP and stage-3 models evaluated; last, the HF docs'
+``ds_config`` with ``"auto"`` values (``examples/configs/ds_zero2_hf.json``) trains 2 steps. ``PHASE=resume`` (1 rank):
+``ZeroTrainer`` at stage 3 resumes from the stage-2 ``checkpoint-2`` and trains steps 3 and 4 (the global batch kept:
+2 micro-batches of 2). Each rank writes ``OUT/report.<phase>.rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parents[3]
 class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
     """``n`` fixed random sequences (the same on every rank and run), their own labels."""
 
-    def __init__(self, n: int) -> None:
-        g = torch.Generator().manual_seed(7)
+    def __init__(self, n: int, seed: int = 7) -> None:
+        g = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(4, hf_worker.VOCAB, (n, SEQ), generator=g)
 
     def __len__(self) -> int:
@@ -81,6 +81,11 @@ def ddp_run(out: Path, dtype: torch.dtype) -> Trainer:
     return trainer
 
 
+def eval_loss(trainer: Trainer) -> float:
+    """The trained model's loss on 8 other sequences, gathered over the ranks (the ``Trainer``'s ``evaluate``)."""
+    return float(trainer.evaluate(Tokens(8, seed=8))["eval_loss"])
+
+
 def zero_run(out: Path, stage: int, **kw: Any) -> ZeroTrainer:
     args = arguments(out, ZeroTrainingArguments, **kw)
     trainer = ZeroTrainer(
@@ -114,15 +119,20 @@ def train_phase(out: Path, rank: int, record: dict[str, Any]) -> None:
     for name, dtype in (("ddp", torch.float32), ("truth", torch.float64)):
         trainer = ddp_run(out / name, dtype)
         record[f"{name}_losses"], record[f"{name}_norms"] = losses(trainer), norms(trainer)
+        record[f"{name}_eval"] = eval_loss(trainer)
     for stage in (1, 2, 3):
-        saving = {"save_strategy": "steps", "save_steps": 2} if stage == 2 else {}
-        trainer = zero_run(out / f"s{stage}", stage, **saving)
+        # stage 1 in micro-batches of 1 over 2 accumulation steps (the same 4 samples a step: the engine's no_sync),
+        # stage 2 saves checkpoint-2 and checkpoint-4
+        extra = {1: {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2}}
+        extra[2] = {"save_strategy": "steps", "save_steps": 2}
+        trainer = zero_run(out / f"s{stage}", stage, **extra.get(stage, {}))
         record[f"s{stage}_losses"], record[f"s{stage}_norms"] = losses(trainer), norms(trainer)
         record[f"s{stage}_stage"] = type(trainer.engine.optimizer).__name__ if trainer.engine else None
         record[f"s{stage}_ddp_wrapped"] = isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
         if stage == 2:
             record["s2_last_checkpoint"] = last_checkpoint(out / "s2")
         if stage == 3:
+            record["s3_eval"] = eval_loss(trainer)  # every rank's forward gathers the stage-3 units
             record.update(check_export(trainer, out / "export", rank))
     ds = ZeroTrainer(
         model=hf_worker.build("llama"),

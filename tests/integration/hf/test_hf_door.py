@@ -73,6 +73,11 @@ def test_each_stage_trains_like_the_trainer_s_ddp_run(runs: dict[str, Report], s
     assert min(r[f"s{stage}_norms"]) > 0.5
 
 
+def test_evaluate_runs_on_the_stage_3_model(runs: dict[str, Report]) -> None:
+    r = runs["train"]
+    assert error_ratio([r["s3_eval"]], [r["ddp_eval"]], [r["truth_eval"]]) <= 1
+
+
 def test_every_rank_logs_the_same_curve(runs: dict[str, Report]) -> None:
     for key in ("s1_losses", "s2_losses", "s3_losses"):
         assert runs["train"][key] == runs["train1"][key]

@@ -114,8 +114,13 @@ def test_what_the_door_cannot_honour_is_refused(hf: Any, tmp_path: Path) -> None
         hf.check_arguments(SimpleNamespace(deepspeed="ds.json"), (None, None))
     with pytest.raises(UsageError, match="--fsdp shards with FSDP"):
         hf.check_arguments(SimpleNamespace(fsdp="full_shard"), (None, None))
-    with pytest.raises(UsageError, match=r"optimizers=\(...\) is built from the config"):
+    with pytest.raises(UsageError, match=r"optimizers=\(...\) or optimizer_cls_and_kwargs= is built from the config"):
         hf.check_arguments(SimpleNamespace(), (torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1), None))
+    with pytest.raises(UsageError, match=r"or optimizer_cls_and_kwargs= is built from the config"):
+        hf.check_arguments(SimpleNamespace(), (None, None, (torch.optim.SGD, {})))
+    with pytest.raises(UsageError, match="--auto_find_batch_size rebuilds the model"):
+        hf.check_arguments(SimpleNamespace(auto_find_batch_size=True), (None, None))
+    hf.check_arguments(SimpleNamespace(deepspeed=None, fsdp="", auto_find_batch_size=False), (None, None, None))
 
 
 def test_the_trainer_s_decay_groups(hf: Any) -> None:

@@ -160,3 +160,11 @@ def test_a_restart_resumes_from_the_newest_complete_checkpoint(hf: Any, tmp_path
         None,
         None,
     ]
+
+
+def test_zero_config_is_a_command_line_flag(hf: Any, tmp_path: Path) -> None:
+    from transformers import HfArgumentParser
+
+    argv = ["--output_dir", str(tmp_path), "--zero_config", "ds_config.json", "--use_cpu", "--report_to", "none"]
+    (args,) = HfArgumentParser(hf.ZeroTrainingArguments).parse_args_into_dataclasses(argv)
+    assert args.zero_config == "ds_config.json" and hf.zero_source(None, args) == "ds_config.json"

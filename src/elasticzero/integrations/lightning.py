@@ -48,9 +48,10 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import nn
 
 from elasticzero.checkpoint import Checkpointer
-from elasticzero.config.auto import AutoValues
+from elasticzero.config.auto import AutoValues, fill_native
 from elasticzero.config.build import EnginePieces, build_pieces
-from elasticzero.config.load import load_config
+from elasticzero.config.deepspeed import looks_like_deepspeed
+from elasticzero.config.load import config_from_dict, load_config, read_file
 from elasticzero.config.schema import EngineConfig
 from elasticzero.config.schema import Precision as EngineDtype
 from elasticzero.device import Facts, init_distributed, placement
@@ -64,10 +65,15 @@ __all__ = [
     "auto_values",
     "clip_norm",
     "engine_precision",
+    "load_engine_config",
+    "native_values",
     "reconcile",
 ]
 
 log = logging.getLogger(__name__)
+
+#: a config: a native YAML/JSON or DeepSpeed file, or its mapping; None: ``{}`` (the native defaults)
+Source = str | Path | Mapping[str, Any] | None
 
 #: the file beside the ``step-N`` shards that holds Lightning's own part of a checkpoint (loops, callbacks, epoch)
 META_FILE = "lightning.pt"
@@ -111,6 +117,30 @@ def auto_values(*, world_size: int, accumulation: int, clip: float | None, dtype
         fp16=dtype == "fp16",
         bf16=dtype == "bf16",
     )
+
+
+def native_values(*, world_size: int, accumulation: int, clip: float | None, dtype: str | None) -> AutoValues:
+    """What a native config leaves out, from the ``Trainer`` (:func:`~elasticzero.config.auto.fill_native`: a stated
+    key must agree): the accumulation, the clipping norm when the ``Trainer`` sets one, the dtype of a mixed flag."""
+    return AutoValues(
+        world_size=world_size,
+        accumulation_steps=accumulation,
+        clip_grad_norm=clip or None,
+        fp16=dtype == "fp16",
+        bf16=dtype == "bf16",
+    )
+
+
+def load_engine_config(source: Source, overrides: Sequence[str], *, ds: AutoValues, native: AutoValues) -> EngineConfig:
+    """The config of ``source`` (a path or a mapping; None: ``{}``): a DeepSpeed one with its ``"auto"`` filled from
+    ``ds``, a native one with the keys it leaves out from ``native``; ``overrides`` applied last."""
+    if source is None or isinstance(source, Mapping):
+        data, name = dict(source or {}), "<dict>"
+    else:
+        data, name = read_file(Path(source)), str(source)
+    if looks_like_deepspeed(data):
+        return load_config(data if name == "<dict>" else Path(name), overrides=overrides, auto=ds)
+    return config_from_dict(fill_native(data, native, source=name), source=name, overrides=overrides)
 
 
 def reconcile(cfg: EngineConfig, *, accumulation: int, dtype: str | None, clip: float | None) -> EngineConfig:
@@ -209,9 +239,6 @@ class ElasticZeroPrecision(Precision):
         self.clip_gradients(optimizer, clip_val, GradClipAlgorithmType.VALUE)
 
 
-Source = str | Path | Mapping[str, Any] | None
-
-
 class ElasticZeroStrategy(ParallelStrategy):
     """Train with a ZeRO stage of the engine (module docstring; docs/integrations-lightning.md).
 
@@ -237,7 +264,7 @@ class ElasticZeroStrategy(ParallelStrategy):
         super().__init__(**kwargs)
         if stage is None and config is None:
             stage = 2
-        self._config: str | Path | Mapping[str, Any] = {} if config is None else config
+        self._config = config
         self._overrides = (*overrides, *([] if stage is None else [f"zero.stage={stage}"]))
         self._timeout = timeout
         self._pieces: EnginePieces | None = None
@@ -329,7 +356,8 @@ class ElasticZeroStrategy(ParallelStrategy):
         accumulation = int(trainer.accumulate_grad_batches)
         clip = trainer.gradient_clip_val
         auto = auto_values(world_size=self.world_size, accumulation=accumulation, clip=clip, dtype=dtype)
-        cfg = load_config(self._config, overrides=self._overrides, auto=auto)
+        native = native_values(world_size=self.world_size, accumulation=accumulation, clip=clip, dtype=dtype)
+        cfg = load_engine_config(self._config, self._overrides, ds=auto, native=native)
         return reconcile(cfg, accumulation=accumulation, dtype=dtype, clip=clip)
 
     @property

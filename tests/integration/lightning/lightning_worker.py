@@ -80,8 +80,7 @@ def native(stage: int) -> dict[str, Any]:
         "zero": {"stage": stage},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
         "scheduler": {"type": "WarmupLR", "params": SCHEDULE},
-        "accumulation_steps": ACC,
-    }
+    }  # accumulation and clipping left out: the Trainer's
 
 
 def deepspeed(stage: int) -> dict[str, Any]:

@@ -127,3 +127,19 @@ def test_a_trainer_with_a_precision_the_engine_has_not_is_refused_when_built() -
 def test_a_folder_that_is_not_its_checkpoint_is_refused_before_anything_loads(tmp_path: Any) -> None:
     with pytest.raises(UsageError, match=r"no lightning\.pt"):
         ezl.ElasticZeroStrategy().load_checkpoint(tmp_path)
+
+
+def test_a_native_config_takes_what_it_leaves_out_from_the_trainer(tmp_path: Any) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("zero: {stage: 3}\noptimizer: {type: AdamW, params: {lr: 0.01}}\n")
+    ds = ezl.auto_values(world_size=1, accumulation=4, clip=0.5, dtype="bf16")
+    native = ezl.native_values(world_size=1, accumulation=4, clip=0.5, dtype="bf16")
+    cfg = ezl.load_engine_config(path, (), ds=ds, native=native)
+    got = (cfg.zero.stage, cfg.accumulation_steps, cfg.clip_grad_norm, cfg.precision.dtype.value)
+    assert got == (3, 4, 0.5, "bf16")
+    unset = ezl.native_values(world_size=1, accumulation=1, clip=None, dtype=None)
+    stated = {"zero": {"stage": 1}, "clip_grad_norm": 1.0}
+    assert ezl.load_engine_config(stated, (), ds=ds, native=unset).clip_grad_norm == 1.0  # the config's
+    with pytest.raises(UsageError, match="accumulation_steps is 2"):
+        ezl.load_engine_config({"zero": {"stage": 1}, "accumulation_steps": 2}, (), ds=ds, native=native)
+    assert ezl.load_engine_config(None, ("zero.stage=2",), ds=ds, native=unset).zero.stage == 2

@@ -49,7 +49,14 @@ from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.dcp_state import ZeroCheckpointState
 from elasticzero.errors import UsageError
 
-__all__ = ["ZeroAcceleratedOptimizer", "ZeroAccelerator", "check_distributed", "clip_route", "state_directory"]
+__all__ = [
+    "ZeroAcceleratedOptimizer",
+    "ZeroAccelerator",
+    "check_distributed",
+    "check_window",
+    "clip_route",
+    "state_directory",
+]
 
 #: accelerate's distributed types under which the engine drives the data parallelism itself (one process per device,
 #: torch.distributed initialised by accelerate); the others bring their own sharding or a device the engine lacks
@@ -93,6 +100,17 @@ def clip_route(passed: Iterable[int], managed: Iterable[int]) -> str:
         f"ZeroAccelerator.clip_grad_norm_: {len(ours)} of the ZeRO optimizer's {len(managed_set)} parameters given; "
         "its clip is over all of them: pass model.parameters()"
     )
+
+
+def check_window(micro_step: int, accumulation_steps: int) -> None:
+    """Refuse a save inside an accumulation window (``micro_step``: accelerate's count of ``accumulate`` calls): the
+    gradients accumulated so far are in no checkpoint, and the window may have another length where it resumes."""
+    if micro_step % accumulation_steps:
+        raise UsageError(
+            f"ZeroAccelerator.save_state: micro-batch {micro_step % accumulation_steps} of an accumulation window of "
+            f"{accumulation_steps}: the gradients accumulated so far are not checkpointed; save after the step "
+            "(when accelerator.sync_gradients)"
+        )
 
 
 def state_directory(output_dir: str | Path | None, project_dir: str | Path | None, automatic: bool) -> Path:
@@ -220,10 +238,11 @@ class ZeroAccelerator(Accelerator):
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         """A sharded checkpoint from every rank in ``output_dir`` (``step-N``, N the optimizer steps so far;
         ``keep_last`` kept): model and optimizer, the loss scaler, the prepared schedulers, the objects registered
-        for checkpointing, accelerate's accumulation counter and every rank's RNG. Collective."""
+        for checkpointing and every rank's RNG. Collective; on an accumulation boundary only (:func:`check_window`)."""
         if self.zero is None:
             location: str = super().save_state(output_dir, safe_serialization, **kwargs)
             return location
+        check_window(self.step, self.gradient_accumulation_steps)
         directory = self._directory(output_dir)
         self._checkpointer(directory, read_only=False).save(self.zero.steps, self._state())
         self.project_configuration.iteration += 1
@@ -243,7 +262,7 @@ class ZeroAccelerator(Accelerator):
         if step is None:
             raise UsageError(f"ZeroAccelerator.load_state: no committed checkpoint in {directory}")
         self.zero.steps = int(state["accelerate"]["steps"])
-        self.step = int(state["accelerate"]["micro_step"])
+        self.step = 0  # saved on a window's boundary (check_window): the next micro-batch starts a window
 
     def _directory(self, given: str | None) -> Path:
         config = self.project_configuration
@@ -259,7 +278,7 @@ class ZeroAccelerator(Accelerator):
         assert self.zero is not None and self._model_state is not None
         return checkpoint_state(
             self._model_state,
-            {"steps": self.zero.steps, "micro_step": self.step},
+            {"steps": self.zero.steps},
             self.loss_scaler,
             self._schedulers,
             self._custom_objects,
@@ -290,7 +309,7 @@ def checkpoint_state(
     custom: Iterable[Any],
 ) -> dict[str, Any]:
     """What a checkpoint of a :class:`ZeroAccelerator` holds, by key: ``model`` (model and optimizer, reshardable),
-    ``accelerate`` (the optimizer steps and accelerate's micro-step counter; updated in place on load), ``scaler``,
+    ``accelerate`` (the optimizer steps so far; updated in place on load), ``scaler``,
     ``scheduler<i>`` and ``custom<i>`` (each ``Stateful``) and ``rng``."""
     state: dict[str, Any] = {"model": model, "accelerate": dict(counters), "rng": RNGState()}
     if scaler is not None:

@@ -17,7 +17,13 @@ HAVE = importlib.util.find_spec("accelerate") is not None
 if HAVE:
     from accelerate.utils import DistributedType
 
-    from elasticzero.integrations.accelerate import check_distributed, checkpoint_state, clip_route, state_directory
+    from elasticzero.integrations.accelerate import (
+        check_distributed,
+        check_window,
+        checkpoint_state,
+        clip_route,
+        state_directory,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -74,9 +80,17 @@ class _Stateful:
 
 def test_a_checkpoint_holds_model_counters_scaler_schedulers_custom_objects_and_rng() -> None:
     model, scaler, sched, custom = _Stateful(), _Stateful(), _Stateful(), _Stateful()
-    counters = {"steps": 3, "micro_step": 6}
+    counters = {"steps": 3}
     state = checkpoint_state(model, counters, scaler, [sched], [custom])  # type: ignore[arg-type]
     assert sorted(state) == ["accelerate", "custom0", "model", "rng", "scaler", "scheduler0"]
     assert state["model"] is model and state["scaler"] is scaler and state["scheduler0"] is sched
     assert state["accelerate"] == counters and state["accelerate"] is not counters  # loaded in place, not the caller's
     assert "scaler" not in checkpoint_state(model, counters, None, [], [])  # type: ignore[arg-type]
+
+
+def test_a_save_is_taken_on_an_accumulation_boundary_only() -> None:
+    for micro_step in (0, 4, 8):
+        check_window(micro_step, 4)
+    check_window(7, 1)
+    with pytest.raises(UsageError, match=r"micro-batch 2 of an accumulation window of 4.*sync_gradients"):
+        check_window(6, 4)

@@ -43,6 +43,7 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 
 from elasticzero.checkpoint import Checkpointer, RNGState
+from elasticzero.checkpoint.commit import step_dir
 from elasticzero.engine.loss_scaler import LossScaler
 from elasticzero.engine.step import optimizer_step
 from elasticzero.engine.zero.base import ZeroOptimizer
@@ -157,9 +158,9 @@ class ZeroAccelerator(Accelerator):
     def __init__(self, *args: Any, loss_scaler: LossScaler | None = None, keep_last: int = 2, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         check_distributed(self.distributed_type, str(self.mixed_precision), int(os.environ.get("WORLD_SIZE", "1")))
-        self.loss_scaler = loss_scaler
-        self.keep_last = self.project_configuration.total_limit or keep_last
         self.zero: ZeroAcceleratedOptimizer | None = None
+        self._loss_scaler = loss_scaler
+        self.keep_last = self.project_configuration.total_limit or keep_last
         self._checkpointers: dict[tuple[Path, bool], Checkpointer] = {}
         self._model_state: ZeroCheckpointState | None = None
 
@@ -179,6 +180,17 @@ class ZeroAccelerator(Accelerator):
         opt.module._is_accelerate_prepared = True  # type: ignore[assignment]  # accelerate: leave it as it is
         self.zero._is_accelerate_prepared = True
         return self.zero
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """The engine's loss scaler (None: none); assignable, before or after :meth:`prepare`."""
+        return self._loss_scaler
+
+    @loss_scaler.setter
+    def loss_scaler(self, scaler: LossScaler | None) -> None:
+        self._loss_scaler = scaler
+        if self.zero is not None:
+            self.zero.loss_scaler = scaler
 
     @property
     def engine(self) -> ZeroOptimizer | None:
@@ -246,7 +258,7 @@ class ZeroAccelerator(Accelerator):
         directory = self._directory(output_dir)
         self._checkpointer(directory, read_only=False).save(self.zero.steps, self._state())
         self.project_configuration.iteration += 1
-        return str(directory / f"step-{self.zero.steps}")
+        return str(directory / step_dir(self.zero.steps))
 
     def load_state(
         self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None, **kwargs: Any

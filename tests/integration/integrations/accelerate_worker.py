@@ -57,7 +57,7 @@ def warmup(opt: Any) -> torch.optim.lr_scheduler.LambdaLR:
 def train(acc: Accelerator, model: Any, opt: Any, sched: Any, start: int, stop: int, **save: Any) -> dict[str, Any]:
     """The user's loop, identical for every run: ``stop - start`` optimizer steps of this rank's micro-batches."""
     rank, world, accum = acc.process_index, acc.num_processes, acc.gradient_accumulation_steps
-    losses, norms, skipped = [], [], []
+    losses, norms, skipped, saved = [], [], [], None
     for step in range(start, stop):
         total = torch.zeros((), dtype=torch.float64)
         for k in range(accum):
@@ -73,9 +73,9 @@ def train(acc: Accelerator, model: Any, opt: Any, sched: Any, start: int, stop: 
         skipped.append(bool(opt.step_was_skipped))
         losses.append(acc.reduce(total, "mean").item())
         if step + 1 == save.get("at"):
-            acc.save_state(save["to"])
+            saved = acc.save_state(save["to"])
     assert world * accum == MICRO
-    return {"losses": losses, "norms": norms, "skipped": skipped, "lr": sched.get_last_lr()[0]}
+    return {"losses": losses, "norms": norms, "skipped": skipped, "lr": sched.get_last_lr()[0], "saved": saved}
 
 
 def ddp_run(dtype: torch.dtype, world: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -100,6 +100,7 @@ def test_each_stage_trains_like_the_same_loop_under_ddp(compared: dict[str, Any]
     assert _curve_ratio(run, compared, "losses") <= 1, (run["losses"], ddp["losses"], compared["ddp64"]["losses"])
     assert _curve_ratio(run, compared, "norms") <= 1, (run["norms"], ddp["norms"])
     assert run["params_ratio"] <= 1
+    assert Path(run["saved"]).name == f"step-{SAVE_AT:08d}" and Path(run["saved"]).is_dir()  # what save_state said
     assert run["skipped"] == [False] * len(run["losses"]) and run["lr"] == ddp["lr"]
 
 

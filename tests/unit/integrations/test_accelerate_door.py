@@ -94,3 +94,23 @@ def test_a_save_is_taken_on_an_accumulation_boundary_only() -> None:
     check_window(7, 1)
     with pytest.raises(UsageError, match=r"micro-batch 2 of an accumulation window of 4.*sync_gradients"):
         check_window(6, 4)
+
+
+def test_the_accelerate_internals_the_door_relies_on_are_there() -> None:
+    """Canaries: the non-public accelerate names ``ZeroAccelerator`` reads or sets still mean what it relies on (the
+    pinned accelerate has them; a new release that drops one fails here, naming it)."""
+    import inspect
+
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    relied = {
+        Accelerator.prepare_model: "_is_accelerate_prepared",  # a marked model is returned as it is: no DDP, no move
+        Accelerator.prepare_optimizer: "_is_accelerate_prepared",  # a marked optimizer is kept, not re-wrapped
+        Accelerator.save_state: "self._schedulers",  # what accelerate's own save_state saves: the prepared schedulers
+        Accelerator.register_for_checkpointing: "self._custom_objects",  # and the registered objects
+        Accelerator._do_sync: "self.step % self.gradient_state.num_steps",  # the window counter load_state resets
+        AcceleratedOptimizer.step_was_skipped.fget: "self._is_overflow",  # the flag ZeroAcceleratedOptimizer sets
+    }
+    missing = [f"{f.__qualname__}: {name}" for f, name in relied.items() if name not in inspect.getsource(f)]
+    assert not missing, f"accelerate changed: {missing}; used in src/elasticzero/integrations/accelerate.py"

@@ -28,6 +28,7 @@ from elasticzero.proc import STOP_SIGNALS, check_job_id, exit_status, signal_exi
 
 if TYPE_CHECKING:
     from elasticzero.agent.plan import AgentPlan
+    from elasticzero.agent.stopsignals import StopSignals
 
 PROG = "elasticzero-run"
 logger = logging.getLogger(__name__)
@@ -54,10 +55,11 @@ def _kill_job_argv(argv: Sequence[str]) -> bool:
     return bool(argv) and argv[0].split("=", 1)[0] in ("--kill-job", "--kill_job")
 
 
-def run(argv: Sequence[str] | None, startup_handlers: Mapping[int, object] | None = None) -> int:
+def run(argv: Sequence[str] | None) -> int:
     """Parse, validate, then launch (or kill a job); see the module docstring for exit codes.
 
-    ``startup_handlers`` (from :func:`exit_on_stop_signals`) are put back right before the launch.
+    From the launch on, :class:`~elasticzero.agent.stopsignals.StopSignals` handles the stop signals in place of
+    :func:`exit_on_stop_signals`'s.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if _kill_job_argv(argv):
@@ -66,7 +68,7 @@ def run(argv: Sequence[str] | None, startup_handlers: Mapping[int, object] | Non
     args = parser.parse_args(argv)
     if args.kill_job is not None:
         raise UsageError("--kill-job must be the first flag and cannot be combined with a training script")
-    return _launch(args, startup_handlers or {})
+    return _launch(args)
 
 
 def _kill_job(argv: list[str]) -> int:
@@ -82,7 +84,7 @@ def _kill_job(argv: list[str]) -> int:
     return kill_main(check_job_id(ns.kill_job, "--kill-job"), ns.grace)
 
 
-def _launch(args: argparse.Namespace, startup_handlers: Mapping[int, object]) -> int:
+def _launch(args: argparse.Namespace) -> int:
     """Probe, plan (nothing started on bad input), check, then print the plan (``--dry-run``) or run it."""
     from elasticzero.agent.facts import probe_facts
     from elasticzero.agent.launch import logs_specs_class
@@ -99,11 +101,17 @@ def _launch(args: argparse.Namespace, startup_handlers: Mapping[int, object]) ->
     if args.dry_run:
         print(plan.to_text())
         return 0
-    restore_handlers(startup_handlers)  # from the rendezvous on, torch's signal rules (as for torchrun)
-    return _run(plan)
+    from elasticzero.agent.stopsignals import StopSignals
+
+    stop = StopSignals()  # from the rendezvous on: the first stop signal stops the run, none is raised twice
+    stop.install()
+    try:
+        return _run(plan, stop)
+    finally:
+        stop.leave()  # a signal in the teardown (a finalizer) is noted, never raised: the run's code stands
 
 
-def _run(plan: AgentPlan) -> int:
+def _run(plan: AgentPlan, stop: StopSignals) -> int:
     """Run the plan; the exit status (module docstring)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -113,7 +121,7 @@ def _run(plan: AgentPlan) -> int:
     from elasticzero.agent.peers import StoreLostError
 
     try:
-        result, _ = launch(plan)
+        result, _ = launch(plan, stop)
     except SignalException as exc:
         print(f"{PROG}: stopped by {exc.sigval.name}", file=sys.stderr)
         return signal_exit_code(exc.sigval)
@@ -150,7 +158,8 @@ def exit_on_stop_signals() -> dict[int, object]:
 
     Start-up (torch's import, parsing) takes seconds, and ``elasticzero-launch`` execs the agent for the ``local``
     and ``no-ssh`` backends, so a Ctrl-C or SIGTERM meant for the launcher may land here. Returns the previous
-    handlers, which :func:`_launch` puts back before the rendezvous (from there torch's rules apply).
+    handlers (:func:`main` puts them back for an in-process caller); from the launch on
+    :class:`~elasticzero.agent.stopsignals.StopSignals` handles the signals.
     """
 
     def stop(signum: int, _frame: object) -> None:
@@ -173,13 +182,20 @@ def restore_handlers(previous: Mapping[int, object]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console-script entry point of ``elasticzero-run``."""
+    """Console-script entry point of ``elasticzero-run``.
+
+    Called with ``argv`` (in-process: tests, tools) it leaves the caller's signal handlers as they were. As the
+    process's entry (``argv`` None) it keeps its own until the interpreter exits: the teardown after a run (the
+    c10d store's destructor, seconds on the node hosting it) must neither raise a stop signal in a finalizer nor
+    be killed by one at the default action with another exit code.
+    """
     startup = exit_on_stop_signals()
     try:
         logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING").upper())
-        return cli_main(PROG, lambda a: run(a, startup), argv)
+        return cli_main(PROG, run, argv)
     finally:
-        restore_handlers(startup)  # called in-process (tests, tools): leave the caller's handlers as they were
+        if argv is not None:
+            restore_handlers(startup)
 
 
 if __name__ == "__main__":

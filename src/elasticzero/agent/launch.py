@@ -27,6 +27,7 @@ from elasticzero.agent.agent import ElasticZeroAgent, PeerFailedError
 from elasticzero.agent.agentdirs import sweep
 from elasticzero.agent.peers import StoreLostError, bound_store_calls
 from elasticzero.agent.plan import AgentPlan, LogsPlan, RendezvousPlan
+from elasticzero.agent.stopsignals import StopSignals
 from elasticzero.errors import UsageError
 
 #: torchrun's entry-point group for ``--logs-specs NAME``
@@ -101,8 +102,12 @@ def apply_torch_knobs(plan: AgentPlan) -> None:
         os.environ[name] = value
 
 
-def launch(plan: AgentPlan) -> tuple[RunResult, ElasticZeroAgent]:
-    """Rendezvous, run the workers under :class:`ElasticZeroAgent` until they finish; return the result."""
+def launch(plan: AgentPlan, stop_signals: StopSignals | None = None) -> tuple[RunResult, ElasticZeroAgent]:
+    """Rendezvous, run the workers under :class:`ElasticZeroAgent` until they finish; return the result.
+
+    ``stop_signals``: the process's stop-signal handler (:mod:`~elasticzero.agent.stopsignals`), taken back from
+    torch after every worker start.
+    """
     logs_specs = build_logs_specs(plan.workers.logs)
     sweep(os.environ, plan.job_id)  # folders of this job's agents killed earlier on this node (a rejoin after one)
     apply_torch_knobs(plan)
@@ -122,6 +127,7 @@ def launch(plan: AgentPlan) -> tuple[RunResult, ElasticZeroAgent]:
         hang=plan.workers.hang,
         peers=plan.peers,
         live=plan.workers.live,
+        stop_signals=stop_signals,
     )
     close_rendezvous = True
     failed = False

@@ -153,6 +153,7 @@ class ElasticZeroAgent(LocalElasticAgent):
         self._rounds = RoundKeeper(live) if live is not None else None  #: live recovery: this node's round file
         self.last_failure: tuple[int, ProcessFailure] | None = None
         self._stop_signals = stop_signals  #: the stop-signal handler torch's worker start replaces (stopsignals.py)
+        self.joined = False  #: a rendezvous completed with this node (a store lost after it: this node is cut off)
 
     def remove_health_file(self) -> None:
         """Delete the health file and the workers' progress records (called once the agent is done)."""
@@ -184,6 +185,7 @@ class ElasticZeroAgent(LocalElasticAgent):
         tries = 0
         while True:
             super()._rendezvous(worker_group)
+            self.joined = True
             if self._rounds is None:
                 return
             tries += 1

@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -112,13 +113,41 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _run(plan: AgentPlan, stop: StopSignals) -> int:
-    """Run the plan; the exit status (module docstring)."""
+    """Run the plan — again, as a new node, while it is cut off from its rendezvous (:mod:`~elasticzero.agent.rejoin`)
+    — and return the exit status (module docstring)."""
+    from torch.distributed import DistError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from elasticzero.agent.launch import CutOffError
+    from elasticzero.agent.rejoin import GiveUp, cut_off_line, next_try
+
+    cut_at: float | None = None  #: when this node was last cut off (monotonic); None: never
+    while True:
+        try:
+            return _once(plan, stop)
+        except CutOffError as exc:
+            print(f"{PROG}: {cut_off_line(str(exc), plan.rejoin)}", file=sys.stderr, flush=True)
+            if plan.rejoin.timeout_s == 0:
+                return 1
+            cut_at = time.monotonic()
+        except (RendezvousConnectionError, DistError) as exc:
+            if cut_at is None:  # never in a round: the store is not there (a bad endpoint, nothing started yet)
+                print(f"{PROG}: rendezvous failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                return 1
+            step = next_try(plan.rejoin, time.monotonic() - cut_at, f"{type(exc).__name__}: {exc}")
+            if isinstance(step, GiveUp):
+                print(f"{PROG}: {step.line}", file=sys.stderr)
+                return 1
+            time.sleep(step.after_s)
+
+
+def _once(plan: AgentPlan, stop: StopSignals) -> int:
+    """One run of the agent (one rendezvous handler); its exit status, or a store out of reach raised."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
 
     from elasticzero.agent.agent import PeerFailedError
     from elasticzero.agent.launch import launch
-    from elasticzero.agent.peers import StoreLostError
 
     try:
         result, _ = launch(plan, stop)
@@ -128,9 +157,8 @@ def _run(plan: AgentPlan, stop: StopSignals) -> int:
     except PeerFailedError as exc:
         print(f"{PROG}: job failed on another node: {exc}", file=sys.stderr)
         return 1
-    except StoreLostError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 1
+    except RendezvousConnectionError:
+        raise  # the caller decides: cut off (join again) or never reached
     except RendezvousError as exc:
         print(f"{PROG}: rendezvous failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

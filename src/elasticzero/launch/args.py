@@ -168,6 +168,13 @@ def build_parser(prog: str = PROG, usage: str | None = None) -> argparse.Argumen
         help="a node silent this long is gone; the others re-form without it (elasticzero-run --peer-timeout)",
     )
     a.add_argument(
+        "--rejoin-timeout",
+        "--rejoin_timeout",
+        metavar="SECONDS",
+        help="a node cut off from the rendezvous tries to join again this long (elasticzero-run --rejoin-timeout; "
+        "default: the join timeout)",
+    )
+    a.add_argument(
         "--live-recovery",
         "--live_recovery",
         action="store_true",

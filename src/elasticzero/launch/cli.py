@@ -33,6 +33,7 @@ from pathlib import Path
 
 from elasticzero.agent.handoff import check_live_recovery
 from elasticzero.agent.liveness import parse_peer_timeout
+from elasticzero.agent.rejoin import rejoin_plan
 from elasticzero.errors import UsageError, cli_main
 from elasticzero.launch import backend as backend_mod
 from elasticzero.launch.args import PROG, parse_args
@@ -256,6 +257,7 @@ def _agent_options(args: argparse.Namespace, nnodes: str, cwd: str, rdzv: Rendez
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,
         peer_timeout=None if args.peer_timeout is None else parse_peer_timeout(args.peer_timeout),
+        rejoin_timeout=None if args.rejoin_timeout is None else rejoin_plan(args.rejoin_timeout, {}).timeout_s,
         live_recovery=_live_recovery(args, rdzv.backend),
         log_dir=os.path.join(cwd, args.log_dir) if args.log_dir else None,
         redirects=args.redirects,

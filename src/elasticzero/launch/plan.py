@@ -65,6 +65,7 @@ class AgentOptions:
     monitor_interval: float | None = None
     peer_timeout: int | None = None  #: ``--peer-timeout`` (elasticzero.agent.liveness); None: the agent's default
     live_recovery: bool = False  #: ``--live-recovery`` (elasticzero.agent.handoff)
+    rejoin_timeout: int | None = None  #: ``--rejoin-timeout`` (elasticzero.agent.rejoin); None: the agent's default
     log_dir: str | None = None
     redirects: str | None = None
     tee: str | None = None
@@ -129,6 +130,8 @@ class LaunchPlan:
             argv += ["--monitor-interval", str(a.monitor_interval)]
         if a.peer_timeout is not None:
             argv += ["--peer-timeout", str(a.peer_timeout)]
+        if a.rejoin_timeout is not None:
+            argv += ["--rejoin-timeout", str(a.rejoin_timeout)]
         if a.live_recovery:
             argv += ["--live-recovery"]
         if a.log_dir:

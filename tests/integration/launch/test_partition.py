@@ -3,13 +3,14 @@ filters inside both namespaces, removed in a ``finally``: ``ez_testing.partition
 
 Hosts 2 and 3 of the test bed (node rank 0 hosts the job's c10d store); the workers all-reduce in a loop
 (``ez_agent_worker.py loop=1``). Node 0 no longer hears node 1's heartbeat: after the peer timeout it re-forms the
-round and trains on alone. Node 1 can no longer reach the store: it says so in one line, stops its workers and exits
-(a c10d rendezvous cannot take it back). After the heal nothing of the job is left on node 1, and node 0 finishes.
+round and trains on alone. Node 1 can no longer reach the store: it says so in one line, stops its workers and stays
+(issue 33): when the cut heals it joins again as a new node and the job is back at world 2; then it finishes (exit 0).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import subprocess
 import sys
@@ -62,19 +63,25 @@ def test_a_partitioned_node_is_dropped_and_the_survivor_trains_on(tmp_path: Path
                 wait_for(lambda: line in log.read_text(), 60, "the cut-off node's line")
             except AssertionError as exc:
                 raise AssertionError(f"{exc}\n{log.read_text()[-6000:]}") from None
-            wait_for(lambda: hosts[1] not in leftovers(job, tb), 30, f"nothing of the job left on {hosts[1]}")
+            # its workers are stopped; its agent (one process of the job) stays
+            cut_off = lambda: len(leftovers(job, tb).get(hosts[1], [])) == 1  # noqa: E731
+            wait_for(cut_off, 30, f"only the agent of the job left on {hosts[1]}")
+        t_heal = time.time()
         print(f"partition: the survivor trains again {recovery:.2f} s after the cut")
+        back = lambda: [r for r in reports(out) if r["world_size"] == 2 and r["time"] > t_heal]  # noqa: E731
+        wait_for(lambda: len(back()) == 2, 90, "world 2 again after the heal")
+        print(f"partition: world 2 again {min(r['time'] for r in back()) - t_heal:.2f} s after the heal")
         text = log.read_text()
-        assert f"{hosts[1]}: elasticzero-run: {line}" in text and "cannot survive its store host" in text, text
+        assert f"{hosts[1]}: elasticzero-run: {line}" in text and "tries to join the rendezvous again" in text, text
         (out / "stop").touch()
-        launcher.wait(timeout=60)  # pdsh reports the largest exit code: the cut-off node's 1
-        assert launcher.returncode == 1, text[-3000:]
-        assert sorted(r["world_size"] for r in reports(out)) == [1, 2, 2]
+        launcher.wait(timeout=60)
+        assert launcher.returncode == 0, text[-3000:]
+        assert "Exception ignored" not in text and not re.search(r"^[\w.-]+: Traceback", text, re.M), text[-3000:]
         wait_for(lambda: not leftovers(job, tb), 20, "no process of the job on any host")
         # the agents' part (silent for the peer timeout, stop, the round's last call) plus one worker start-up, whose
         # reference is this machine's, measured in this run (the world-2 workers' start -> report), x1.5 for the noise
         # of one process start against another; the issue's 10 s is what it comes to on a quiet machine: printed
-        startup = max(r["time"] - r["started"] for r in reports(out) if r["world_size"] == 2)
+        startup = max(r["time"] - r["started"] for r in reports(out) if r["world_size"] == 2 and r["time"] < t_cut)
         bound = DEFAULT_PEER_TIMEOUT_S + int(RDZV_DEFAULTS["last_call_timeout"]) + 1.5 + 1.5 * startup
         print(f"partition: bound {bound:.2f} s (start-up {startup:.2f} s); the issue's {RECOVERY_S:.0f} s "
               f"{'met' if recovery < RECOVERY_S else 'MISSED'}")  # fmt: skip

@@ -115,6 +115,17 @@ def _launch(args: argparse.Namespace) -> int:
 def _run(plan: AgentPlan, stop: StopSignals) -> int:
     """Run the plan — again, as a new node, while it is cut off from its rendezvous (:mod:`~elasticzero.agent.rejoin`)
     — and return the exit status (module docstring)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        return _run_rejoining(plan, stop)
+    except SignalException as exc:  # between two tries (a run's own stop is _once's)
+        print(f"{PROG}: stopped by {exc.sigval.name}", file=sys.stderr)
+        return signal_exit_code(exc.sigval)
+
+
+def _run_rejoining(plan: AgentPlan, stop: StopSignals) -> int:
+    """:func:`_once`, again while this node is cut off and its time to join again lasts."""
     from torch.distributed import DistError
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 

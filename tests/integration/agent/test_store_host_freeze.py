@@ -81,7 +81,8 @@ def _alive(p: psutil.Process) -> bool:
 @pytest.mark.etcd
 def test_an_agent_cut_off_from_etcd_stays_and_rejoins(cluster: Cluster, etcd: EtcdCluster) -> None:  # noqa: F811
     """etcd lives outside the job; a node cut off from it (here: etcd frozen, one agent) fails the store call its
-    client bounds (``retry_timeout``), stops its workers, tries again as a new node, and trains once etcd answers."""
+    client bounds (``retry_timeout``), stops its workers, tries again as a new node, and trains once etcd answers;
+    cut off again, a SIGTERM between two tries stops it cleanly."""
     conf = f"{FAST_RDZV},retry_timeout=3,connect_timeout=2"
     extra = ["--rejoin-timeout", str(REJOIN_S)]
     argv = cluster.argv(etcd.endpoint(), "1:2", nproc=1, backend="elasticzero", rdzv_conf=conf, extra=extra)
@@ -100,10 +101,18 @@ def test_an_agent_cut_off_from_etcd_stays_and_rejoins(cluster: Cluster, etcd: Et
         server.send_signal(signal.SIGCONT)
     t_cont = time.time()
     wait_for(lambda: cluster.reports_since(t_cont), 90, "a fresh worker once etcd answers", cluster.agents)
-    (cluster.out / "stop").touch()
-    assert agent.proc.wait(timeout=60) == 0, agent.output()[-3000:]
+    # cut off again (the clock starts anew), and stopped while it tries: one line, 128+SIGTERM, no traceback
+    server.send_signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: agent.output().count(line) == 2, 60, "the second cut-off line", cluster.agents)
+        time.sleep(1.5)  # into its tries
+        agent.proc.send_signal(signal.SIGTERM)
+        assert agent.proc.wait(timeout=60) == 128 + signal.SIGTERM, agent.output()[-3000:]
+    finally:
+        server.send_signal(signal.SIGCONT)
     out = agent.output()
-    assert out.count(line) == 1 and _no_agent_traceback(out), out[-3000:]
+    assert "elasticzero-run: stopped by SIGTERM" in out and _no_agent_traceback(out), out[-3000:]
+    assert cluster.leftovers() == []
 
 
 def _no_agent_traceback(output: str) -> bool:

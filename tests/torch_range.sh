@@ -18,7 +18,8 @@
 # network and the disk, not the CPU: tests/run.sh starts `torch_range.sh --prepare` in the background at its start,
 # which installs torch into each version's venv that is not cached yet, at the lowest CPU and I/O priority (nice 19,
 # ionice idle), overlapping the main pytest run (mostly waiting on its subprocesses); the stage waits for it, and
-# installs itself what it did not finish.
+# installs itself what it did not finish. The prepare installs the test extra's packages too (transformers, accelerate,
+# lightning, ...), so a version's check pays only for building elasticzero.
 #   bash tests/torch_range.sh [VERSION…]             (default: TORCH_VERSIONS below)
 #   bash tests/torch_range.sh --prepare [VERSION…]   (the venvs and their torch only)
 set -uo pipefail
@@ -47,13 +48,12 @@ venv() {
   echo "$dir"
 }
 
-# prepare VERSION → 0 when VERSION's venv holds torch==VERSION (installed now, at the lowest CPU and I/O priority,
-# unless cached)
+# prepare VERSION → 0 when VERSION's venv holds torch==VERSION and the test extra's packages (installed now, at the
+# lowest CPU and I/O priority): check's own install then finds them there and builds only elasticzero itself
 prepare() {
   local v=$1 dir
-  cached "$v" && return 0
   dir=$(venv "$v") || return 1
-  nice -n 19 ionice -c 3 "$dir/bin/python" -m pip install -q "torch==$v"
+  nice -n 19 ionice -c 3 "$dir/bin/python" -m pip install -q "torch==$v" ".[test]"
 }
 
 # check VERSION LOG UNIT… → 0 when the install, the unit tests UNIT… and the smoke pass; their outcome on stdout
@@ -63,12 +63,16 @@ check() {
   dir=$(venv "$v") || { echo "venv failed"; return 1; }
   rm -rf build  # pip builds in the tree: no stale build/lib of an earlier version may enter the wheel
   "$dir/bin/python" -m pip install -q "torch==$v" ".[test]" >>"$log" 2>&1 || { echo "install failed"; return 1; }
-  "$dir/bin/python" -m pytest -q -p no:cacheprovider "$@" >>"$log" 2>&1
+  # as in the main run: the single-process unit tests on two xdist workers, those that start torch processes serially
+  "$dir/bin/python" -m pytest -q -p no:cacheprovider -n 2 -m "not multiproc" "$@" >>"$log" 2>&1
   local unit=$?
+  "$dir/bin/python" -m pytest -q -p no:cacheprovider -m multiproc "$@" >>"$log" 2>&1
+  local multi=$?
+  [ "$multi" = 5 ] && multi=0  # none collected among these tests: no broken suite
   "$dir/bin/python" -m pytest -q -p no:cacheprovider "$SMOKE" >>"$log" 2>&1
   local smoke=$?
-  echo "unit $(summary "$log" 1), smoke $(summary "$log" 2)"
-  [ "$unit" = 0 ] && [ "$smoke" = 0 ]
+  echo "unit $(summary "$log" 1) + $(summary "$log" 2), smoke $(summary "$log" 3)"
+  [ "$unit" = 0 ] && [ "$multi" = 0 ] && [ "$smoke" = 0 ]
 }
 
 # summary LOG N → pytest's Nth summary line in LOG ("3 failed, 1026 passed in 80.12s"), without its decoration

@@ -35,7 +35,8 @@ BELOW: dict[str, tuple[str, ...]] = {
     "elasticzero.data": ("elasticzero.config", "elasticzero.engine"),
     "elasticzero.live": ("elasticzero.engine", "elasticzero.data", "elasticzero.checkpoint"),  # Training: its saves
     "elasticzero.autotune": ("elasticzero.launch", "elasticzero.engine"),  # the engine: the measure window's timers
-    "elasticzero.integrations": ("elasticzero.live",),  # the front doors (HF Trainer, accelerate, Lightning)
+    # the front doors (HF Trainer, accelerate, Lightning): the training object, and the engine pieces from a config
+    "elasticzero.integrations": ("elasticzero.live", "elasticzero.config.build"),
     "elasticzero.entry": ("elasticzero.autotune",),  # elasticzero-launch: the launcher, or --autotuning the tuner
     "elasticzero_plugins": ("elasticzero.launch",),  # the launcher backends
 }

@@ -35,6 +35,7 @@ _LAZY = {
     "SchedulerConfig": "elasticzero.config.schema",
     "AutoValues": "elasticzero.config.auto",
     "fill_auto": "elasticzero.config.auto",
+    "fill_native": "elasticzero.config.auto",
     "check_elastic_config": "elasticzero.config.load",
 }
 

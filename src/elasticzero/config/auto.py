@@ -13,6 +13,11 @@ value here that the config states as something else is a mismatch (the Trainer's
 :class:`~elasticzero.errors.UsageError` line naming every one; ``check=False`` leaves stated values alone), except
 ``scheduler.params.warmup_min_lr`` and the ``zero_optimization`` sizes, which are only filled. A key missing from the
 config is not added, and an ``"auto"`` with no value here stays: loading names it.
+
+A native (elasticzero YAML) config has no ``"auto"``: :func:`fill_native` applies the same rule to what it leaves
+out — each key of :data:`NATIVE_KEYS` the config does not state is taken from the arguments, one it states must agree
+(the optimizer's ``betas``/``eps`` only for an Adam-family optimizer; ``precision.dtype`` only when the arguments ask
+for bf16 or fp16).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 
 from elasticzero.errors import UsageError
 
-__all__ = ["AUTO_KEYS", "AutoValues", "fill_auto"]
+__all__ = ["AUTO_KEYS", "NATIVE_KEYS", "AutoValues", "fill_auto", "fill_native"]
 
 
 @dataclass(frozen=True)
@@ -142,3 +147,61 @@ def _same(stated: Any, value: Any) -> bool:
 
 def _number(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _adam(cfg: Mapping[str, Any]) -> bool:
+    """Whether the native config's optimizer takes ``betas``/``eps`` (its type absent: AdamW, the default)."""
+    opt = cfg.get("optimizer")
+    kind = opt.get("type", "AdamW") if isinstance(opt, Mapping) else "AdamW"
+    return isinstance(kind, str) and "adam" in kind.lower()
+
+
+def _dtype(v: AutoValues) -> str | None:
+    return "bf16" if v.bf16 else "fp16" if v.fp16 else None
+
+
+# dotted native key -> its value from the arguments, or None (not known, or the key does not apply to this config)
+NATIVE_KEYS: dict[str, _Value] = {
+    "micro_batch_size": lambda v, c: v.micro_batch_size,
+    "accumulation_steps": lambda v, c: v.accumulation_steps,
+    "train_batch_size": lambda v, c: _train_batch(v, {}),
+    "clip_grad_norm": lambda v, c: v.clip_grad_norm,
+    "optimizer.params.lr": lambda v, c: v.lr,
+    "optimizer.params.betas": lambda v, c: None if v.betas is None or not _adam(c) else list(v.betas),
+    "optimizer.params.eps": lambda v, c: v.eps if _adam(c) else None,
+    "optimizer.params.weight_decay": lambda v, c: v.weight_decay,
+    "precision.dtype": lambda v, c: _dtype(v),
+}
+
+
+def fill_native(config: Mapping[str, Any], values: AutoValues, *, source: str = "<dict>") -> dict[str, Any]:
+    """A copy of the native ``config`` with each key of :data:`NATIVE_KEYS` it leaves out taken from ``values``; a
+    stated key that disagrees is a mismatch (one :class:`~elasticzero.errors.UsageError` line naming every one)."""
+    filled = copy.deepcopy(dict(config))
+    mismatches = []
+    for key, value_of in NATIVE_KEYS.items():
+        value = value_of(values, config)
+        if value is None:
+            continue
+        node, leaf = _node_made(filled, key, source)
+        if leaf not in node:
+            node[leaf] = value
+        elif not _same(node[leaf], value):
+            mismatches.append(f"{key} is {node[leaf]!r} but the arguments say {value!r}")
+    if mismatches:
+        raise UsageError(
+            f"{source}: the config disagrees with the arguments: {'; '.join(mismatches)} "
+            "(leave those keys out to take the arguments, or make them agree)"
+        )
+    return filled
+
+
+def _node_made(cfg: dict[str, Any], key: str, source: str) -> tuple[dict[str, Any], str]:
+    """The mapping that holds the last part of dotted ``key`` (missing parents made) and that part."""
+    *parents, leaf = key.split(".")
+    node = cfg
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise UsageError(f"{source}: {key.rsplit('.', 1)[0]} must be a mapping, got {type(node).__name__}")
+    return node, leaf

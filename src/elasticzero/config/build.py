@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 
 from elasticzero.config.auto import AutoValues
 from elasticzero.config.batch import check_batch_sizes, resolve_world_size
@@ -43,7 +44,7 @@ from elasticzero.config.schema import ActivationCheckpointingConfig, EngineConfi
 from elasticzero.engine.accumulation import GradAccumulation
 from elasticzero.engine.activations import BlockSpec, checkpoint_activations, find_blocks
 from elasticzero.engine.loss_scaler import LossScaler
-from elasticzero.engine.lr_schedules import DeepSpeedSchedule, build_schedule
+from elasticzero.engine.lr_schedules import build_schedule
 from elasticzero.engine.precision import PrecisionPolicy
 from elasticzero.engine.step import StepResult, backward, clip_grad_norm, optimizer_step
 from elasticzero.engine.timers import PhaseTimers
@@ -70,7 +71,8 @@ class EnginePieces:
     micro_batch_size: int
     config: EngineConfig
     checkpointed: list[str] = field(default_factory=list)  # blocks whose activations are checkpointed (by name)
-    scheduler: DeepSpeedSchedule | None = None  # the config's ``scheduler``; None without one
+    # the config's ``scheduler`` (a DeepSpeedSchedule), or a front door's own torch schedule; None without one
+    scheduler: LRScheduler | None = None
 
     @property
     def accumulation_steps(self) -> int:
@@ -185,13 +187,16 @@ def build_pieces(
     overrides: Sequence[str] = (),
     strict: bool = True,
     auto: AutoValues | None = None,
+    param_groups: Sequence[dict[str, Any]] | None = None,
 ) -> EnginePieces:
     """Build optimizer, loss scaler, timers and accumulation helper for ``model`` from ``cfg``.
 
     ``cfg``: an :class:`EngineConfig`, or a file/dict for :func:`~elasticzero.config.load.load_config` (native or
     DeepSpeed; ``overrides``, ``strict`` and ``auto`` — a DeepSpeed config's ``"auto"`` values,
-    :class:`~elasticzero.config.auto.AutoValues` — are passed on). Stages 1-3 need ``torch.distributed`` initialised;
-    the batch sizes are checked against the real world size.
+    :class:`~elasticzero.config.auto.AutoValues` — are passed on). ``param_groups``: torch-style groups
+    (``{"params": [...], **options}``, every trainable parameter in one) over the config's ``optimizer.params``, e.g.
+    the HF ``Trainer``'s weight decay off for biases and norms; default one group. Stages 1-3 need
+    ``torch.distributed`` initialised; the batch sizes are checked against the real world size.
     """
     if not isinstance(cfg, EngineConfig):
         if auto is not None and auto.world_size is None:
@@ -211,7 +216,7 @@ def build_pieces(
 
     autocast_dtype = None
     if cfg.zero.stage == 0:
-        optimizer = opt_cls(model.parameters(), **params)
+        optimizer = opt_cls(model.parameters() if param_groups is None else param_groups, **params)
         if cfg.precision.dtype is not Precision.fp32:
             autocast_dtype = policy.param_dtype
         for key in _ZERO_OPTIONS:
@@ -219,7 +224,8 @@ def build_pieces(
                 log.warning("zero.%s has no effect at stage 0 (DDP has its own bucket_cap_mb)", key)
     else:
         stage_cls = getattr(importlib.import_module("elasticzero.engine.zero"), f"ZeroStage{cfg.zero.stage}")
-        optimizer = stage_cls(model, opt_cls, options=_zero_options(cfg, process_group, policy, timers), **params)
+        options = _zero_options(cfg, process_group, policy, timers)
+        optimizer = stage_cls(model, opt_cls, options=options, param_groups=param_groups, **params)
 
     group = getattr(optimizer, "process_group", None) or process_group
     sched = cfg.scheduler

@@ -129,7 +129,7 @@ _PARAM_KIND = MappingProxyType(
     {
         "warmup_min_lr": "lr",
         "warmup_max_lr": "lr_or_null",
-        "warmup_num_steps": "size",
+        "warmup_num_steps": "count",  # 0 allowed: DeepSpeed (and our schedules) take max(2, it); HF's default
         "warmup_type": "warmup_type",
         "total_num_steps": "size",
         "warmup_min_ratio": "ratio",

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from elasticzero.config import AutoValues, fill_auto, load_config
-from elasticzero.config.load import load_deepspeed_config, read_file
+from elasticzero.config import AutoValues, fill_auto, fill_native, load_config
+from elasticzero.config.load import config_from_dict, load_deepspeed_config, read_file
 from elasticzero.errors import UsageError
 
 DATA = Path(__file__).parent / "data"
@@ -119,3 +120,45 @@ def test_train_batch_takes_stated_micro_and_accumulation() -> None:
     cfg = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}
     assert fill_auto(cfg, AutoValues(world_size=2))["train_batch_size"] == 24
     assert fill_auto(cfg, AutoValues())["train_batch_size"] == "auto"  # no world size: left for the loader to name
+
+
+# ---- native configs: what they leave out comes from the arguments, what they state must agree -------------------
+
+
+def test_a_native_config_takes_what_it_leaves_out_from_the_arguments() -> None:
+    native = {"zero": {"stage": 2}, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+    filled = fill_native(native, ARGS)
+    assert filled["micro_batch_size"] == 8 and filled["accumulation_steps"] == 2
+    assert filled["train_batch_size"] == 4 * 8 * 2 and filled["clip_grad_norm"] == 1.0
+    assert filled["optimizer"] == {"params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}
+    assert filled["precision"] == {"dtype": "fp16"}
+    assert filled["zero"] == {"stage": 2} and filled["scheduler"] == native["scheduler"]  # the engine's own keys
+    assert native == {"zero": {"stage": 2}, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+
+
+def test_a_native_config_s_stated_keys_must_agree_with_the_arguments() -> None:
+    agreeing = {"micro_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}}
+    assert fill_native(agreeing, ARGS)["optimizer"]["params"]["lr"] == 3e-4
+    with pytest.raises(UsageError) as info:
+        fill_native(
+            {"micro_batch_size": 4, "clip_grad_norm": 0.0, "precision": {"dtype": "bf16"}}, ARGS, source="t.yaml"
+        )
+    msg = str(info.value)
+    assert (
+        msg.startswith("t.yaml: the config disagrees with the arguments: micro_batch_size is 4 but") and "\n" not in msg
+    )
+    assert "clip_grad_norm is 0.0 but the arguments say 1.0" in msg and "precision.dtype is 'bf16'" in msg
+
+
+def test_a_native_config_keeps_what_the_arguments_do_not_say() -> None:
+    quiet = AutoValues(world_size=2, micro_batch_size=4, accumulation_steps=1, fp16=False, bf16=False)
+    filled = fill_native({"precision": {"dtype": "bf16"}, "optimizer": {"type": "SGD"}}, quiet)
+    assert filled["precision"] == {"dtype": "bf16"} and filled["optimizer"] == {"type": "SGD"}
+    sgd = fill_native({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, replace(ARGS, lr=0.1))
+    assert sgd["optimizer"]["params"] == {"lr": 0.1, "weight_decay": 0.1}  # no betas/eps for a non-Adam optimizer
+
+
+def test_a_native_config_filled_loads() -> None:
+    cfg = config_from_dict(fill_native({"zero": {"stage": 3}}, replace(ARGS, fp16=False)), world_size=4)
+    assert (cfg.zero.stage, cfg.micro_batch_size, cfg.accumulation_steps, cfg.train_batch_size) == (3, 8, 2, 64)
+    assert cfg.optimizer.params["betas"] == [0.9, 0.95] and cfg.precision.dtype.value == "fp32"

@@ -98,6 +98,17 @@ def partition(tb: Testbed, a: int, b: int) -> Iterator[None]:
                            capture_output=True, timeout=30, check=False)  # fmt: skip
 
 
+@contextmanager
+def link_down(tb: Testbed, a: int) -> Iterator[None]:
+    """Take host ``a``'s only link down (its processes live on, cut off from everything); up again on exit."""
+    ip = ["ip", "-n", tb.netns[a], "link", "set", "eth0"]
+    try:
+        subprocess.run([*ip, "down"], check=True, capture_output=True, timeout=30)
+        yield
+    finally:
+        subprocess.run([*ip, "up"], capture_output=True, timeout=30, check=False)
+
+
 def run(argv: Sequence[str], timeout: float = 120, **kw: object) -> subprocess.CompletedProcess[str]:
     """Run ``argv`` (a list, never a shell string) with a hard timeout, capturing text output."""
     return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False, **kw)  # type: ignore[call-overload]

@@ -46,9 +46,11 @@ echo "tests/run.sh: install $((t1 - t0))s, test bed $((t2 - t1))s"
 # so they run again under every other kernel set torch can pick on this one (ATEN_CPU_CAPABILITY; torch falls back
 # silently to its best one for a value this CPU lacks, so a capability counts only if torch reports it back, and
 # tests/conftest.py stops a run whose requested capability torch does not use).
-NUMERICAL=(
+NUMERICAL_UNIT=(
   tests/unit/engine tests/unit/live/test_copies.py tests/unit/live/test_wire.py tests/unit/config/test_config_build.py
   tests/unit/config/test_config_activation_checkpointing.py
+)
+NUMERICAL=(
   tests/integration/engine/test_zero_equality.py tests/integration/engine/test_loss_scaler.py
   tests/integration/engine/test_ring.py tests/integration/checkpoint/test_ckpt_reshard.py
   tests/integration/checkpoint/test_ckpt_deepspeed_import.py tests/integration/hf/test_hf_models.py
@@ -92,9 +94,14 @@ for cap in default avx2 avx512; do
   [ "$cap" = "$main" ] && { echo "tests/run.sh: ATEN_CPU_CAPABILITY=$cap: the main run's kernels"; continue; }
   [ "$(capability "$cap")" = "$cap" ] || { echo "tests/run.sh: ATEN_CPU_CAPABILITY=$cap: not on this CPU"; continue; }
   t=$(date +%s)
-  ATEN_CPU_CAPABILITY=$cap "$VENV/bin/python" -m pytest -q "${NUMERICAL[@]}"
+  # the single-process ones on two xdist workers, as in the main run
+  ATEN_CPU_CAPABILITY=$cap "$VENV/bin/python" -m pytest -q -n 2 "${NUMERICAL_UNIT[@]}"
   pytest_rc $?
   crc=$?
+  ATEN_CPU_CAPABILITY=$cap "$VENV/bin/python" -m pytest -q "${NUMERICAL[@]}"
+  pytest_rc $?
+  nrc=$?
+  [ "$crc" = 0 ] && crc=$nrc
   echo "tests/run.sh: numerical tests under ATEN_CPU_CAPABILITY=$cap: $([ "$crc" = 0 ] && echo passed || echo "FAILED (exit $crc)") in $(($(date +%s) - t))s"
   [ "$rc" = 0 ] && rc=$crc
 done

@@ -79,6 +79,11 @@ def rankenv_argv(plan: LaunchPlan, *, node_host_env: str | None = None) -> list[
     order: by the node name in ``node_host_env`` when given, else from the transport's block layout.
     """
     a = plan.agent
+    if a.rdzv_endpoint:
+        raise UsageError(
+            f"--rdzv-endpoint {a.rdzv_endpoint}: per-rank mode starts every rank without an agent, so there is no "
+            "rendezvous to point there; drop --per-rank (or --rdzv-endpoint)"
+        )
     argv = [a.python, "-u", "-m", "elasticzero.launch.rankenv", "--node-table", plan.node_table_json()]
     if node_host_env:
         argv += ["--node-host-env", node_host_env]

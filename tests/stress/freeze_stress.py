@@ -28,11 +28,15 @@ REPO = Path(__file__).resolve().parents[2]
 HANG = "tests/integration/elastic/test_hang.py"
 LIVE = "tests/integration/agent/test_live_handoff.py::test_survivors_keep_their_workers_through_kill_join_and_freeze"
 LIVE_E2E = "tests/integration/elastic/test_live_e2e.py"
+STORE_FREEZE = "tests/integration/agent/test_store_host_freeze.py"
+PARTITION = "tests/integration/launch/test_partition.py"
 CASES = {
     "c10d-freeze": "tests/integration/elastic/test_freeze.py::test_frozen_node_survived_fenced_and_rejoins[c10d]",
     "etcd-freeze": "tests/integration/elastic/test_freeze.py::test_frozen_node_survived_fenced_and_rejoins[etcd]",
-    "c10d-store-host-freeze": "tests/integration/agent/test_store_host_freeze.py",
-    "partition": "tests/integration/launch/test_partition.py",
+    "c10d-store-host-freeze": f"{STORE_FREEZE}::test_the_store_hosts_freeze_stops_the_other_node_fast_and_it_rejoins",
+    "etcd-cut-off-rejoin": f"{STORE_FREEZE}::test_an_agent_cut_off_from_etcd_stays_and_rejoins",
+    "partition": f"{PARTITION}::test_a_partitioned_node_is_dropped_and_the_survivor_trains_on",
+    "etcd-partition": f"{PARTITION}::test_the_first_host_cut_off_from_an_etcd_job_rejoins_and_the_job_trains_on",
     "c10d-store-call-window": "tests/integration/agent/test_store_call_bound.py",
     "worker-hang": f"{HANG}::test_a_worker_that_stops_making_progress_is_named_and_the_job_trains_on",
     "worker-stop": f"{HANG}::test_a_stopped_worker_is_named_and_the_job_trains_on",
@@ -48,6 +52,7 @@ TIMINGS = {
     "trains again": re.compile(r"trains again (?:at world 1 )?([\d.]+) s after the (?:freeze|cut)"),
     "first step": re.compile(r"first step done after ([\d.]+) s"),
     "store line": re.compile(r"said why ([\d.]+) s after the store host froze"),
+    "back at world 2": re.compile(r"world 2 again ([\d.]+) s after the (?:store host resumed|heal)"),
     "hang → first step": re.compile(r"-> first step of the new attempt: ([\d.]+)s"),
     "live hand-off (kill)": re.compile(r"saw it ([\d.]+) s after the event"),
     "live example (kill)": re.compile(r"^kill: .* at world 1 ([\d.]+) s after it", re.M),

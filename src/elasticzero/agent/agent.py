@@ -76,6 +76,7 @@ from elasticzero.agent.liveness import Liveness, PeerPlan
 from elasticzero.agent.peers import PeerWatch, StoreLostError
 from elasticzero.agent.proctree import descendants, kill_now, processes_with_env
 from elasticzero.agent.progress import NO_HANG, HangPlan
+from elasticzero.agent.stopsignals import StopSignals
 from elasticzero.agent.tick import (
     Action,
     Continue,
@@ -136,6 +137,7 @@ class ElasticZeroAgent(LocalElasticAgent):
         hang: HangPlan | None = None,
         peers: PeerPlan | None = None,
         live: LivePlan | None = None,
+        stop_signals: StopSignals | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(spec, logs_specs, **kwargs, **agent_shutdown_kwargs(shutdown_timeout))
@@ -150,6 +152,8 @@ class ElasticZeroAgent(LocalElasticAgent):
         self._peers: PeerWatch | None = None  #: watches the current round's participants (peer liveness)
         self._rounds = RoundKeeper(live) if live is not None else None  #: live recovery: this node's round file
         self.last_failure: tuple[int, ProcessFailure] | None = None
+        self._stop_signals = stop_signals  #: the stop-signal handler torch's worker start replaces (stopsignals.py)
+        self.joined = False  #: a rendezvous completed with this node (a store lost after it: this node is cut off)
 
     def remove_health_file(self) -> None:
         """Delete the health file and the workers' progress records (called once the agent is done)."""
@@ -181,6 +185,7 @@ class ElasticZeroAgent(LocalElasticAgent):
         tries = 0
         while True:
             super()._rendezvous(worker_group)
+            self.joined = True
             if self._rounds is None:
                 return
             tries += 1
@@ -195,6 +200,8 @@ class ElasticZeroAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._hang.start()
         pids = super()._start_workers(worker_group)
+        if self._stop_signals is not None:
+            self._stop_signals.reinstall()  # torch's process context just installed its own handler
         self._worker_pids = [int(p) for p in pids.values()]
         self._watch_round(worker_group)
         return pids
@@ -233,6 +240,8 @@ class ElasticZeroAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         """torch's monitor; then this tick's facts, :func:`~elasticzero.agent.tick.decide`, its action."""
         self._hold_for_test()
+        if self._stop_signals is not None:
+            self._stop_signals.raise_if_lost()
         result = super()._monitor_workers(worker_group)
         return self._carry_out(decide(self._tick_facts(worker_group, result)), worker_group, result)
 

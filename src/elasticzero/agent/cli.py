@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,7 @@ from elasticzero.proc import STOP_SIGNALS, check_job_id, exit_status, signal_exi
 
 if TYPE_CHECKING:
     from elasticzero.agent.plan import AgentPlan
+    from elasticzero.agent.stopsignals import StopSignals
 
 PROG = "elasticzero-run"
 logger = logging.getLogger(__name__)
@@ -54,10 +56,11 @@ def _kill_job_argv(argv: Sequence[str]) -> bool:
     return bool(argv) and argv[0].split("=", 1)[0] in ("--kill-job", "--kill_job")
 
 
-def run(argv: Sequence[str] | None, startup_handlers: Mapping[int, object] | None = None) -> int:
+def run(argv: Sequence[str] | None) -> int:
     """Parse, validate, then launch (or kill a job); see the module docstring for exit codes.
 
-    ``startup_handlers`` (from :func:`exit_on_stop_signals`) are put back right before the launch.
+    From the launch on, :class:`~elasticzero.agent.stopsignals.StopSignals` handles the stop signals in place of
+    :func:`exit_on_stop_signals`'s.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if _kill_job_argv(argv):
@@ -66,7 +69,7 @@ def run(argv: Sequence[str] | None, startup_handlers: Mapping[int, object] | Non
     args = parser.parse_args(argv)
     if args.kill_job is not None:
         raise UsageError("--kill-job must be the first flag and cannot be combined with a training script")
-    return _launch(args, startup_handlers or {})
+    return _launch(args)
 
 
 def _kill_job(argv: list[str]) -> int:
@@ -82,7 +85,7 @@ def _kill_job(argv: list[str]) -> int:
     return kill_main(check_job_id(ns.kill_job, "--kill-job"), ns.grace)
 
 
-def _launch(args: argparse.Namespace, startup_handlers: Mapping[int, object]) -> int:
+def _launch(args: argparse.Namespace) -> int:
     """Probe, plan (nothing started on bad input), check, then print the plan (``--dry-run``) or run it."""
     from elasticzero.agent.facts import probe_facts
     from elasticzero.agent.launch import logs_specs_class
@@ -99,30 +102,74 @@ def _launch(args: argparse.Namespace, startup_handlers: Mapping[int, object]) ->
     if args.dry_run:
         print(plan.to_text())
         return 0
-    restore_handlers(startup_handlers)  # from the rendezvous on, torch's signal rules (as for torchrun)
-    return _run(plan)
+    from elasticzero.agent.stopsignals import StopSignals
+
+    stop = StopSignals()  # from the rendezvous on: the first stop signal stops the run, none is raised twice
+    stop.install()
+    try:
+        return _run(plan, stop)
+    finally:
+        stop.leave()  # a signal in the teardown (a finalizer) is noted, never raised: the run's code stands
 
 
-def _run(plan: AgentPlan) -> int:
-    """Run the plan; the exit status (module docstring)."""
+def _run(plan: AgentPlan, stop: StopSignals) -> int:
+    """Run the plan — again, as a new node, while it is cut off from its rendezvous (:mod:`~elasticzero.agent.rejoin`)
+    — and return the exit status (module docstring)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    try:
+        return _run_rejoining(plan, stop)
+    except SignalException as exc:  # between two tries (a run's own stop is _once's)
+        print(f"{PROG}: stopped by {exc.sigval.name}", file=sys.stderr)
+        return signal_exit_code(exc.sigval)
+
+
+def _run_rejoining(plan: AgentPlan, stop: StopSignals) -> int:
+    """:func:`_once`, again while this node is cut off and its time to join again lasts."""
+    from torch.distributed import DistError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from elasticzero.agent.launch import CutOffError
+    from elasticzero.agent.rejoin import GiveUp, cut_off_line, next_try
+
+    cut_at: float | None = None  #: when this node was last cut off (monotonic); None: never
+    while True:
+        try:
+            return _once(plan, stop)
+        except CutOffError as exc:
+            print(f"{PROG}: {cut_off_line(str(exc), plan.rejoin)}", file=sys.stderr, flush=True)
+            if plan.rejoin.timeout_s == 0:
+                return 1
+            cut_at = time.monotonic()
+        except (RendezvousConnectionError, DistError) as exc:
+            if cut_at is None:  # never in a round: the store is not there (a bad endpoint, nothing started yet)
+                print(f"{PROG}: rendezvous failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                return 1
+            step = next_try(plan.rejoin, time.monotonic() - cut_at, f"{type(exc).__name__}: {exc}")
+            if isinstance(step, GiveUp):
+                print(f"{PROG}: {step.line}", file=sys.stderr)
+                return 1
+            time.sleep(step.after_s)
+
+
+def _once(plan: AgentPlan, stop: StopSignals) -> int:
+    """One run of the agent (one rendezvous handler); its exit status, or a store out of reach raised."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousError
 
     from elasticzero.agent.agent import PeerFailedError
     from elasticzero.agent.launch import launch
-    from elasticzero.agent.peers import StoreLostError
 
     try:
-        result, _ = launch(plan)
+        result, _ = launch(plan, stop)
     except SignalException as exc:
         print(f"{PROG}: stopped by {exc.sigval.name}", file=sys.stderr)
         return signal_exit_code(exc.sigval)
     except PeerFailedError as exc:
         print(f"{PROG}: job failed on another node: {exc}", file=sys.stderr)
         return 1
-    except StoreLostError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 1
+    except RendezvousConnectionError:
+        raise  # the caller decides: cut off (join again) or never reached
     except RendezvousError as exc:
         print(f"{PROG}: rendezvous failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -150,7 +197,8 @@ def exit_on_stop_signals() -> dict[int, object]:
 
     Start-up (torch's import, parsing) takes seconds, and ``elasticzero-launch`` execs the agent for the ``local``
     and ``no-ssh`` backends, so a Ctrl-C or SIGTERM meant for the launcher may land here. Returns the previous
-    handlers, which :func:`_launch` puts back before the rendezvous (from there torch's rules apply).
+    handlers (:func:`main` puts them back for an in-process caller); from the launch on
+    :class:`~elasticzero.agent.stopsignals.StopSignals` handles the signals.
     """
 
     def stop(signum: int, _frame: object) -> None:
@@ -173,13 +221,20 @@ def restore_handlers(previous: Mapping[int, object]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console-script entry point of ``elasticzero-run``."""
+    """Console-script entry point of ``elasticzero-run``.
+
+    Called with ``argv`` (in-process: tests, tools) it leaves the caller's signal handlers as they were. As the
+    process's entry (``argv`` None) it keeps its own until the interpreter exits: the teardown after a run (the
+    c10d store's destructor, seconds on the node hosting it) must neither raise a stop signal in a finalizer nor
+    be killed by one at the default action with another exit code.
+    """
     startup = exit_on_stop_signals()
     try:
         logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING").upper())
-        return cli_main(PROG, lambda a: run(a, startup), argv)
+        return cli_main(PROG, run, argv)
     finally:
-        restore_handlers(startup)  # called in-process (tests, tools): leave the caller's handlers as they were
+        if argv is not None:
+            restore_handlers(startup)
 
 
 if __name__ == "__main__":

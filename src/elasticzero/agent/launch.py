@@ -14,10 +14,11 @@ from __future__ import annotations
 import os
 from importlib import metadata
 
+from torch.distributed import DistError
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import _get_addr_and_port
 from torch.distributed.run import run_script_path
@@ -25,8 +26,9 @@ from torch.numa.binding import AffinityMode, NumaOptions
 
 from elasticzero.agent.agent import ElasticZeroAgent, PeerFailedError
 from elasticzero.agent.agentdirs import sweep
-from elasticzero.agent.peers import StoreLostError, bound_store_calls
+from elasticzero.agent.peers import bound_store_calls
 from elasticzero.agent.plan import AgentPlan, LogsPlan, RendezvousPlan
+from elasticzero.agent.stopsignals import StopSignals
 from elasticzero.errors import UsageError
 
 #: torchrun's entry-point group for ``--logs-specs NAME``
@@ -101,8 +103,27 @@ def apply_torch_knobs(plan: AgentPlan) -> None:
         os.environ[name] = value
 
 
-def launch(plan: AgentPlan) -> tuple[RunResult, ElasticZeroAgent]:
-    """Rendezvous, run the workers under :class:`ElasticZeroAgent` until they finish; return the result."""
+class CutOffError(RendezvousConnectionError):
+    """This node was in a round when its rendezvous store stopped answering: its workers are stopped; it may join
+    again (:mod:`elasticzero.agent.rejoin`)."""
+
+
+#: The rendezvous handlers this process was cut off from, kept referenced until it exits — the one lifetime anchor of
+#: the agent process. torch's keep-alive thread holds its handler only through a weak reference while it is not
+#: calling it, and a strong one while it is (blocked in a store call on a store out of reach): a handler dropped by
+#: everyone else is freed *in* that thread, whose timer's finalizer then joins the thread from itself ("Exception
+#: ignored in … RuntimeError: cannot join current thread"); freed in the main thread, the join waits for that store
+#: call (up to its 60 s timeout). Kept, it is never freed: torch's finalizers do not run after the interpreter's
+#: exit hooks. Once this node is dropped from the rendezvous state its keep-alive writes nothing.
+_ABANDONED: list[RendezvousHandler] = []
+
+
+def launch(plan: AgentPlan, stop_signals: StopSignals | None = None) -> tuple[RunResult, ElasticZeroAgent]:
+    """Rendezvous, run the workers under :class:`ElasticZeroAgent` until they finish; return the result.
+
+    ``stop_signals``: the process's stop-signal handler (:mod:`~elasticzero.agent.stopsignals`), taken back from
+    torch after every worker start.
+    """
     logs_specs = build_logs_specs(plan.workers.logs)
     sweep(os.environ, plan.job_id)  # folders of this job's agents killed earlier on this node (a rejoin after one)
     apply_torch_knobs(plan)
@@ -122,6 +143,7 @@ def launch(plan: AgentPlan) -> tuple[RunResult, ElasticZeroAgent]:
         hang=plan.workers.hang,
         peers=plan.peers,
         live=plan.workers.live,
+        stop_signals=stop_signals,
     )
     close_rendezvous = True
     failed = False
@@ -134,10 +156,18 @@ def launch(plan: AgentPlan) -> tuple[RunResult, ElasticZeroAgent]:
     except SignalException:
         close_rendezvous = False  # closing would end the run for every node; a signalled node just leaves
         raise
-    except (PeerFailedError, StoreLostError):
+    except PeerFailedError:
         # the failing node closes the rendezvous itself, and it may host the store and leave as soon as we saw
-        # its mark: closing again would only meet a dead store (a store lost to a frozen host: it would hang)
+        # its mark: closing again would only meet a dead store
         close_rendezvous = False
+        raise
+    except (RendezvousConnectionError, DistError) as exc:
+        # the store is out of reach (a c10d store lost to a frozen host: closing would hang; a node trying to
+        # join again must never close the job's rendezvous for the others)
+        close_rendezvous = False
+        if agent.joined:
+            _ABANDONED.append(spec.rdzv_handler)
+            raise CutOffError(str(exc)) from exc
         raise
     finally:
         agent.remove_health_file()

@@ -187,10 +187,10 @@ def dropped_line(plan: PeerPlan) -> str:
 
 
 def store_lost_line(plan: PeerPlan, silent_s: float) -> str:
-    """The one line for a c10d store whose host stopped answering."""
+    """Why a c10d store's silence stops this node (the agent adds what it does next: agent/rejoin.py)."""
     return (
         f"the c10d rendezvous store at {plan.store_in_agent} has not answered for {silent_s:.1f} s (peer timeout "
-        f"{plan.timeout_s} s): the node hosting it is frozen or cut off, and a c10d rendezvous cannot survive its "
-        "store host; this node stops its workers and exits. To train on when any node freezes, use an etcd "
-        "rendezvous (--rdzv-backend elasticzero --rdzv-endpoint etcd://HOST:2379)"
+        f"{plan.timeout_s} s): the node hosting it is frozen or cut off, or this node is (a c10d rendezvous cannot "
+        "survive its store host; to train on when any node freezes, use an etcd rendezvous: --rdzv-endpoint "
+        "etcd://HOST:2379)"
     )

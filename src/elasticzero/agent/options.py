@@ -101,6 +101,14 @@ def add_agent_flags(parser: argparse.ArgumentParser) -> None:
         "what --rdzv-conf keep_alive_interval * keep_alive_max_attempt gives; torch's 15 with --torch-rdzv-defaults)",
     )
     g.add_argument(
+        "--rejoin-timeout",
+        "--rejoin_timeout",
+        metavar="SECONDS",
+        help="cut off from the rendezvous (its store silent for the peer timeout), this node stops its workers and "
+        "tries to join again as a new node for this long (whole seconds; default: the rendezvous's join timeout; "
+        "0: exit at once)",
+    )
+    g.add_argument(
         "--live-recovery",
         "--live_recovery",
         action="store_true",

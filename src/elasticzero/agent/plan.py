@@ -36,6 +36,7 @@ from elasticzero.agent.nodetable import (
 )
 from elasticzero.agent.options import DYNAMIC_BACKENDS, IDENTITY_FLAGS, rdzv_config, store_in_agent
 from elasticzero.agent.progress import NO_HANG, HangPlan, hang_plan
+from elasticzero.agent.rejoin import DEFAULT_REJOIN, RejoinPlan, rejoin_plan
 from elasticzero.errors import UsageError
 from elasticzero.proc import check_job_id
 from elasticzero.torchcompat import DEFAULT_SHUTDOWN_TIMEOUT
@@ -155,6 +156,8 @@ class AgentPlan:
     monitor_hold_file: str | None = None  #: the test hook :data:`MONITOR_HOLD_ENV`
     elastic_config: str | None = None
     error_file: str | None = None  #: the agent's own ``TORCHELASTIC_ERROR_FILE`` (the root cause is copied there)
+    #: how long a node cut off from its rendezvous tries to join again (:mod:`elasticzero.agent.rejoin`)
+    rejoin: RejoinPlan = DEFAULT_REJOIN
 
     def to_json(self) -> dict[str, Any]:
         """The plan as ``elasticzero-run --dry-run`` prints it."""
@@ -178,6 +181,7 @@ class AgentPlan:
             "collective": {**_plain(self.collective), "env": dict(self.collective.env)},
             "hang": _plain(w.hang),
             "peers": None if self.peers is None else _plain(self.peers),
+            "rejoin": _plain(self.rejoin),
             "live_recovery": None if w.live is None else {**_plain(w.live), "round_file": w.live.round_file},
             "health_file": self.health_file,
             "elastic_config": self.elastic_config,
@@ -484,4 +488,5 @@ def plan_agent(args: argparse.Namespace, environ: Mapping[str, str], facts: Agen
         monitor_hold_file=environ.get(MONITOR_HOLD_ENV),
         elastic_config=args.elastic_config,
         error_file=environ.get("TORCHELASTIC_ERROR_FILE"),
+        rejoin=rejoin_plan(args.rejoin_timeout, user_conf),
     )

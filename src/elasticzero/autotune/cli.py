@@ -66,6 +66,7 @@ REFUSED = {
     "nnodes": "--nnodes: experiments are not elastic; set autotuning.nodes instead",
     "rdzv_id": "--job-id: every experiment gets its own job id",
     "master_addr": "--master-addr: each experiment's rendezvous runs on its reservation's first host",
+    "rdzv_endpoint": "--rdzv-endpoint: each experiment's rendezvous runs on its reservation's first host",
     "log_dir": "--log-dir: per-rank logs go to each experiment's ranks/ directory",
 }
 

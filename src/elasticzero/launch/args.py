@@ -150,6 +150,13 @@ def build_parser(prog: str = PROG, usage: str | None = None) -> argparse.Argumen
         help="elasticzero YAML / DeepSpeed JSON: refuse --nnodes allowing a world size with no batch plan",
     )
     a.add_argument("--rdzv-backend", "--rdzv_backend", metavar="NAME", help="rendezvous backend (elasticzero)")
+    a.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        metavar="URL",
+        help="the rendezvous store instead of --master-addr/--master-port: HOST:PORT (c10d) or "
+        "etcd://H:P[,H:P…] / etcds://… (etcd v3; TLS and user in --rdzv-conf, the password from the environment)",
+    )
     a.add_argument("--rdzv-conf", "--rdzv_conf", metavar="K=V,…", help="rendezvous configuration")
     a.add_argument("--rdzv-id", "--rdzv_id", "--job-id", "--job_id", dest="rdzv_id", metavar="ID", help="job id")
     a.add_argument("--max-restarts", "--max_restarts", type=_nonneg_int, default=0, metavar="N")
@@ -159,6 +166,13 @@ def build_parser(prog: str = PROG, usage: str | None = None) -> argparse.Argumen
         "--peer_timeout",
         metavar="SECONDS",
         help="a node silent this long is gone; the others re-form without it (elasticzero-run --peer-timeout)",
+    )
+    a.add_argument(
+        "--rejoin-timeout",
+        "--rejoin_timeout",
+        metavar="SECONDS",
+        help="a node cut off from the rendezvous tries to join again this long (elasticzero-run --rejoin-timeout; "
+        "default: the join timeout)",
     )
     a.add_argument(
         "--live-recovery",

@@ -33,18 +33,17 @@ from pathlib import Path
 
 from elasticzero.agent.handoff import check_live_recovery
 from elasticzero.agent.liveness import parse_peer_timeout
+from elasticzero.agent.rejoin import rejoin_plan
 from elasticzero.errors import UsageError, cli_main
 from elasticzero.launch import backend as backend_mod
-from elasticzero.launch.args import DEFAULT_MASTER_PORT, PROG, parse_args
+from elasticzero.launch.args import PROG, parse_args
 from elasticzero.launch.envexport import export_env
-from elasticzero.launch.hostfile import host_problem, is_loopback, normalize_host
 from elasticzero.launch.plan import MASK, AgentOptions, BoundPlan, LaunchPlan, NodeSpec, is_secret, mask_value
-from elasticzero.launch.resources import LOCALHOST, select_pool
+from elasticzero.launch.rdzv import JobShape, RendezvousFlags, RendezvousTarget, exported_password, rendezvous_target
+from elasticzero.launch.resources import select_pool
 from elasticzero.proc import check_job_id
 
 _NNODES = re.compile(r"(\d+)(?::(\d+))?")
-#: backends that only ever start this machine's node
-SINGLE_NODE_BACKENDS = frozenset({"local"})
 #: the pid file inside the private directory made when ``$XDG_RUNTIME_DIR`` is not usable
 PID_FILE_NAME = "launcher.pid"
 #: flags that set a backend option: flag → (option, its value from the parsed flags, or None when not given)
@@ -79,56 +78,12 @@ def _nnodes(spec: str | None, n_nodes: int) -> str:
     return spec
 
 
-def _rdzv_conf(text: str | None) -> tuple[tuple[str, str], ...]:
-    if not text:
-        return ()
-    pairs = []
-    for item in text.split(","):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise UsageError(f"--rdzv-conf {text!r}: bad item {item!r}; expected KEY=VALUE[,KEY=VALUE…]")
-        pairs.append((key.strip(), value.strip()))
-    return tuple(pairs)
-
-
 def _launcher_args(text: str) -> tuple[str, ...]:
     """``--launcher-args`` split with shell rules; unbalanced quotes are a :class:`UsageError`."""
     try:
         return tuple(shlex.split(text))
     except ValueError as exc:  # "No closing quotation", "No escaped character"
         raise UsageError(f"--launcher-args {text!r}: {exc}; balance the quotes") from None
-
-
-def _master_addr(addr: str | None) -> str | None:
-    if addr is None:
-        return None
-    host = normalize_host(addr)
-    if host is None:
-        raise UsageError(f"--master-addr: {host_problem(addr)}")
-    return host
-
-
-def _check_master_reachable(master_addr: str, explicit: bool, n_nodes: int, nnodes: str, backend: str) -> None:
-    """A rendezvous on a loopback address with more than one node is a split brain: refuse it.
-
-    More than one node means: several nodes in the plan, or an elastic ``--nnodes MIN:MAX`` with MAX > 1 on a
-    backend that can start other machines. Only the literal text is checked (no DNS).
-    """
-    max_nodes = int(nnodes.rpartition(":")[2])
-    elastic = max_nodes > 1 and backend not in SINGLE_NODE_BACKENDS
-    if not is_loopback(master_addr) or (n_nodes <= 1 and not elastic):
-        return
-    what = f"{n_nodes} nodes" if n_nodes > 1 else f"up to {max_nodes} nodes (--nnodes {nnodes})"
-    where = f"--master-addr {master_addr}" if explicit else f"the first host {master_addr!r}"
-    fix = (
-        "pass --master-addr with the first host's routable name or address"
-        if explicit
-        else "list the first host by a name or address the other nodes can reach, or pass --master-addr ADDR"
-    )
-    raise UsageError(
-        f"rendezvous on {where} is a loopback address but the job spans {what}: every node would host its own "
-        f"rendezvous (split brain); {fix}"
-    )
 
 
 def _check_elastic_config(path: str, nnodes: str, nodes: Sequence[NodeSpec]) -> None:
@@ -257,15 +212,12 @@ def _plan(
     pool = select_pool(args, env, detect_gpus)
     nodes = tuple(NodeSpec(host, rank, slots) for rank, (host, slots) in enumerate(pool.items()))
     name = _launcher_name(args, len(nodes))
-    first = nodes[0].host
-    explicit_master = _master_addr(args.master_addr)
     nnodes = _nnodes(args.nnodes, len(nodes))
-    _check_master_reachable(explicit_master or first, explicit_master is not None, len(nodes), nnodes, name)
+    rdzv = rendezvous_target(_rdzv_flags(args), JobShape(nodes[0].host, len(nodes), nnodes, name))
     if args.elastic_config is not None:
         _check_elastic_config(os.path.join(cwd, args.elastic_config), nnodes, nodes)
-    master_addr = explicit_master or ("127.0.0.1" if first == LOCALHOST else first)
     home = Path(env["HOME"]) if env.get("HOME") else None
-    exported = export_env(env, args.export, args.export_prefix, home=home, cwd=Path(cwd))
+    exported = exported_password(rdzv, export_env(env, args.export, args.export_prefix, home=home, cwd=Path(cwd)), env)
     launcher_args = _launcher_args(args.launcher_args)
     cls = backend_mod.launcher_class(name)
     options, sources = _launcher_options(args, cls)
@@ -273,11 +225,11 @@ def _plan(
         job_id=args.rdzv_id or make_job_id(),
         backend=name,
         nodes=nodes,
-        master_addr=master_addr,
-        master_port=args.master_port or DEFAULT_MASTER_PORT,
+        master_addr=rdzv.master_addr,
+        master_port=rdzv.master_port,
         entry=tuple(entry),
         cwd=cwd,
-        agent=_agent_options(args, nnodes, cwd),
+        agent=_agent_options(args, nnodes, cwd, rdzv),
         env=exported,
         launcher_args=launcher_args,
         options=options,
@@ -285,22 +237,28 @@ def _plan(
     return plan, cls, sources
 
 
-def _live_recovery(args: argparse.Namespace) -> bool:
+def _rdzv_flags(args: argparse.Namespace) -> RendezvousFlags:
+    return RendezvousFlags(args.rdzv_backend, args.rdzv_endpoint, args.master_addr, args.master_port, args.rdzv_conf)
+
+
+def _live_recovery(args: argparse.Namespace, rdzv_backend: str) -> bool:
     """``--live-recovery``, checked against the backend every agent will get (one line, nothing launched)."""
     if args.live_recovery:
-        check_live_recovery(args.rdzv_backend or AgentOptions.rdzv_backend)
+        check_live_recovery(rdzv_backend)
     return bool(args.live_recovery)
 
 
-def _agent_options(args: argparse.Namespace, nnodes: str, cwd: str) -> AgentOptions:
+def _agent_options(args: argparse.Namespace, nnodes: str, cwd: str, rdzv: RendezvousTarget) -> AgentOptions:
     return AgentOptions(
         nnodes=nnodes,
-        rdzv_backend=args.rdzv_backend or AgentOptions.rdzv_backend,
-        rdzv_conf=_rdzv_conf(args.rdzv_conf),
+        rdzv_backend=rdzv.backend,
+        rdzv_conf=rdzv.conf,
+        rdzv_endpoint=rdzv.endpoint,
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,
         peer_timeout=None if args.peer_timeout is None else parse_peer_timeout(args.peer_timeout),
-        live_recovery=_live_recovery(args),
+        rejoin_timeout=None if args.rejoin_timeout is None else rejoin_plan(args.rejoin_timeout, {}).timeout_s,
+        live_recovery=_live_recovery(args, rdzv.backend),
         log_dir=os.path.join(cwd, args.log_dir) if args.log_dir else None,
         redirects=args.redirects,
         tee=args.tee,
@@ -327,7 +285,7 @@ def render_plan(bound: BoundPlan) -> str:
         f"  job id:    {plan.job_id}",
         f"  backend:   {plan.backend}",
         f"  world:     {plan.world_size} rank(s) on {len(plan.nodes)} node(s); nnodes {plan.agent.nnodes}",
-        f"  endpoint:  {plan.master_addr}:{plan.master_port} (rdzv {plan.agent.rdzv_backend})",
+        f"  endpoint:  {plan.rdzv_endpoint} (rdzv {plan.agent.rdzv_backend})",
         f"  cwd:       {shlex.quote(plan.cwd)}",
         f"  entry:     {shlex.join(plan.entry)}",
         "  nodes:",

@@ -59,10 +59,13 @@ class AgentOptions:
     nnodes: str  # "N" or "MIN:MAX"
     rdzv_backend: str = "elasticzero"
     rdzv_conf: tuple[tuple[str, str], ...] = ()
+    #: ``--rdzv-endpoint``'s etcd URL (``etcd://H:P,…``); ``None``: the c10d store at the plan's master address
+    rdzv_endpoint: str | None = None
     max_restarts: int = 0
     monitor_interval: float | None = None
     peer_timeout: int | None = None  #: ``--peer-timeout`` (elasticzero.agent.liveness); None: the agent's default
     live_recovery: bool = False  #: ``--live-recovery`` (elasticzero.agent.handoff)
+    rejoin_timeout: int | None = None  #: ``--rejoin-timeout`` (elasticzero.agent.rejoin); None: the agent's default
     log_dir: str | None = None
     redirects: str | None = None
     tee: str | None = None
@@ -101,6 +104,11 @@ class LaunchPlan:
         """The node table every agent receives: ``[[host, [slot, …]], …]`` in node-rank order."""
         return json.dumps([[n.host, list(n.slots)] for n in self.nodes], separators=(",", ":"))
 
+    @property
+    def rdzv_endpoint(self) -> str:
+        """The ``--rdzv-endpoint`` every agent gets: the etcd URL, else the c10d store's ``HOST:PORT``."""
+        return self.agent.rdzv_endpoint or f"{_host_for_url(self.master_addr)}:{self.master_port}"
+
     def agent_argv(self, identity: list[str]) -> list[str]:
         """The ``elasticzero-run`` argv for a node.
 
@@ -113,8 +121,7 @@ class LaunchPlan:
         # runpy frames under ``-m`` make every such call scan sys.modules (~20 ms each, ~0.15 s per start)
         argv = [a.python, "-u", "-X", "frozen_modules=off", "-m", "elasticzero.agent.cli"]
         argv += ["--nnodes", a.nnodes, "--node-table", self.node_table_json(), *identity]
-        endpoint = f"{_host_for_url(self.master_addr)}:{self.master_port}"
-        argv += ["--rdzv-backend", a.rdzv_backend, "--rdzv-endpoint", endpoint]
+        argv += ["--rdzv-backend", a.rdzv_backend, "--rdzv-endpoint", self.rdzv_endpoint]
         argv += ["--rdzv-id", self.job_id]
         if a.rdzv_conf:
             argv += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in a.rdzv_conf)]
@@ -123,6 +130,8 @@ class LaunchPlan:
             argv += ["--monitor-interval", str(a.monitor_interval)]
         if a.peer_timeout is not None:
             argv += ["--peer-timeout", str(a.peer_timeout)]
+        if a.rejoin_timeout is not None:
+            argv += ["--rejoin-timeout", str(a.rejoin_timeout)]
         if a.live_recovery:
             argv += ["--live-recovery"]
         if a.log_dir:
@@ -147,6 +156,8 @@ class LaunchPlan:
             "world_size": self.world_size,
             "master_addr": self.master_addr,
             "master_port": self.master_port,
+            "rdzv_backend": self.agent.rdzv_backend,
+            "rdzv_endpoint": self.rdzv_endpoint,
             "nodes": [{"host": n.host, "node_rank": n.node_rank, "slots": list(n.slots)} for n in self.nodes],
             "env": {k: mask_value(k, v) for k, v in sorted(self.env.items())},
             "options": {k: MASK if is_secret(k) else v for k, v in sorted(self.options.items())},

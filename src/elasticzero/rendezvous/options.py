@@ -46,6 +46,23 @@ KNOWN_KEYS = frozenset(
 )
 
 
+#: keys only an etcd endpoint reads, and keys only a c10d endpoint reads (:func:`misplaced_keys`)
+ETCD_ONLY_KEYS = frozenset(
+    {"cacert", "cert", "key", "user", "password_env", "lease_ttl", "connect_timeout", "retry_timeout", "prefix"}
+)
+C10D_ONLY_KEYS = frozenset({"is_host", "store_type"})
+
+
+def misplaced_keys(kind: str, conf: Mapping[str, Any]) -> list[str]:
+    """The keys of ``conf`` the store ``kind`` (``"c10d"`` or ``"etcd"``) never reads, sorted.
+
+    The handler ignores them; a front-end that knows the endpoint refuses them (``user=`` without an etcd endpoint
+    is a forgotten ``--rdzv-endpoint``, not a setting).
+    """
+    other = ETCD_ONLY_KEYS if kind == "c10d" else C10D_ONLY_KEYS
+    return sorted(set(conf) & other)
+
+
 @dataclass(frozen=True)
 class EtcdOptions:
     """Connection and lease settings of the etcd v3 backend."""

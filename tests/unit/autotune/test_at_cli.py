@@ -50,6 +50,7 @@ def _run(tmp_path: Path, monkeypatch, capsys, tuning: str, extra: list[str] | No
         ("autotuning: {arg_mappings: {nope: --x}}\n", [], "config key 'nope' is not set"),
         ("", ["--no-ssh"], "--no-ssh: the tuner starts every experiment itself"),
         ("", ["--job-id", "x"], "--job-id: every experiment gets its own job id"),
+        ("", ["--rdzv-endpoint", "etcd://e1"], "--rdzv-endpoint: each experiment's rendezvous runs on its"),
         ("", ["--save-pid"], "--save-pid is not supported with autotuning"),
         ("", ["--tuning", "missing.yaml"], "missing.yaml: cannot read config"),
         ("", ["--config-flag=--cfg"], "the script arguments have no --cfg FILE"),

@@ -168,3 +168,15 @@ def test_zero_config_is_a_command_line_flag(hf: Any, tmp_path: Path) -> None:
     argv = ["--output_dir", str(tmp_path), "--zero_config", "ds_config.json", "--use_cpu", "--report_to", "none"]
     (args,) = HfArgumentParser(hf.ZeroTrainingArguments).parse_args_into_dataclasses(argv)
     assert args.zero_config == "ds_config.json" and hf.zero_source(None, args) == "ds_config.json"
+
+
+def test_the_trainer_internals_the_door_relies_on_are_there(hf: Any) -> None:
+    """Canaries: the non-public ``Trainer`` names ``ZeroTrainer`` calls still mean what it relies on (the pinned
+    transformers has them; a release that drops or changes one fails here, naming it)."""
+    import inspect
+
+    from transformers import Trainer
+
+    params = list(inspect.signature(Trainer._prepare_inputs).parameters)
+    assert params == ["self", "inputs"], f"transformers changed Trainer._prepare_inputs{params}; used in hf.py"
+    assert "_prepare_input(" in inspect.getsource(Trainer._prepare_inputs)  # moves the batch to the device

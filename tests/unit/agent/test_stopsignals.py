@@ -1,0 +1,55 @@
+"""agent/stopsignals.py: the first stop signal raises torch's SignalException, no later one does."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+
+import pytest
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
+from elasticzero.agent.stopsignals import StopSignals, decide
+from elasticzero.proc import STOP_SIGNALS
+
+
+@pytest.fixture
+def handlers() -> Iterator[None]:
+    """Put this process's stop-signal handlers back after the test."""
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+def test_the_rule() -> None:
+    assert decide(None, leaving=False) == "raise"
+    assert decide(signal.SIGTERM, leaving=False) == "note"
+    assert decide(None, leaving=True) == "note"
+    assert decide(signal.SIGINT, leaving=True) == "note"
+
+
+def test_first_raises_later_ones_are_noted_and_torch_is_overruled(handlers: None) -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nohup
+    stop = StopSignals()
+    stop.install()
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.default_int_handler)  # as torch's process context does at each worker start
+    stop.reinstall()
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN  # still ignored
+    assert signal.getsignal(signal.SIGTERM) == stop.handle
+    with pytest.raises(SignalException) as exc:
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert exc.value.sigval == signal.SIGTERM
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGQUIT)
+    assert (stop.first, stop.noted) == (signal.SIGTERM, [signal.SIGINT, signal.SIGQUIT])
+    with pytest.raises(SignalException):  # the run went on after the first: its raise was lost
+        stop.raise_if_lost()
+    stop.leave()
+    stop.raise_if_lost()  # over: nothing to raise
+    assert all(signal.getsignal(s) is signal.SIG_IGN for s in STOP_SIGNALS)
+    os.kill(os.getpid(), signal.SIGTERM)  # ignored: the process lives on

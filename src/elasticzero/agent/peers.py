@@ -19,13 +19,29 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import psutil
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousHandler, RendezvousInfo
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from elasticzero.agent.liveness import Liveness, PeerPlan, Snapshot, judge, store_lost_line
 
 #: etcd: seconds between two reads of the state (one small range request per agent each); c10d reads every monitor
 #: tick, since the read is also the probe that keeps the tick from blocking on a store whose host froze
 READ_PERIOD_S = 0.5
+#: torch's c10d rendezvous port when the endpoint names none (``c10d_rendezvous_backend``)
+C10D_DEFAULT_PORT = 29400
+
+
+def hosts_store(store: str | None) -> bool:
+    """Whether this process hosts the c10d store at ``store`` (``host:port``): it listens on that port. Such a store
+    is no peer's: a read of it left unanswered for the peer timeout means this process itself was starved of CPU (or
+    stopped), never that the node hosting it froze — judged so, a starved single-node job would stop itself."""
+    if store is None:
+        return False
+    _, port = parse_rendezvous_endpoint(store, default_port=C10D_DEFAULT_PORT)
+    proc = psutil.Process()
+    listing = getattr(proc, "net_connections", None) or proc.connections  # psutil >= 6 renamed it
+    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in listing(kind="tcp"))
 
 
 class StoreLostError(RendezvousConnectionError):
@@ -48,6 +64,8 @@ class PeerWatch:
     def __init__(self, handler: Any, plan: PeerPlan) -> None:
         self._handler = handler
         self.plan = plan
+        #: the store lives in a peer's agent (c10d), not in this process: its silence is that peer's
+        self.store_is_a_peer = plan.store_in_agent is not None and not hosts_store(plan.store_in_agent)
         self.this_node = repr(handler._this_node)
         self.round_nodes = self._participants()
         #: the last answered read: heartbeats and when (before the first: everyone just joined, as of now)
@@ -97,7 +115,7 @@ class PeerWatch:
                 self.closed = read.closed
         wait = 0.0 if self._unanswered_since is None else now() - self._unanswered_since
         snap = Snapshot(self.this_node, self.round_nodes, self._beats, self._read_at, wait)
-        return judge(snap, self.plan.timeout_s, self.plan.store_in_agent is not None)
+        return judge(snap, self.plan.timeout_s, self.store_is_a_peer)
 
     def _start_read(self, t: float) -> None:
         self._read, self._next_read = _Read(), t + READ_PERIOD_S
@@ -193,7 +211,8 @@ class BoundedStoreHandler(RendezvousHandler):
 
 
 def bound_store_calls(handler: RendezvousHandler, plan: PeerPlan | None) -> RendezvousHandler:
-    """``handler`` with its monitor-tick store call bounded where a peer agent hosts the store (c10d), else itself."""
-    if plan is None or plan.store_in_agent is None:
+    """``handler`` with its monitor-tick store call bounded where a peer agent hosts the store (c10d), else itself
+    (this process hosting it too: its own store is never lost)."""
+    if plan is None or plan.store_in_agent is None or hosts_store(plan.store_in_agent):
         return handler
     return BoundedStoreHandler(handler, plan)

@@ -77,3 +77,22 @@ def test_etcd_and_a_local_store_keep_torchs_handler(store_host: subprocess.Popen
     handler = handler_on(int(store_host.stdout.readline()))
     assert bound_store_calls(handler, plan(4, None)) is handler  # etcd: no agent hosts the store
     assert bound_store_calls(handler, None) is handler  # peer liveness off (static rendezvous)
+
+
+def test_a_store_this_process_hosts_is_no_peer(store_host: subprocess.Popen[str]) -> None:
+    """The agent that hosts the c10d store (the first node; a single-node job's only one) never takes its own
+    store's silence for a frozen host: a starved process would stop its own healthy job. Another process's store
+    (``store_host``) is a peer's; one served here is not — torch's handler is kept, and the watch judges no store."""
+    from elasticzero.agent.peers import PeerWatch, hosts_store
+
+    assert store_host.stdout is not None
+    theirs = int(store_host.stdout.readline())
+    assert not hosts_store(f"127.0.0.1:{theirs}")
+    here = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    own = f"127.0.0.1:{here.port}"
+    assert hosts_store(own)
+    handler = handler_on(here.port)
+    assert bound_store_calls(handler, plan(3, own)) is handler
+    watch = PeerWatch(handler, plan(3, own))
+    assert watch.store_is_a_peer is False
+    assert PeerWatch(handler, plan(3, f"127.0.0.1:{theirs}")).store_is_a_peer is True

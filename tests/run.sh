@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The full test suite, from a fresh clone, as root: installs everything (apt + a venv with torch==2.13.0 CPU),
 # brings up the real-part test bed (namespace hosts with sshd, pdsh, OpenMPI, MPICH, Slurm; etcd servers are
-# started by the tests), runs ruff and pytest, then the numerical tests again under every other CPU kernel set torch
-# supports here (ATEN_CPU_CAPABILITY), then unit tests and a smoke on every other supported torch version
-# (tests/torch_range.sh), and tears the test bed down again.
+# started by the tests), runs ruff, mypy and the unit tests, then two streams side by side: the integration tests
+# whose processes mostly wait (agents, rendezvous, launches, live rounds, the tuner) at normal priority, and at nice
+# 10 the CPU-bound rest, then the numerical tests again under every other CPU kernel set torch supports here
+# (ATEN_CPU_CAPABILITY), then unit tests and a smoke on every other supported torch version (tests/torch_range.sh);
+# and tears the test bed down again.
 #   bash tests/run.sh [pytest args…]          (pytest args replace the main run's default: the single-process unit
 #                                              tests on 2 xdist workers, then the rest serially; EZ_KEEP_TESTBED=1 leaves
 #                                              the test bed up; EZ_SKIP_TORCH_RANGE=1 skips the torch versions other
@@ -68,15 +70,88 @@ capability() {
 # pytest exit 5 = no tests collected: that is a broken suite, not a pass
 pytest_rc() { local rc=$1; [ "$rc" = 5 ] && { echo "tests/run.sh: pytest collected no tests" >&2; rc=1; }; return "$rc"; }
 
+LOW=()  # the command prefix of the busy stream (below: nice -n 10)
+# numerical_reruns → 0 when the numerical tests pass under every other CPU kernel set this CPU has
+numerical_reruns() {
+  local main cap t crc nrc rc=0
+  main=$(capability "${ATEN_CPU_CAPABILITY:-}")  # the kernels the main run used
+  for cap in default avx2 avx512; do
+    [ "$cap" = "$main" ] && { echo "tests/run.sh: ATEN_CPU_CAPABILITY=$cap: the main run's kernels"; continue; }
+    [ "$(capability "$cap")" = "$cap" ] || { echo "tests/run.sh: ATEN_CPU_CAPABILITY=$cap: not on this CPU"; continue; }
+    t=$(date +%s)
+    # the single-process ones on two xdist workers, as in the main run
+    ATEN_CPU_CAPABILITY=$cap "${LOW[@]}" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 "${NUMERICAL_UNIT[@]}"
+    pytest_rc $?
+    crc=$?
+    ATEN_CPU_CAPABILITY=$cap "${LOW[@]}" "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${NUMERICAL[@]}"
+    pytest_rc $?
+    nrc=$?
+    [ "$crc" = 0 ] && crc=$nrc
+    echo "tests/run.sh: numerical tests under ATEN_CPU_CAPABILITY=$cap: $([ "$crc" = 0 ] && echo passed || echo "FAILED (exit $crc)") in $(($(date +%s) - t))s"
+    [ "$rc" = 0 ] && rc=$crc
+  done
+  return "$rc"
+}
+
+# torch_range_stage → 0 when the unit tests and the smoke pass on every other supported torch (each from a venv cached
+# outside the clone)
+torch_range_stage() {
+  local t trc
+  [ -n "${EZ_SKIP_TORCH_RANGE:-}" ] && return 0
+  t=$(date +%s)
+  # the installs started at the beginning (a failed one is no failure here: the stage installs what is missing
+  # itself); polled, as this may run in a subshell that cannot wait for its parent's child
+  while [ -n "${prepare_pid:-}" ] && kill -0 "$prepare_pid" 2>/dev/null; do sleep 2; done
+  grep '^tests/torch_range.sh' "$prepare_log"
+  echo "tests/run.sh: torch range installs waited for: $(($(date +%s) - t))s"
+  "${LOW[@]}" bash tests/torch_range.sh
+  trc=$?
+  echo "tests/run.sh: torch range: $([ "$trc" = 0 ] && echo passed || echo "FAILED (exit $trc)") in $(($(date +%s) - t))s"
+  return "$trc"
+}
+
+# The integration tests' two kinds, run side by side on the 2 cores: WAITING — agents, rendezvous, launches over the
+# test bed, live rounds, the tuner's trials: processes that mostly wait (peer timeouts, rendezvous rounds, restarts),
+# whose assertions bound wall time (a frozen node found within seconds, the tuner's best by measured latency) — at
+# normal priority, and BUSY — the rest (engine, checkpoints, Hugging Face models, the front doors, the benches:
+# ranks computing, no clock in their assertions) — then the numerical reruns and the torch range, at nice 10: they
+# take the CPU the waiting tests leave idle and yield it the moment those need it (the kernel's weights are ~10:1).
+WAITING=(tests/integration/agent tests/integration/elastic tests/integration/launch tests/integration/live
+  tests/integration/rendezvous tests/integration/autotune)
+BUSY=()
+for d in tests/integration/*/; do
+  [[ " ${WAITING[*]} " == *" ${d%/} "* ]] || BUSY+=("${d%/}")
+done
+
+# busy_stream → the BUSY integration tests, the numerical reruns and the torch range, in turn (its exit: the first
+# failure's)
+busy_stream() {
+  local rc=0 brc t
+  t=$(date +%s)
+  "${LOW[@]}" "$VENV/bin/python" -m pytest -q -p no:cacheprovider --basetemp="$busy_tmp" --durations=15 "${BUSY[@]}"
+  pytest_rc $?
+  rc=$?
+  echo "tests/run.sh: integration tests, busy: $([ "$rc" = 0 ] && echo passed || echo "FAILED (exit $rc)") in $(($(date +%s) - t))s"
+  numerical_reruns
+  brc=$?
+  [ "$rc" = 0 ] && rc=$brc
+  torch_range_stage
+  brc=$?
+  [ "$rc" = 0 ] && rc=$brc
+  return "$rc"
+}
+
 set +e
 if [ $# -gt 0 ]; then
   "$VENV/bin/python" -m pytest -q "$@"
   pytest_rc $?
   rc=$?
+  numerical_reruns || { [ "$rc" = 0 ] && rc=1; }
+  torch_range_stage || { [ "$rc" = 0 ] && rc=1; }
 else
   # the unit tests are independent and single-process: two xdist workers, one per core; those that start several
-  # torch processes (marker multiproc) and the integration tests (real process groups: agents, ranks, test-bed
-  # hosts) stay serial
+  # torch processes (marker multiproc) stay serial
+  t=$(date +%s)
   "$VENV/bin/python" -m pytest -q -n 2 -m "not multiproc" tests/unit
   pytest_rc $?
   rc=$?
@@ -84,39 +159,26 @@ else
   urc=$?
   [ "$urc" = 5 ] && urc=0  # no multi-process unit test is no broken suite
   [ "$rc" = 0 ] && rc=$urc
-  "$VENV/bin/python" -m pytest -q --durations=30 tests/integration  # the slowest 30 listed: where CI time goes
+  echo "tests/run.sh: unit tests: $([ "$rc" = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t))s"
+  busy_tmp=$(mktemp -d /tmp/elasticzero-busy.XXXXXX)
+  busy_log="$busy_tmp.log"
+  echo "tests/run.sh: integration tests, busy (${BUSY[*]}), then the numerical reruns and the torch range: at nice 10 beside the waiting ones; their output follows theirs"
+  (LOW=(nice -n 10); busy_stream) >"$busy_log" 2>&1 &
+  busy_pid=$!
+  t=$(date +%s)
+  "$VENV/bin/python" -m pytest -q --durations=15 "${WAITING[@]}"  # the slowest listed: where CI time goes
   pytest_rc $?
   irc=$?
+  echo "tests/run.sh: integration tests, waiting: $([ "$irc" = 0 ] && echo passed || echo "FAILED (exit $irc)") in $(($(date +%s) - t))s"
   [ "$rc" = 0 ] && rc=$irc
+  wait "$busy_pid"
+  brc=$?
+  cat "$busy_log"
+  echo "tests/run.sh: the busy stream ended $(($(date +%s) - t))s after the waiting tests began"
+  rm -rf "$busy_tmp" "$busy_log"
+  [ "$rc" = 0 ] && rc=$brc
 fi
-main=$(capability "${ATEN_CPU_CAPABILITY:-}")  # the kernels the main run used
-for cap in default avx2 avx512; do
-  [ "$cap" = "$main" ] && { echo "tests/run.sh: ATEN_CPU_CAPABILITY=$cap: the main run's kernels"; continue; }
-  [ "$(capability "$cap")" = "$cap" ] || { echo "tests/run.sh: ATEN_CPU_CAPABILITY=$cap: not on this CPU"; continue; }
-  t=$(date +%s)
-  # the single-process ones on two xdist workers, as in the main run
-  ATEN_CPU_CAPABILITY=$cap "$VENV/bin/python" -m pytest -q -n 2 "${NUMERICAL_UNIT[@]}"
-  pytest_rc $?
-  crc=$?
-  ATEN_CPU_CAPABILITY=$cap "$VENV/bin/python" -m pytest -q "${NUMERICAL[@]}"
-  pytest_rc $?
-  nrc=$?
-  [ "$crc" = 0 ] && crc=$nrc
-  echo "tests/run.sh: numerical tests under ATEN_CPU_CAPABILITY=$cap: $([ "$crc" = 0 ] && echo passed || echo "FAILED (exit $crc)") in $(($(date +%s) - t))s"
-  [ "$rc" = 0 ] && rc=$crc
-done
-# torch range: unit tests and the smoke on every other supported torch, each from a venv cached outside the clone
-if [ -z "${EZ_SKIP_TORCH_RANGE:-}" ]; then
-  t=$(date +%s)
-  wait "$prepare_pid"  # a failed install is no failure here: the stage installs what is missing itself
-  grep '^tests/torch_range.sh' "$prepare_log"
-  echo "tests/run.sh: torch range installs waited for: $(($(date +%s) - t))s"
-  rm -f "$prepare_log"
-  prepare_pid=
-  bash tests/torch_range.sh
-  trc=$?
-  echo "tests/run.sh: torch range: $([ "$trc" = 0 ] && echo passed || echo "FAILED (exit $trc)") in $(($(date +%s) - t))s"
-  [ "$rc" = 0 ] && rc=$trc
-fi
+rm -f "${prepare_log:-}"
+prepare_pid=
 set -e
 exit "$rc"

@@ -10,6 +10,7 @@ import argparse
 from collections.abc import Mapping
 
 from elasticzero.agent.liveness import DEFAULT_PEER_TIMEOUT_S, PeerPlan, keep_alive_for
+from elasticzero.errors import UsageError
 
 #: rendezvous backends built on torch's DynamicRendezvousHandler (they read the keys in RDZV_DEFAULTS)
 DYNAMIC_BACKENDS = frozenset({"c10d", "elasticzero", "etcd-v2"})
@@ -207,3 +208,14 @@ def _endpoint_host(endpoint: str) -> str | None:
     if endpoint.count(":") > 1:  # bare IPv6 without a port
         return endpoint
     return endpoint.split(":", 1)[0] or None
+
+
+def whole_seconds(text: str, what: str, zero: str = "") -> int:
+    """``text`` as a whole number of seconds >= 0, else one line naming ``what`` (``zero``: what 0 means, if named)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"{what} {text!r}: not a whole number of seconds") from None
+    if value < 0:
+        raise UsageError(f"{what} {value}: must be >= 0 seconds" + (f" ({zero})" if zero else ""))
+    return value

@@ -34,7 +34,7 @@ from elasticzero.agent.nodetable import (
     rank_from_env,
     rank_of_host,
 )
-from elasticzero.agent.options import DYNAMIC_BACKENDS, IDENTITY_FLAGS, rdzv_config, store_in_agent
+from elasticzero.agent.options import DYNAMIC_BACKENDS, IDENTITY_FLAGS, rdzv_config, store_in_agent, whole_seconds
 from elasticzero.agent.progress import NO_HANG, HangPlan, hang_plan
 from elasticzero.agent.rejoin import DEFAULT_REJOIN, RejoinPlan, rejoin_plan
 from elasticzero.errors import UsageError
@@ -393,13 +393,7 @@ def _shutdown_timeout(flag: int | None, environ: Mapping[str, str], settable: bo
         name, text = "--shutdown-timeout", str(flag)
     else:
         name, text = SHUTDOWN_ENV, environ.get(SHUTDOWN_ENV, str(DEFAULT_SHUTDOWN_TIMEOUT))
-    try:
-        seconds = int(text)
-    except ValueError:
-        raise UsageError(f"{name} {text!r}: not a whole number of seconds") from None
-    if seconds < 0:
-        raise UsageError(f"{name} {seconds}: must be >= 0 seconds")
-    return seconds
+    return whole_seconds(text, name)
 
 
 def _workers(

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from elasticzero.errors import UsageError
+from elasticzero.agent.options import whole_seconds
 
 #: torch's ``DynamicRendezvousHandler`` join timeout when nothing sets one
 TORCH_JOIN_TIMEOUT_S = 600
@@ -50,13 +50,7 @@ def rejoin_plan(flag: str | None, user_conf: Mapping[str, str]) -> RejoinPlan:
 
 
 def _seconds(text: str, what: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise UsageError(f"{what} {text!r}: give whole seconds") from None
-    if value < 0:
-        raise UsageError(f"{what} {value}: must be >= 0 (0: exit at once when cut off from the rendezvous)")
-    return value
+    return whole_seconds(text, what, zero="0: exit at once when cut off from the rendezvous")
 
 
 @dataclass(frozen=True)

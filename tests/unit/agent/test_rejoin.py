@@ -28,12 +28,12 @@ def test_the_budget_is_the_flag_else_the_join_timeout() -> None:
 
 @pytest.mark.parametrize(
     ("flag", "message"),
-    [("1.5", "--rejoin-timeout '1.5': give whole seconds"), ("-1", "--rejoin-timeout -1: must be >= 0")],
+    [("1.5", "--rejoin-timeout '1.5': not a whole number of seconds"), ("-1", "--rejoin-timeout -1: must be >= 0")],
 )
 def test_bad_budgets(flag: str, message: str) -> None:
     with pytest.raises(UsageError, match=message):
         rejoin_plan(flag, {})
-    with pytest.raises(UsageError, match="--rdzv-conf join_timeout 'x': give whole seconds"):
+    with pytest.raises(UsageError, match="--rdzv-conf join_timeout 'x': not a whole number of seconds"):
         rejoin_plan(None, {"join_timeout": "x"})
 
 

@@ -452,6 +452,7 @@ NOT_TORCH = {
     "_schedulers": "accelerate.Accelerator._schedulers (tests/unit/integrations/test_accelerate_door.py)",
     "_custom_objects": "accelerate.Accelerator._custom_objects (tests/unit/integrations/test_accelerate_door.py)",
     "_prepare_inputs": "transformers.Trainer._prepare_inputs (tests/unit/integrations/test_integrations_hf.py)",
+    "_after_closure": "lightning's Precision._after_closure (tests/unit/integrations/test_lightning.py)",
 }
 
 

@@ -143,3 +143,17 @@ def test_a_native_config_takes_what_it_leaves_out_from_the_trainer(tmp_path: Any
     with pytest.raises(UsageError, match="accumulation_steps is 2"):
         ezl.load_engine_config({"zero": {"stage": 1}, "accumulation_steps": 2}, (), ds=ds, native=native)
     assert ezl.load_engine_config(None, ("zero.stage=2",), ds=ds, native=unset).zero.stage == 2
+
+
+def test_the_lightning_internals_the_strategy_relies_on_are_there() -> None:
+    """Canary: ``Precision._after_closure`` (run after the closure, before the step: Lightning's
+    ``on_before_optimizer_step`` hook and its clip request) still takes ``(model, optimizer)`` and calls the clip, as
+    ``ElasticZeroPrecision.optimizer_step`` relies on (the pinned lightning has it; a release that changes it fails
+    here)."""
+    import inspect
+
+    from lightning.pytorch.plugins.precision import Precision
+
+    assert list(inspect.signature(Precision._after_closure).parameters) == ["self", "model", "optimizer"]
+    source = inspect.getsource(Precision._after_closure)
+    assert "on_before_optimizer_step" in source and "_clip_gradients" in source, "lightning changed _after_closure"

@@ -28,6 +28,13 @@ TESTBED_FILE = Path(os.environ.get("EZ_TESTBED_FILE", "/run/elasticzero-testbed/
 PYTHON = sys.executable
 
 
+def tests_on_path(*more: Path) -> str:
+    """A ``PYTHONPATH`` for a worker process that imports the tests' own modules (``ez_numerics``, ``hf_worker``, …):
+    ``tests/``, then ``more``, then the caller's (pytest's ``pythonpath`` setting reaches only pytest's process)."""
+    paths = [str(REPO / "tests"), *map(str, more), os.environ.get("PYTHONPATH", "")]
+    return os.pathsep.join(p for p in paths if p)
+
+
 def require(ok: bool, reason: str) -> None:
     """Skip (outside CI) or fail (under ``CI=true``) the calling test unless ``ok``."""
     if ok:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from ez_numerics import U32, error_ratio
-from ez_testing import free_port, require
+from ez_testing import free_port, require, tests_on_path
 
 RUN = str(Path(sys.executable).parent / "elasticzero-run")
 WORKER = str(Path(__file__).with_name("hf_door_worker.py"))
@@ -37,6 +37,7 @@ def _launch(out: Path, nproc: int, phase: str) -> list[Report]:
     argv = [RUN, "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d"]
     argv += ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", job, "--max-restarts", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env["PYTHONPATH"] = tests_on_path(Path(__file__).parent)
     try:
         done = subprocess.run(
             [*argv, WORKER, str(out), phase], env=env, capture_output=True, text=True, timeout=600, check=False

@@ -24,7 +24,7 @@ from ez_agentkit import ELASTICZERO_RUN, FAST_RDZV, Cluster, wait_for
 
 from elasticzero.agent.proctree import descendants, kill_now
 from ez_numerics import error_ratio
-from ez_testing import free_port, require
+from ez_testing import free_port, require, tests_on_path
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
@@ -51,6 +51,7 @@ def held(out: Path) -> bool:
 def run_job(cluster: Cluster) -> None:
     """Two nodes to the checkpoint at step 2, the second node SIGKILLed, the survivor to the end (exit 0)."""
     env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env["PYTHONPATH"] = tests_on_path(Path(__file__).parent)
     endpoint = f"127.0.0.1:{free_port()}"
     (cluster.out / "gate").touch()  # a world of 1 before the second node joins waits here
     cluster.start(agent_argv(cluster, endpoint), env)

@@ -166,7 +166,9 @@ else
   (LOW=(nice -n 10); busy_stream) >"$busy_log" 2>&1 &
   busy_pid=$!
   t=$(date +%s)
-  "$VENV/bin/python" -m pytest -q --durations=15 "${WAITING[@]}"  # the slowest listed: where CI time goes
+  # three xdist workers: these processes mostly wait; the test-bed tests and the clock ones each keep to one worker
+  # (tests/integration/conftest.py); the slowest listed: where CI time goes
+  "$VENV/bin/python" -m pytest -q -n 3 --dist loadgroup --durations=15 "${WAITING[@]}"
   pytest_rc $?
   irc=$?
   echo "tests/run.sh: integration tests, waiting: $([ "$irc" = 0 ] && echo passed || echo "FAILED (exit $irc)") in $(($(date +%s) - t))s"

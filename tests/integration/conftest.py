@@ -14,6 +14,21 @@ from ez_agentkit import Cluster
 from cluster.etcd_server import EtcdCluster, require_etcd
 from ez_testing import free_port
 
+#: markers of the tests that run on the shared test bed (namespace hosts, their links, one Slurm cluster)
+TESTBED = ("sshd", "pdsh", "openmpi", "mpich", "slurm")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under ``pytest -n N --dist loadgroup`` (tests/run.sh): the test-bed tests on one worker, one at a time (they
+    share its hosts, and one takes their links down), and likewise the ``clock`` tests — a bound of seconds in their
+    assertions — so that no two of them contend for the cores; the rest spread over the workers."""
+    for item in items:
+        if any(item.get_closest_marker(m) for m in TESTBED):
+            item.add_marker(pytest.mark.xdist_group("testbed"))
+        elif item.get_closest_marker("clock"):
+            item.add_marker(pytest.mark.xdist_group("clock"))
+
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:

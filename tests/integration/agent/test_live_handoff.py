@@ -12,6 +12,7 @@ node (dropped while frozen) stops its stale workers and joins again as a new nod
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ from ez_agentkit import WORKER, Agent, Cluster, wait_for
 
 from elasticzero.agent.proctree import descendants
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.clock, pytest.mark.timeout(150)]
 
 ROUND_WORKER = Path(__file__).with_name("ez_round_worker.py")
 #: FAST_RDZV's peer timeout (keep_alive_interval * keep_alive_max_attempt) and last call, in seconds
@@ -105,14 +106,21 @@ def first_seen(cluster: Cluster, pid: int, number: int) -> float:
     return min(r["seen"] for r in records(cluster) if r["pid"] == pid and r.get("round", {}).get("round") == number)
 
 
+def said(agent: Agent, line: str) -> bool:
+    return line in agent.output()
+
+
 def assert_handed_off(
     cluster: Cluster, survivors: list[Agent], before: dict[int, list[int]], number: int, t0: float, within: float
 ) -> None:
     """The survivors kept their workers, each saw round ``number`` within ``within`` s of ``t0``, and each agent said
     so in one line and refreshed its health file (same pids, the round's ranks)."""
+    line = f"handing the workers round {number} at world"
     for a in survivors:
         assert pids_of(a) == before[a.proc.pid], "a survivor's workers were restarted"
-        assert f"handing the workers round {number} at world" in a.output()
+        # the agent writes the round (its workers see it: what wait_round waited for), refreshes its health file,
+        # then prints the line: waited for, it is the last of the three
+        wait_for(functools.partial(said, a, line), 10, f"the line {line!r}", survivors)
         view = latest(cluster, before[a.proc.pid][0])
         assert view is not None and sorted(view["round"]["ranks"].values()) == sorted(a.state()["ranks"])
         for pid in before[a.proc.pid]:

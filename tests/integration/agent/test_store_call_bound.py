@@ -23,7 +23,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 from elasticzero.agent.liveness import PeerPlan
 from elasticzero.agent.peers import BoundedStoreHandler, StoreLostError, bound_store_calls
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.clock, pytest.mark.timeout(60)]
 
 SERVE = "import sys, time; from torch.distributed import TCPStore; s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); print(s.port, flush=True); time.sleep(600)"  # noqa: E501
 #: torch's own read timeout for the store client (its default is 60 s): the bound must not be this

@@ -19,7 +19,7 @@ from elasticzero.agent.proctree import descendants
 from ez_testing import free_port
 
 # the waits below sum to well under the timeout, so a failed wait prints the agents' logs before pytest-timeout fires
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.clock, pytest.mark.timeout(240)]
 REJOIN_S = 90
 
 

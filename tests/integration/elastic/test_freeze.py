@@ -31,7 +31,7 @@ from elasticzero.agent.options import RDZV_DEFAULTS
 from elasticzero.agent.proctree import descendants
 from elasticzero.data import ByteCorpus, epoch_order, stdlib_corpus
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.clock, pytest.mark.timeout(180)]
 
 FREEZE_AT, RESUME_AT, HOLD_AT = 12, 6, 8  # the save of step 12 freezes; step 6 is the newest committed before it
 #: the issue's goal: the survivors train again within 10 s of the freeze, with default settings (printed)

@@ -33,7 +33,7 @@ from elasticzero.agent.hang import DUMP_WAIT_S
 from elasticzero.data import ByteCorpus, epoch_order, stdlib_corpus
 from ez_testing import free_port
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.clock, pytest.mark.timeout(180)]
 
 DRIVER = Path(__file__).with_name("train_driver.py")
 STEPS, GLOBAL, SEQ, CORPUS, SEED, SAVE, HANG_AT = 8, 8, 32, 4_700, 3, 3, 5

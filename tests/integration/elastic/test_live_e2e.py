@@ -58,7 +58,7 @@ from ez_testing import REPO, free_port
 sys.path.insert(0, str(REPO / "examples"))
 from gpt import GPT, config_for, lm_loss
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.multiproc, pytest.mark.clock, pytest.mark.timeout(180)]
 
 DRIVER = Path(__file__).with_name("train_driver.py")
 STEPS, GLOBAL, SEQ, CORPUS, SEED, SAVE, LR = 16, 8, 32, 4_700, 3, 4, 2.0e-3

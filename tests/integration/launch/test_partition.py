@@ -37,23 +37,45 @@ def reports(out: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in out.glob("report.*.json")]
 
 
+def _start(tmp_path: Path, hosts: list[str], job: str, *flags: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """``elasticzero-launch`` of the agent worker on ``hosts`` over pdsh, ``--nnodes 1:2``, with the rendezvous
+    ``flags``: the launcher, the folder of the ranks' reports, and the launcher's log."""
+    out, log = tmp_path / "out", tmp_path / "launch.log"
+    out.mkdir()
+    (tmp_path / "hostfile").write_text(f"{hosts[0]} slots=1\n{hosts[1]} slots=1\n")
+    argv = [LAUNCH, "--hostfile", str(tmp_path / "hostfile"), "--launcher", "pdsh", "--nnodes", "1:2", *flags]
+    argv += ["--rdzv-id", job, WORKER, str(out), "loop=1"]
+    with log.open("w") as fh:
+        launcher = subprocess.Popen(argv, env={**worker_env_clean(), "OMP_NUM_THREADS": "1"}, cwd=tmp_path,
+                                    stdout=fh, stderr=subprocess.STDOUT)  # fmt: skip
+    return launcher, out, log
+
+
+def _world_of_two(launcher: subprocess.Popen[bytes], out: Path, log: Path) -> None:
+    wait_for(lambda: len(reports(out)) == 2 or launcher.poll() is not None, 120, "a world of 2 on both hosts")
+    assert launcher.poll() is None, log.read_text()[-3000:]
+
+
+def _stop(launcher: subprocess.Popen[bytes], out: Path, log: Path, job: str, tb: ez_testing.Testbed) -> str:
+    """Ask the workers to stop; the launcher exits 0, no traceback, nothing of the job left anywhere: its log."""
+    (out / "stop").touch()
+    launcher.wait(timeout=60)
+    text = log.read_text()
+    assert launcher.returncode == 0, text[-3000:]
+    assert "Exception ignored" not in text and not re.search(r"^[\w.-]+: Traceback", text, re.M), text[-3000:]
+    wait_for(lambda: not leftovers(job, tb), 20, "no process of the job on any host")
+    return text
+
+
 def test_a_partitioned_node_is_dropped_and_the_survivor_trains_on(tmp_path: Path) -> None:
     tb = ez_testing.testbed()
     require_program("pdsh", "tc")
     require(len(tb.hosts) >= 3, "the partition test uses hosts 2 and 3 of the test bed (1 and 2 serve other tests)")
     hosts = [tb.hosts[1], tb.hosts[2]]
-    out, log = tmp_path / "out", tmp_path / "launch.log"
-    out.mkdir()
-    (tmp_path / "hostfile").write_text(f"{hosts[0]} slots=1\n{hosts[1]} slots=1\n")
     job = f"ezpart-{secrets.token_hex(4)}"
-    argv = [LAUNCH, "--hostfile", str(tmp_path / "hostfile"), "--launcher", "pdsh", "--nnodes", "1:2"]
-    argv += ["--master-port", str(free_port()), "--rdzv-id", job, WORKER, str(out), "loop=1"]
-    with log.open("w") as fh:
-        launcher = subprocess.Popen(argv, env={**worker_env_clean(), "OMP_NUM_THREADS": "1"}, cwd=tmp_path,
-                                    stdout=fh, stderr=subprocess.STDOUT)  # fmt: skip
+    launcher, out, log = _start(tmp_path, hosts, job, "--master-port", str(free_port()))
     try:
-        wait_for(lambda: len(reports(out)) == 2 or launcher.poll() is not None, 120, "a world of 2 on both hosts")
-        assert launcher.poll() is None, log.read_text()[-3000:]
+        _world_of_two(launcher, out, log)
         with partition(tb, 1, 2):
             t_cut = time.time()
             again = lambda: [r for r in reports(out) if r["world_size"] == 1 and r["time"] > t_cut]  # noqa: E731
@@ -72,13 +94,8 @@ def test_a_partitioned_node_is_dropped_and_the_survivor_trains_on(tmp_path: Path
         back = lambda: [r for r in reports(out) if r["world_size"] == 2 and r["time"] > t_heal]  # noqa: E731
         wait_for(lambda: len(back()) == 2, 90, "world 2 again after the heal")
         print(f"partition: world 2 again {min(r['time'] for r in back()) - t_heal:.2f} s after the heal")
-        text = log.read_text()
+        text = _stop(launcher, out, log, job, tb)
         assert f"{hosts[1]}: elasticzero-run: {line}" in text and "tries to join the rendezvous again" in text, text
-        (out / "stop").touch()
-        launcher.wait(timeout=60)
-        assert launcher.returncode == 0, text[-3000:]
-        assert "Exception ignored" not in text and not re.search(r"^[\w.-]+: Traceback", text, re.M), text[-3000:]
-        wait_for(lambda: not leftovers(job, tb), 20, "no process of the job on any host")
         # the agents' part (silent for the peer timeout, stop, the round's last call) plus one worker start-up, whose
         # reference is this machine's, measured in this run (the world-2 workers' start -> report), x1.5 for the noise
         # of one process start against another; the issue's 10 s is what it comes to on a quiet machine: printed
@@ -110,19 +127,11 @@ def test_the_first_host_cut_off_from_an_etcd_job_rejoins_and_the_job_trains_on(t
 
 
 def _cut_node0_of_an_etcd_job(tb: ez_testing.Testbed, hosts: list[str], cluster: EtcdCluster, tmp_path: Path) -> None:
-    out, log = tmp_path / "out", tmp_path / "launch.log"
-    out.mkdir()
-    (tmp_path / "hostfile").write_text(f"{hosts[0]} slots=1\n{hosts[1]} slots=1\n")
     job = f"ezpart-etcd-{secrets.token_hex(4)}"
-    argv = [LAUNCH, "--hostfile", str(tmp_path / "hostfile"), "--launcher", "pdsh", "--nnodes", "1:2"]
-    argv += ["--rdzv-endpoint", cluster.endpoint(), "--rdzv-conf", "retry_timeout=5,connect_timeout=3"]
-    argv += ["--rejoin-timeout", "120", "--rdzv-id", job, WORKER, str(out), "loop=1"]
-    with log.open("w") as fh:
-        launcher = subprocess.Popen(argv, env={**worker_env_clean(), "OMP_NUM_THREADS": "1"}, cwd=tmp_path,
-                                    stdout=fh, stderr=subprocess.STDOUT)  # fmt: skip
+    flags = ["--rdzv-endpoint", cluster.endpoint(), "--rdzv-conf", "retry_timeout=5,connect_timeout=3"]
+    launcher, out, log = _start(tmp_path, hosts, job, *flags, "--rejoin-timeout", "120")
     try:
-        wait_for(lambda: len(reports(out)) == 2 or launcher.poll() is not None, 120, "a world of 2 on both hosts")
-        assert launcher.poll() is None, log.read_text()[-3000:]
+        _world_of_two(launcher, out, log)
         with link_down(tb, 1):  # node rank 0
             t_cut = time.time()
             on = lambda: [r for r in reports(out) if r["world_size"] == 1 and r["time"] > t_cut]  # noqa: E731
@@ -133,13 +142,8 @@ def _cut_node0_of_an_etcd_job(tb: ez_testing.Testbed, hosts: list[str], cluster:
         back = lambda: [r for r in reports(out) if r["world_size"] == 2 and r["time"] > t_heal]  # noqa: E731
         wait_for(lambda: len(back()) == 2, 120, f"world 2 again after the heal\n{log.read_text()[-4000:]}")
         print(f"etcd partition: world 2 again {min(r['time'] for r in back()) - t_heal:.2f} s after the heal")
-        (out / "stop").touch()
-        launcher.wait(timeout=60)
-        text = log.read_text()
+        text = _stop(launcher, out, log, job, tb)
         assert f"{hosts[0]}: elasticzero-run: " in text and "tries to join the rendezvous again" in text, text[-4000:]
-        assert launcher.returncode == 0, text[-3000:]
-        assert "Exception ignored" not in text and not re.search(r"^[\w.-]+: Traceback", text, re.M), text[-3000:]
-        wait_for(lambda: not leftovers(job, tb), 20, "no process of the job on any host")
     finally:
         if launcher.poll() is None:
             launcher.kill()

@@ -2,12 +2,12 @@
 # The full test suite, from a fresh clone, as root: installs everything (apt + a venv with torch==2.13.0 CPU),
 # brings up the real-part test bed (namespace hosts with sshd, pdsh, OpenMPI, MPICH, Slurm; etcd servers are
 # started by the tests), runs ruff, mypy and the unit tests, then two streams side by side: the integration tests
-# whose processes mostly wait (agents, rendezvous, launches, live rounds, the tuner) at normal priority, and at nice
-# 10 the CPU-bound rest, then the numerical tests again under every other CPU kernel set torch supports here
+# whose processes mostly wait (agents, rendezvous, launches, live rounds, the tuner) on 3 xdist workers, and the
+# CPU-bound rest, then the numerical tests again under every other CPU kernel set torch supports here
 # (ATEN_CPU_CAPABILITY), then unit tests and a smoke on every other supported torch version (tests/torch_range.sh);
 # and tears the test bed down again.
-#   bash tests/run.sh [pytest args…]          (pytest args replace the main run's default: the single-process unit
-#                                              tests on 2 xdist workers, then the rest serially; EZ_KEEP_TESTBED=1 leaves
+#   bash tests/run.sh [pytest args…]          (pytest args replace the main run's default: the unit tests on 2
+#                                              xdist workers, then the integration streams; EZ_KEEP_TESTBED=1 leaves
 #                                              the test bed up; EZ_SKIP_TORCH_RANGE=1 skips the torch versions other
 #                                              than the pinned one)
 set -euo pipefail
@@ -15,6 +15,32 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
 VENV=${EZ_VENV:-$REPO/.venv}
 [ "$(id -u)" = 0 ] || { echo "tests/run.sh: run as root (it installs packages and creates network namespaces)" >&2; exit 1; }
+
+# The run shares the cores fairly between processes, except the clock tests (a bound of seconds in their assertions),
+# which run at nice -10 (tests/integration/conftest.py), and the namespace hosts' processes (likewise: they stand for
+# machines of their own; tests/cluster/hosts_up.sh). With the kernel's autogroups on, the share is per session and a
+# nice value ranks a process only within its own: each agent, torch worker (torch starts them with
+# start_new_session), tuner trial and etcd server starts one, and got as much CPU as this whole run beside it — 8 of
+# them starved a test's forked ranks past their 90 s. So they are off for the run and restored at exit.
+AUTOGROUP=/proc/sys/kernel/sched_autogroup_enabled
+autogroup_was=$(cat "$AUTOGROUP" 2>/dev/null || true)
+if [ "$autogroup_was" = 1 ]; then
+  { echo 0 >"$AUTOGROUP"; } 2>/dev/null || echo "tests/run.sh: cannot turn autogroups off ($AUTOGROUP): nice values rank only within a session"
+fi
+# at exit: restore autogroups, stop the torch range's installs if still running (a run that failed early), tear the
+# test bed down
+finish() {
+  [ "$autogroup_was" = 1 ] && { echo 1 >"$AUTOGROUP"; } 2>/dev/null
+  [ -n "${prepare_pid:-}" ] && kill -- "-$prepare_pid" 2>/dev/null
+  [ -n "${EZ_KEEP_TESTBED:-}" ] || bash "$REPO/tests/cluster/down.sh" >/dev/null 2>&1 || true
+}
+trap finish EXIT
+
+# Every test process computes on one thread (torch's intra-op pool, OpenMP): the tests' tensors are small, and on 2
+# cores shared by a dozen processes the pool's spinning threads burned a third of the CPU (tests/unit/live + engine:
+# 72 s of CPU on 2 threads, 48 s on 1). Exported, it reaches the agents' workers (torchrun's rule sets it only for
+# nproc > 1) and the namespace hosts' (the launcher exports OMP_NUM_THREADS by default).
+export OMP_NUM_THREADS=1
 
 t0=$(date +%s)
 bash tests/cluster/packages.sh
@@ -30,12 +56,6 @@ if [ -z "${EZ_SKIP_TORCH_RANGE:-}" ]; then
   setsid bash tests/torch_range.sh --prepare >"$prepare_log" 2>&1 &  # its own process group: stopped whole at exit
   prepare_pid=$!
 fi
-# at exit: stop the torch range's installs if still running (a run that failed early), tear the test bed down
-finish() {
-  [ -n "${prepare_pid:-}" ] && kill -- "-$prepare_pid" 2>/dev/null
-  [ -n "${EZ_KEEP_TESTBED:-}" ] || bash "$REPO/tests/cluster/down.sh" >/dev/null 2>&1 || true
-}
-trap finish EXIT
 bash tests/cluster/up.sh
 t2=$(date +%s)
 echo "tests/run.sh: install $((t1 - t0))s, test bed $((t2 - t1))s"
@@ -70,7 +90,6 @@ capability() {
 # pytest exit 5 = no tests collected: that is a broken suite, not a pass
 pytest_rc() { local rc=$1; [ "$rc" = 5 ] && { echo "tests/run.sh: pytest collected no tests" >&2; rc=1; }; return "$rc"; }
 
-LOW=()  # the command prefix of the busy stream (below: nice -n 10)
 # numerical_reruns → 0 when the numerical tests pass under every other CPU kernel set this CPU has
 numerical_reruns() {
   local main cap t crc nrc rc=0
@@ -80,10 +99,10 @@ numerical_reruns() {
     [ "$(capability "$cap")" = "$cap" ] || { echo "tests/run.sh: ATEN_CPU_CAPABILITY=$cap: not on this CPU"; continue; }
     t=$(date +%s)
     # the single-process ones on two xdist workers, as in the main run
-    ATEN_CPU_CAPABILITY=$cap "${LOW[@]}" "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 "${NUMERICAL_UNIT[@]}"
+    ATEN_CPU_CAPABILITY=$cap "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 "${NUMERICAL_UNIT[@]}"
     pytest_rc $?
     crc=$?
-    ATEN_CPU_CAPABILITY=$cap "${LOW[@]}" "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${NUMERICAL[@]}"
+    ATEN_CPU_CAPABILITY=$cap "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${NUMERICAL[@]}"
     pytest_rc $?
     nrc=$?
     [ "$crc" = 0 ] && crc=$nrc
@@ -104,7 +123,7 @@ torch_range_stage() {
   while [ -n "${prepare_pid:-}" ] && kill -0 "$prepare_pid" 2>/dev/null; do sleep 2; done
   grep '^tests/torch_range.sh' "$prepare_log"
   echo "tests/run.sh: torch range installs waited for: $(($(date +%s) - t))s"
-  "${LOW[@]}" bash tests/torch_range.sh
+  bash tests/torch_range.sh
   trc=$?
   echo "tests/run.sh: torch range: $([ "$trc" = 0 ] && echo passed || echo "FAILED (exit $trc)") in $(($(date +%s) - t))s"
   return "$trc"
@@ -114,13 +133,12 @@ torch_range_stage() {
 # test bed, live rounds, the tuner's trials: processes that mostly wait (peer timeouts, rendezvous rounds, restarts),
 # whose assertions bound wall time (a frozen node found within seconds, the tuner's best by measured latency) — at
 # normal priority, and BUSY — the rest (engine, checkpoints, Hugging Face models, the front doors, the benches:
-# ranks computing, no clock in their assertions) — then the numerical reruns and the torch range, at nice 10: they
-# take the CPU the waiting tests leave idle and yield it the moment those need it (the kernel's weights are ~10:1).
+# ranks computing, no clock in their assertions) — then the numerical reruns and the torch range: they take the CPU
+# the waiting tests leave idle.
 WAITING=(tests/integration/agent tests/integration/elastic tests/integration/launch tests/integration/live
   tests/integration/rendezvous tests/integration/autotune)
-# AFTER: one CPU-bound script run whole (bench/gpu_check.py --quick, ~140 s alone) whose own timeout a nice-10 share
-# does not fit (384 s of its 400 under the waiting tests' load): it runs after them, at normal priority, beside the
-# rest of the busy stream
+# AFTER: one CPU-bound script run whole (bench/gpu_check.py --quick, ~120 s alone) under its own timeout (400 s): it
+# runs after the waiting tests, beside the rest of the busy stream, not under their load
 AFTER=(tests/integration/bench)
 BUSY=()
 for d in tests/integration/*/; do
@@ -132,7 +150,7 @@ done
 busy_stream() {
   local rc=0 brc t
   t=$(date +%s)
-  "${LOW[@]}" "$VENV/bin/python" -m pytest -q -p no:cacheprovider --basetemp="$busy_tmp" --durations=15 "${BUSY[@]}"
+  "$VENV/bin/python" -m pytest -q -p no:cacheprovider --basetemp="$busy_tmp" --durations=15 "${BUSY[@]}"
   pytest_rc $?
   rc=$?
   echo "tests/run.sh: integration tests, busy: $([ "$rc" = 0 ] && echo passed || echo "FAILED (exit $rc)") in $(($(date +%s) - t))s"
@@ -153,21 +171,17 @@ if [ $# -gt 0 ]; then
   numerical_reruns || { [ "$rc" = 0 ] && rc=1; }
   torch_range_stage || { [ "$rc" = 0 ] && rc=1; }
 else
-  # the unit tests are independent and single-process: two xdist workers, one per core; those that start several
-  # torch processes (marker multiproc) stay serial
+  # the unit tests are independent: two xdist workers, one per core (one collection of the tree each; the one that
+  # starts a second torch process shares its worker's core for a few seconds)
   t=$(date +%s)
-  "$VENV/bin/python" -m pytest -q -n 2 -m "not multiproc" tests/unit
+  "$VENV/bin/python" -m pytest -q -n 2 tests/unit
   pytest_rc $?
   rc=$?
-  "$VENV/bin/python" -m pytest -q -m multiproc tests/unit
-  urc=$?
-  [ "$urc" = 5 ] && urc=0  # no multi-process unit test is no broken suite
-  [ "$rc" = 0 ] && rc=$urc
   echo "tests/run.sh: unit tests: $([ "$rc" = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t))s"
   busy_tmp=$(mktemp -d /tmp/elasticzero-busy.XXXXXX)
   busy_log="$busy_tmp.log"
-  echo "tests/run.sh: integration tests, busy (${BUSY[*]}), then the numerical reruns and the torch range: at nice 10 beside the waiting ones; their output follows theirs"
-  (LOW=(nice -n 10); busy_stream) >"$busy_log" 2>&1 &
+  echo "tests/run.sh: integration tests, busy (${BUSY[*]}), then the numerical reruns and the torch range: beside the waiting ones; their output follows theirs"
+  busy_stream >"$busy_log" 2>&1 &
   busy_pid=$!
   t=$(date +%s)
   # three xdist workers: these processes mostly wait; the test-bed tests and the clock ones each keep to one worker

@@ -158,14 +158,16 @@ def hung_tuning(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subp
     """A tuning run started with the module (its hung experiment sleeps out its timeout, taking no CPU, while the
     other tests run); ``test_hung_experiment_is_killed_then_missing_metric_stops`` checks how it ended.
 
-    Grid order: z1_mb1_ga4 exits 0 without a report; z1_mb2_ga2 hangs as soon as it has read its config, so the
-    timeout only has to cover this experiment's start (launcher + agent + 2 ranks without torch); then z1_mb4_ga1
-    reports without the tuned metric.
+    Grid order: z1_mb1_ga4 exits 0 without a report; z1_mb2_ga2 hangs as soon as it has read its config; then
+    z1_mb4_ga1 reports without the tuned metric. The one timeout of all three must cover z1_mb1_ga4's whole run
+    (launcher, agent with torch, 2 ranks without) — 5 s quiet, over 15 s once at CI's load (it then ended as a
+    timeout, not an error) — so 60 s: the hung experiment sleeps it out without CPU, beside the module's other tests,
+    which take longer.
     """
     cwd = tmp_path_factory.mktemp("hung")
     (cwd / "cfg.yaml").write_text(
         BASE + "autotuning: {tuner: grid, metric: flops, space: {micro_batch: [1, 2, 4]}, warmup_steps: 1, "
-        "measure_steps: 2, timeout: 15}\n"
+        "measure_steps: 2, timeout: 60}\n"
     )
     with open(cwd / "out.log", "wb") as out, open(cwd / "err.log", "wb") as err:
         env = _env(EZ_AT_HANG="1:2", EZ_AT_NOREPORT="1:1")

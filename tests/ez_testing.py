@@ -146,3 +146,13 @@ def run_ranks(worker: Path, world: int, out: Path, timeout: float = 240) -> list
         assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{err[-3000:]}"
         assert "terminate called" not in err, err[-3000:]
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(world)]
+
+
+def agents_slack(startup: float) -> float:
+    """The slack to allow an agents' part of a recovery on top of its timers (peer or hang timeout, a monitor tick, the
+    rendezvous' last call): the agents' own work — stopping workers, the process exits, the round's store traffic, the
+    spawn — which is CPU work like a worker's start-up and slows with the machine's load as that does. So it is taken in
+    proportion to ``startup``, a worker start-up (interpreter, torch, model, process group) measured in the same run:
+    on a quiet 2-core machine the agents' work came to 0.7-1.9 s past the timers beside start-ups of 7.0-8.7 s (at most
+    0.27 of it), so 0.3 of it, and never under 1.5 s."""
+    return max(1.5, 0.3 * startup)

@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # The full test suite, from a fresh clone, as root: installs everything (apt + a venv with torch==2.13.0 CPU),
 # brings up the real-part test bed (namespace hosts with sshd, pdsh, OpenMPI, MPICH, Slurm; etcd servers are
-# started by the tests), runs ruff, mypy and the unit tests, then two streams side by side: the integration tests
-# whose processes mostly wait (agents, rendezvous, launches, live rounds, the tuner) on 3 xdist workers, and the
-# CPU-bound rest, then the numerical tests again under every other CPU kernel set torch supports here
+# started by the tests), runs ruff, mypy and the unit tests, then the integration tests one at a time, then the
+# numerical tests again under every other CPU kernel set torch supports here
 # (ATEN_CPU_CAPABILITY), then unit tests and a smoke on every other supported torch version (tests/torch_range.sh);
 # and tears the test bed down again.
 #   bash tests/run.sh [pytest args…]          (pytest args replace the main run's default: the unit tests on 2
-#                                              xdist workers, then the integration streams; EZ_KEEP_TESTBED=1 leaves
+#                                              xdist workers, then the integration tests; EZ_KEEP_TESTBED=1 leaves
 #                                              the test bed up; EZ_SKIP_TORCH_RANGE=1 skips the torch versions other
 #                                              than the pinned one)
 set -euo pipefail
@@ -16,21 +15,8 @@ cd "$REPO"
 VENV=${EZ_VENV:-$REPO/.venv}
 [ "$(id -u)" = 0 ] || { echo "tests/run.sh: run as root (it installs packages and creates network namespaces)" >&2; exit 1; }
 
-# The run shares the cores fairly between processes, except the clock tests (a bound of seconds in their assertions),
-# which run at nice -10 (tests/integration/conftest.py), and the namespace hosts' processes (likewise: they stand for
-# machines of their own; tests/cluster/hosts_up.sh). With the kernel's autogroups on, the share is per session and a
-# nice value ranks a process only within its own: each agent, torch worker (torch starts them with
-# start_new_session), tuner trial and etcd server starts one, and got as much CPU as this whole run beside it — 8 of
-# them starved a test's forked ranks past their 90 s. So they are off for the run and restored at exit.
-AUTOGROUP=/proc/sys/kernel/sched_autogroup_enabled
-autogroup_was=$(cat "$AUTOGROUP" 2>/dev/null || true)
-if [ "$autogroup_was" = 1 ]; then
-  { echo 0 >"$AUTOGROUP"; } 2>/dev/null || echo "tests/run.sh: cannot turn autogroups off ($AUTOGROUP): nice values rank only within a session"
-fi
-# at exit: restore autogroups, stop the torch range's installs if still running (a run that failed early), tear the
-# test bed down
+# at exit: stop the torch range's installs if still running (a run that failed early), tear the test bed down
 finish() {
-  [ "$autogroup_was" = 1 ] && { echo 1 >"$AUTOGROUP"; } 2>/dev/null
   [ -n "${prepare_pid:-}" ] && kill -- "-$prepare_pid" 2>/dev/null
   [ -n "${EZ_KEEP_TESTBED:-}" ] || bash "$REPO/tests/cluster/down.sh" >/dev/null 2>&1 || true
 }
@@ -129,40 +115,6 @@ torch_range_stage() {
   return "$trc"
 }
 
-# The integration tests' two kinds, run side by side on the 2 cores: WAITING — agents, rendezvous, launches over the
-# test bed, live rounds, the tuner's trials: processes that mostly wait (peer timeouts, rendezvous rounds, restarts),
-# whose assertions bound wall time (a frozen node found within seconds, the tuner's best by measured latency) — at
-# normal priority, and BUSY — the rest (engine, checkpoints, Hugging Face models, the front doors, the benches:
-# ranks computing, no clock in their assertions) — then the numerical reruns and the torch range: they take the CPU
-# the waiting tests leave idle.
-WAITING=(tests/integration/agent tests/integration/elastic tests/integration/launch tests/integration/live
-  tests/integration/rendezvous tests/integration/autotune)
-# AFTER: one CPU-bound script run whole (bench/gpu_check.py --quick, ~120 s alone) under its own timeout (400 s): it
-# runs after the waiting tests, beside the rest of the busy stream, not under their load
-AFTER=(tests/integration/bench)
-BUSY=()
-for d in tests/integration/*/; do
-  [[ " ${WAITING[*]} ${AFTER[*]} " == *" ${d%/} "* ]] || BUSY+=("${d%/}")
-done
-
-# busy_stream → the BUSY integration tests, the numerical reruns and the torch range, in turn (its exit: the first
-# failure's)
-busy_stream() {
-  local rc=0 brc t
-  t=$(date +%s)
-  "$VENV/bin/python" -m pytest -q -p no:cacheprovider --basetemp="$busy_tmp" --durations=15 "${BUSY[@]}"
-  pytest_rc $?
-  rc=$?
-  echo "tests/run.sh: integration tests, busy: $([ "$rc" = 0 ] && echo passed || echo "FAILED (exit $rc)") in $(($(date +%s) - t))s"
-  numerical_reruns
-  brc=$?
-  [ "$rc" = 0 ] && rc=$brc
-  torch_range_stage
-  brc=$?
-  [ "$rc" = 0 ] && rc=$brc
-  return "$rc"
-}
-
 set +e
 if [ $# -gt 0 ]; then
   "$VENV/bin/python" -m pytest -q "$@"
@@ -178,30 +130,17 @@ else
   pytest_rc $?
   rc=$?
   echo "tests/run.sh: unit tests: $([ "$rc" = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t))s"
-  busy_tmp=$(mktemp -d /tmp/elasticzero-busy.XXXXXX)
-  busy_log="$busy_tmp.log"
-  echo "tests/run.sh: integration tests, busy (${BUSY[*]}), then the numerical reruns and the torch range: beside the waiting ones; their output follows theirs"
-  busy_stream >"$busy_log" 2>&1 &
-  busy_pid=$!
+  # The integration tests one at a time. Run side by side (session 15: three xdist workers beside a second pytest),
+  # the load (8-10 on 2 cores) stretched every test's processes 3-5x and four CI runs failed 3-6 tests each, each a
+  # bound met alone: their waits, timeouts and wall-clock bounds are sized for one test's processes on the machine.
   t=$(date +%s)
-  # three xdist workers: these processes mostly wait; the test-bed tests and the clock ones each keep to one worker
-  # (tests/integration/conftest.py); the slowest listed: where CI time goes
-  "$VENV/bin/python" -m pytest -q -n 3 --dist loadgroup --durations=15 "${WAITING[@]}"
+  "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=25 tests/integration
   pytest_rc $?
   irc=$?
-  echo "tests/run.sh: integration tests, waiting: $([ "$irc" = 0 ] && echo passed || echo "FAILED (exit $irc)") in $(($(date +%s) - t))s"
+  echo "tests/run.sh: integration tests: $([ "$irc" = 0 ] && echo passed || echo "FAILED (exit $irc)") in $(($(date +%s) - t))s"
   [ "$rc" = 0 ] && rc=$irc
-  "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${AFTER[@]}"
-  pytest_rc $?
-  arc=$?
-  echo "tests/run.sh: integration tests, after the waiting ones (${AFTER[*]}): $([ "$arc" = 0 ] && echo passed || echo "FAILED (exit $arc)") in $(($(date +%s) - t))s since those began"
-  [ "$rc" = 0 ] && rc=$arc
-  wait "$busy_pid"
-  brc=$?
-  cat "$busy_log"
-  echo "tests/run.sh: the busy stream ended $(($(date +%s) - t))s after the waiting tests began"
-  rm -rf "$busy_tmp" "$busy_log"
-  [ "$rc" = 0 ] && rc=$brc
+  numerical_reruns || { [ "$rc" = 0 ] && rc=1; }
+  torch_range_stage || { [ "$rc" = 0 ] && rc=1; }
 fi
 rm -f "${prepare_log:-}"
 prepare_pid=

@@ -12,7 +12,6 @@ NET=10.200.0
 BR=ezbr0
 KEY=/root/.ssh/ez_ed25519
 CONF=/etc/elasticzero-testbed
-HOST_NICE=-10  # the nice value of every process on a namespace host (sshd and what it starts); see below
 mkdir -p /run/sshd /root/.ssh "$CONF"   # /run/sshd: sshd's privilege-separation dir
 chmod 700 /root/.ssh
 ssh-keygen -A >/dev/null
@@ -78,9 +77,7 @@ for i in $(seq 1 "$N"); do
   ip -n $ns link set eth0 up
   ip -n $ns route del default 2>/dev/null || true
   if [ -f "$pidf" ] && kill -0 "$(cat "$pidf")" 2>/dev/null; then continue; fi
-  # at nice $HOST_NICE, inherited by every process started over ssh: a host stands for a machine of its own, and its
-  # agents' timings (a partition found in seconds) must not depend on the tests beside it on this one's cores
-  ip netns exec $ns unshare --uts nice -n "$HOST_NICE" sh -c \
+  ip netns exec $ns unshare --uts sh -c \
     "hostname node$i && exec /usr/sbin/sshd -f $CONF/sshd_config -o ListenAddress=$addr -o PidFile=$pidf"
 done
 

@@ -7,7 +7,6 @@ N=${1:-2}
 RUN=/run/elasticzero-testbed
 STATE=/var/lib/elasticzero-slurm
 LOG=/var/log/elasticzero-slurm
-HOST_NICE=-10  # as tests/cluster/hosts_up.sh
 trap 'echo "slurm_up.sh: failed at line $LINENO: $BASH_COMMAND" >&2; tail -n 5 $LOG/*.log >&2 2>/dev/null || true' ERR
 
 # munge: runs as user munge; key 0400 munge-owned; /etc/munge 0700; /run/munge must exist
@@ -68,8 +67,7 @@ for i in $(seq 1 "$N"); do
   mkdir -p "$STATE/d-node$i"
   alive $RUN/slurmd-node$i.pid && continue
   # not `ip netns exec`: it remounts /sys and slurmd then aborts on the missing cgroup mount
-  # at the namespace hosts' nice value, as their sshd (tests/cluster/hosts_up.sh)
-  nsenter --net=/run/netns/ezn$i unshare --uts nice -n "$HOST_NICE" sh -c "hostname node$i && exec /usr/sbin/slurmd -N node$i"
+  nsenter --net=/run/netns/ezn$i unshare --uts sh -c "hostname node$i && exec /usr/sbin/slurmd -N node$i"
 done
 idle=0
 for _ in $(seq 1 300); do

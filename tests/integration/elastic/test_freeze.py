@@ -30,6 +30,7 @@ from elasticzero.agent.liveness import DEFAULT_PEER_TIMEOUT_S
 from elasticzero.agent.options import RDZV_DEFAULTS
 from elasticzero.agent.proctree import descendants
 from elasticzero.data import ByteCorpus, epoch_order, stdlib_corpus
+from ez_testing import agents_slack
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.clock, pytest.mark.timeout(180)]
 
@@ -121,14 +122,14 @@ def test_frozen_node_survived_fenced_and_rejoins(endpoint: tuple[str, str], clus
     assert cluster.leftovers() == []
     check_record(rec)
     # the agents' part: silent for the peer timeout (+ a monitor tick), the survivor stops its workers, and its round
-    # closes after the last call; the margin is for a loaded machine's process start-up
-    assert reformed < DEFAULT_PEER_TIMEOUT_S + int(RDZV_DEFAULTS["last_call_timeout"]) + 1.5, reformed
+    # closes after the last call; the slack is for the agents' own work, in proportion to this run's worker start-up
+    startup = max(r["loaded"] - r["started"] for r in _records(rec) if r["world"] == 2 and r["resumed"] == 0)
+    assert reformed < DEFAULT_PEER_TIMEOUT_S + int(RDZV_DEFAULTS["last_call_timeout"]) + agents_slack(startup), reformed
     # training resumed at world 1 from the newest checkpoint: the agents' part plus one worker start-up. The start-up
     # (interpreter, torch, model, checkpoint load) is this machine's, so its reference is measured in this run: the
     # world-2 workers' own start -> resumed time; x1.5 for the noise of one process start against another. The issue's
     # 10 s (RECOVERY_S) is what that sum comes to on a quiet 2-core machine (8.6-9.5 s here); printed, not asserted
-    startup = max(r["loaded"] - r["started"] for r in _records(rec) if r["world"] == 2 and r["resumed"] == 0)
-    bound = DEFAULT_PEER_TIMEOUT_S + int(RDZV_DEFAULTS["last_call_timeout"]) + 1.5 + 1.5 * startup
+    bound = DEFAULT_PEER_TIMEOUT_S + int(RDZV_DEFAULTS["last_call_timeout"]) + agents_slack(startup) + 1.5 * startup
     print(
         f"{rdzv}: recovery {recovery:.2f} s; bound {bound:.2f} s (start-up {startup:.2f} s); "
         f"the issue's {RECOVERY_S:.0f} s {'met' if recovery < RECOVERY_S else 'MISSED'}"

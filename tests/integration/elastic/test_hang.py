@@ -31,7 +31,7 @@ from ez_agentkit import ELASTICZERO_RUN, FAST_RDZV, Cluster, wait_for
 
 from elasticzero.agent.hang import DUMP_WAIT_S
 from elasticzero.data import ByteCorpus, epoch_order, stdlib_corpus
-from ez_testing import free_port
+from ez_testing import agents_slack, free_port
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.clock, pytest.mark.timeout(180)]
 
@@ -40,10 +40,10 @@ STEPS, GLOBAL, SEQ, CORPUS, SEED, SAVE, HANG_AT = 8, 8, 32, 4_700, 3, 3, 5
 HANG_TIMEOUT = 4.0  # seconds; a step of this job takes well under 0.5 s on a loaded 2-core machine
 RESUME = HANG_AT - 1 - (HANG_AT - 1) % SAVE  # the newest checkpoint when step HANG_AT stalls
 CONFIG = "zero: {stage: 2}\noptimizer: {type: AdamW, params: {lr: 2.0e-3}}\ntrain_batch_size: 8\nmicro_batch_size: 2\n"
-#: the agents' part of a hang's recovery: the timeout, the stacks' wait, one monitor tick (0.1 s) and the
-#: re-rendezvous' last call (FAST_RDZV: 1 s), plus 1.5 s for the kill, the process exits and the spawn — measured
-#: 1.3 s (quiet) to 2.6 s (load 3-4) past the timeout
-AGENTS_S = HANG_TIMEOUT + DUMP_WAIT_S + 0.1 + 1.0 + 1.5
+#: the timers of the agents' part of a hang's recovery: the timeout, the stacks' wait, one monitor tick (0.1 s) and
+#: the re-rendezvous' last call (FAST_RDZV: 1 s); the kill, the process exits and the spawn come on top
+#: (``ez_testing.agents_slack``: 0.7-1.9 s on a quiet machine, 2.1-2.6 s at CI's load)
+AGENTS_S = HANG_TIMEOUT + DUMP_WAIT_S + 0.1 + 1.0
 WAIT = 120.0  # seconds to wait for any one phase before failing (a broken run, not a measurement)
 
 
@@ -106,7 +106,8 @@ def trained_again(cluster: Cluster, first: dict, since: float, what: str) -> Non
     The issue's figure is "the hang timeout plus 10 s" (met on a quiet 2-core machine: 9.4 s and 7.2 s), of which the
     workers' start-up (interpreter, torch import, process group, model build, checkpoint load) is 3.5-4 s there and
     2-3 times that on a loaded one. So, as in test_freeze.py, the bound is the agents' part (the hang timeout, the
-    stacks' wait, the kill, one monitor tick and the re-rendezvous' last call: ``AGENTS_S``) plus 1.5 x the start-up
+    stacks' wait, one monitor tick and the re-rendezvous' last call: ``AGENTS_S``, and the agents' own work:
+    ``agents_slack``) plus 1.5 x the start-up
     the *first* attempt's workers took in this same run (the noise of one process start against another), plus what
     the first attempt did not do: the new attempt's checkpoint load and first step; whether the issue's 10 s was met is
     printed.
@@ -118,13 +119,14 @@ def trained_again(cluster: Cluster, first: dict, since: float, what: str) -> Non
     # waited for its peer's later start instead
     startup = max(r["attempt"] / 1e9 - r["started"] for r in records(cluster) if r["resumed"] == 0)
     # + the new attempt's own checkpoint load and first step (the first attempt loaded nothing)
-    bound = AGENTS_S + 1.5 * startup + first["load_s"] + (first["time"] - ready)
+    agents = AGENTS_S + agents_slack(startup)
+    bound = agents + 1.5 * startup + first["load_s"] + (first["time"] - ready)
     met = "met" if took <= HANG_TIMEOUT + 10 else "NOT met (start-up bound: machine load)"
     print(f"{what} -> first step of the new attempt: {took:.1f}s = restart {restart:.1f}s + worker start {start:.1f}s"
           f" + step {first['time'] - ready:.1f}s; bound {bound:.1f}s (first attempt's start-up {startup:.1f}s, "
           f"checkpoint load {first['load_s']:.1f}s); "
           f"hang timeout + 10 s {met}")  # fmt: skip
-    assert restart < AGENTS_S, restart
+    assert restart < agents, (restart, agents)
     assert took < bound, (took, bound)
 
 

@@ -131,8 +131,8 @@ else
   rc=$?
   echo "tests/run.sh: unit tests: $([ "$rc" = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t))s"
   # The integration tests one at a time. Run side by side (session 15: three xdist workers beside a second pytest),
-  # the load (8-10 on 2 cores) stretched every test's processes 3-5x and four CI runs failed 3-6 tests each, each a
-  # bound met alone: their waits, timeouts and wall-clock bounds are sized for one test's processes on the machine.
+  # the load (8-10 on 2 cores) stretched every test's processes 3-5x and three of four CI runs failed 3-9 tests
+  # each, each a bound met alone: their waits, timeouts and wall-clock bounds are sized for one test's processes.
   t=$(date +%s)
   "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=25 tests/integration
   pytest_rc $?

@@ -120,8 +120,6 @@ if [ $# -gt 0 ]; then
   "$VENV/bin/python" -m pytest -q "$@"
   pytest_rc $?
   rc=$?
-  numerical_reruns || { [ "$rc" = 0 ] && rc=1; }
-  torch_range_stage || { [ "$rc" = 0 ] && rc=1; }
 else
   # the unit tests are independent: two xdist workers, one per core (one collection of the tree each; the one that
   # starts a second torch process shares its worker's core for a few seconds)
@@ -139,9 +137,9 @@ else
   irc=$?
   echo "tests/run.sh: integration tests: $([ "$irc" = 0 ] && echo passed || echo "FAILED (exit $irc)") in $(($(date +%s) - t))s"
   [ "$rc" = 0 ] && rc=$irc
-  numerical_reruns || { [ "$rc" = 0 ] && rc=1; }
-  torch_range_stage || { [ "$rc" = 0 ] && rc=1; }
 fi
+numerical_reruns || { [ "$rc" = 0 ] && rc=1; }
+torch_range_stage || { [ "$rc" = 0 ] && rc=1; }
 rm -f "${prepare_log:-}"
 prepare_pid=
 set -e

@@ -71,15 +71,15 @@ class Driven(Hooks):
         """Live: the hold comes first in the attempt, before the last commit's checkpoint: a round change during it
         lands between a save step's commit and its save (the join race of issue 21)."""
         path = self.args.hold_file
-        while training.live and path is not None and training.step < training.total and held(path, training.step):
-            attempt.check()  # a new round: leave the hold for it
+        while training.live and path is not None and training.step < training.total:
+            # a new round: leave the hold for it. Checked before the hold is read, so also once after it ends: the
+            # agent writes the round before its hand-off line and a test releases the hold after that line (checked
+            # only while held, the step after the hold could run at the old world: 1 run of test_live_e2e in 10)
+            attempt.check()
+            if not held(path, training.step):
+                return
             elasticzero.heartbeat()
             time.sleep(0.05)
-        if training.live and path is not None:
-            # a round handed while the hold ended: the agent writes the round before its hand-off line, and a test
-            # releases the hold after that line, so this check sees it (without it the step after the hold could
-            # run at the old world: test_live_e2e waited for step 7 at world 2 and got step 7 at world 1, 1 run in 10)
-            attempt.check()
 
     def before_step(self, training: Training, attempt: Any) -> None:
         """Plain: the hold after the last commit's checkpoint, then the hang."""

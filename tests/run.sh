@@ -32,8 +32,8 @@ t0=$(date +%s)
 bash tests/cluster/packages.sh
 command -v python3 >/dev/null || { apt-get update -qq && apt-get install -y -qq python3 python3-venv; }
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-# torch is pinned here (the local CPU build); the package itself declares a range
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[etcd,test]"
+# torch is pinned here (the local CPU build); the package itself declares a range. --no-compile: see tests/torch_range.sh
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile "torch==2.13.0" -e ".[etcd,test]"
 t1=$(date +%s)
 # the torch range's installs are bound by the network and the disk: start them now, beside the main run, at the
 # lowest priority (see tests/torch_range.sh)

@@ -49,11 +49,13 @@ venv() {
 }
 
 # prepare VERSION → 0 when VERSION's venv holds torch==VERSION and the test extra's packages (installed now, at the
-# lowest CPU and I/O priority): check's own install then finds them there and builds only elasticzero itself
+# lowest CPU and I/O priority): check's own install then finds them there and builds only elasticzero itself.
+# --no-compile (here, in check and in tests/run.sh): pip's byte-compilation of every installed module cost 44 s of CPU
+# for torch alone (16 s without); the modules a run imports are compiled on their first import instead
 prepare() {
   local v=$1 dir
   dir=$(venv "$v") || return 1
-  nice -n 19 ionice -c 3 "$dir/bin/python" -m pip install -q "torch==$v" ".[test]"
+  nice -n 19 ionice -c 3 "$dir/bin/python" -m pip install -q --no-compile "torch==$v" ".[test]"
 }
 
 # check VERSION LOG UNIT… → 0 when the install, the unit tests UNIT… and the smoke pass; their outcome on stdout
@@ -62,7 +64,7 @@ check() {
   shift 2
   dir=$(venv "$v") || { echo "venv failed"; return 1; }
   rm -rf build  # pip builds in the tree: no stale build/lib of an earlier version may enter the wheel
-  "$dir/bin/python" -m pip install -q "torch==$v" ".[test]" >>"$log" 2>&1 || { echo "install failed"; return 1; }
+  "$dir/bin/python" -m pip install -q --no-compile "torch==$v" ".[test]" >>"$log" 2>&1 || { echo "install failed"; return 1; }
   # as in the main run: the unit tests on two xdist workers
   "$dir/bin/python" -m pytest -q -p no:cacheprovider -n 2 "$@" >>"$log" 2>&1
   local unit=$?

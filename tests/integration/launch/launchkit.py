@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -162,13 +163,41 @@ def reports(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(found, key=lambda r: r["dist_rank"])
 
 
-def wait_for(pred: Any, timeout: float, what: str) -> None:
+def wait_for(pred: Any, timeout: float, what: str, explain: Callable[[], str] | None = None) -> None:
+    """Poll ``pred`` until it holds; on time-out, fail with ``what`` and what ``explain()`` says of the state."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():
             return
         time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}" + (f"\n{explain()}" if explain else ""))
+
+
+SLURMCTLD_LOG = Path("/var/log/elasticzero-slurm/slurmctld.log")  # tests/cluster/slurm_up.sh
+
+
+def _out(argv: list[str]) -> str:
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{argv[0]}: {e}"
+    return (p.stdout + p.stderr).strip()
+
+
+def slurm_state() -> str:
+    """The controller's view for a failure message: the queue with reasons, the nodes, each job's record and log."""
+    queue = _out(["squeue", "-h", "-o", "%i %T %r cpus=%C nodes=%D %N"])
+    parts = [f"squeue:\n{queue}", f"sinfo:\n{_out(['sinfo', '-h', '-N', '-o', '%N %T %C %E'])}"]
+    for job in [line.split()[0] for line in queue.splitlines() if line.split() and line.split()[0].isdigit()]:
+        parts.append(_out(["scontrol", "show", "job", "-d", job]))
+        log = SLURMCTLD_LOG.read_text(errors="replace").splitlines() if SLURMCTLD_LOG.exists() else []
+        parts.append("\n".join([x for x in log if f"JobId={job} " in x or f"JobId={job}\n" in x][-40:]))
+    return "\n".join(parts)
+
+
+def explain_for(backend: str) -> Callable[[], str] | None:
+    """What a failed wait should add for ``backend`` (Slurm: the controller's view of the queue and nodes)."""
+    return slurm_state if backend == "slurm" else None
 
 
 def netns_pids(netns: str) -> list[int]:

@@ -19,6 +19,7 @@ from launchkit import (
     LAUNCH_TIMEOUT,
     WORKER,
     ArgvWatch,
+    explain_for,
     hostile_args,
     hostile_dir,
     hostile_env,
@@ -116,7 +117,12 @@ def hostile_launch(backend: str, tmp_path: Path, options: dict[str, Any]) -> Non
     with ArgvWatch(tb, [secret.encode()]) as watch:
         proc = start(spec, tmp_path)
         try:
-            wait_for(lambda: len(list(out.glob("held-*"))) == 4 or proc.poll() is not None, 180, "4 ranks to hold")
+            wait_for(
+                lambda: len(list(out.glob("held-*"))) == 4 or proc.poll() is not None,
+                180,
+                "4 ranks to hold",
+                explain_for(backend),
+            )
             watch.scan()  # every rank is running now
             hold.touch()
             log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from launchkit import kill_job, launch, leftovers, make_spec, reports, start, wait_for
+from launchkit import explain_for, kill_job, launch, leftovers, make_spec, reports, start, wait_for
 from test_real_launch import MARKS, OPTIONS, bed
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(420)]
@@ -44,7 +44,12 @@ def test_signal_stops_job_on_every_host(backend: str, sig: signal.Signals, per_r
     out = Path(spec["env"]["EZ_TEST_OUT"])
     proc = start(spec, tmp_path)
     try:
-        wait_for(lambda: len(list(out.glob("pid-*"))) == 4 or proc.poll() is not None, 180, "4 sleeping workers")
+        wait_for(
+            lambda: len(list(out.glob("pid-*"))) == 4 or proc.poll() is not None,
+            180,
+            "4 sleeping workers",
+            explain_for(backend),
+        )
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         on_hosts = sorted(p.read_text() for p in out.glob("pid-*"))
         assert on_hosts == sorted([hosts[0]] * 2 + [hosts[1]] * 2)

@@ -23,6 +23,10 @@ with every path and argv element passed through :func:`shlex.quote`. pdsh itself
 anywhere in that string (ssh mode included), so every ``%`` of user data is doubled and the only live sequences are
 the host's ``%h`` in the agent's ``--node-host %h`` and in the env directory's name.
 
+With ``--max-node-restarts`` (launcher option ``max_node_restarts``) the launch is one ``pdsh -w HOST`` per node, each
+restartable alone; :meth:`PdshBackend.restart_node` readies a host for its agent's new start (stop what is left of
+that node, ``--kill-job JOB --node-host HOST``; remove a stale env file; stage it again).
+
 pdsh does not stop remote processes when it is terminated; :meth:`PdshBackend.stop_job` kills this job's
 processes on every host over ssh (same ssh options as the launch), scoped by the job id the processes carry in
 ``ELASTICZERO_JOB_ID``, and names each host where that failed.
@@ -130,8 +134,7 @@ def ssh_base(bound: BoundPlan) -> list[str]:
     (pdsh's own splitting is on blanks; quotes are the user's to avoid there). ``ConnectTimeout`` comes last, so a
     value the user set wins (ssh keeps the first ``-o`` of each option).
     """
-    (pdsh,) = bound.commands
-    append = shlex.split(pdsh.env[SSH_APPEND])
+    append = shlex.split(bound.commands[0].env[SSH_APPEND])  # every pdsh command carries the same options
     return ["ssh", *_pdsh_login(bound.plan.launcher_args), *append, "-o", "ConnectTimeout=10"]
 
 
@@ -150,10 +153,15 @@ class PdshBackend(LauncherBackend):
         placeholder = f"EZHOST{uuid.uuid4().hex}"
         argv = plan.agent_argv(["--node-host", placeholder])
         remote = remote_command(env_dir(plan, placeholder), plan.cwd, argv, host_placeholder=placeholder)
-        hosts = ",".join(n.host for n in plan.nodes)
-        pdsh = ["pdsh", "-R", "ssh", "-S", "-f", str(max(32, len(plan.nodes))), "-w", hosts]
-        pdsh += [*plan.launcher_args, remote]
-        return [Command(argv=tuple(pdsh), env={SSH_APPEND: ssh_args_append(plan)})]
+        env = {SSH_APPEND: ssh_args_append(plan)}
+        if plan.options.get("max_node_restarts"):  # supervised: one command per node, each restartable alone
+            return [Command(argv=self._pdsh(plan, [n.host], remote), env=env, host=n.host) for n in plan.nodes]
+        return [Command(argv=self._pdsh(plan, [n.host for n in plan.nodes], remote), env=env)]
+
+    @staticmethod
+    def _pdsh(plan: LaunchPlan, hosts: list[str], remote: str) -> tuple[str, ...]:
+        fanout = ["-f", str(max(32, len(hosts)))]
+        return ("pdsh", "-R", "ssh", "-S", *fanout, "-w", ",".join(hosts), *plan.launcher_args, remote)
 
     def preflight(self, bound: BoundPlan) -> None:
         """Check passwordless ssh (``BatchMode=yes``) to every host, unless ``ssh_check`` is false."""
@@ -185,6 +193,20 @@ class PdshBackend(LauncherBackend):
             if err is not None:
                 _report(f"could not remove the job's env file on {host}: {err} ({unstage_script(bound.plan, host)})")
 
+    def restart_node(self, bound: BoundPlan, host: str) -> str | None:
+        """Make ``host`` ready for its command to start again: stop what is left of this node there (the agent may
+        still run when only the launcher's connection died), remove a stale env file, stage the environment again.
+        Returns what failed (one line), or None."""
+        plan = bound.plan
+        kill = [plan.agent.python, "-m", "elasticzero.agent.cli", "--kill-job", plan.job_id, "--node-host", host]
+        steps = [(lambda _h: shlex.join(kill), b""), (lambda h: unstage_script(plan, h), b"")]
+        steps.append((lambda h: stage_script(plan, h), env_payload(job_env(plan))))
+        for remote, stdin in steps:
+            err = on_hosts(bound, remote, STOP_TIMEOUT, stdin, hosts=[host])[host]
+            if err is not None:
+                return f"{err} ({remote(host)[:200]})"
+        return None
+
     def stop_job(self, bound: BoundPlan) -> None:
         """Kill this job's processes on every host: ``ssh HOST elasticzero-run --kill-job JOB`` in parallel.
 
@@ -201,9 +223,14 @@ class PdshBackend(LauncherBackend):
 
 
 def on_hosts(
-    bound: BoundPlan, remote: Callable[[str], str], timeout: float, stdin: bytes = b""
+    bound: BoundPlan,
+    remote: Callable[[str], str],
+    timeout: float,
+    stdin: bytes = b"",
+    hosts: list[str] | None = None,
 ) -> dict[str, str | None]:
-    """Run ``ssh HOST remote(HOST)`` on every host in parallel (launch ssh options, own session): host → error.
+    """Run ``ssh HOST remote(HOST)`` on every host (or ``hosts``) in parallel (launch ssh options, own session):
+    host → error.
 
     ``stdin`` is what each ssh reads (the remote command's stdin); the error is ``None`` on success, else ssh's
     last stderr line with the exit code, or the timeout.
@@ -229,7 +256,7 @@ def on_hosts(
         tail = (p.stderr.decode(errors="replace").strip().splitlines() or [""])[-1]
         return f"exit code {p.returncode}" + (f": {tail}" if tail else "")
 
-    hosts = [n.host for n in bound.plan.nodes]
+    hosts = hosts if hosts is not None else [n.host for n in bound.plan.nodes]
     with ThreadPoolExecutor(max_workers=min(16, len(hosts))) as pool:
         return dict(zip(hosts, pool.map(run, hosts), strict=True))
 

@@ -53,6 +53,11 @@ def signal_exit_code(signum: int) -> int:
     return 128 + int(signum)
 
 
+def exit_signal(code: int) -> int | None:
+    """The signal N of an exit code ``128+N`` (N a real signal number, 1..64), else ``None``."""
+    return code - 128 if 128 < code <= 128 + 64 else None
+
+
 def exit_status(returncode: int) -> int:
     """A ``Popen``/torch return code (``-N`` for death by signal N) as an exit code: ``128+N``, else unchanged."""
     return signal_exit_code(-returncode) if returncode < 0 else returncode

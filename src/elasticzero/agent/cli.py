@@ -4,7 +4,8 @@ Every torchrun flag works as in torchrun (torch's own parser is reused, and the 
 ``config_from_args``); the flags added by :mod:`elasticzero.agent.options` bind the node to its slots from
 ``--node-table``. The command line, the environment and what was probed on this machine become one frozen
 :class:`~elasticzero.agent.plan.AgentPlan` before anything starts; ``--dry-run`` prints it. Also
-``elasticzero-run --kill-job JOBID [--grace S]`` (first flag) to stop a job's processes on this host.
+``elasticzero-run --kill-job JOBID [--grace S] [--node-host HOST]`` (first flag) to stop a job's processes on this host
+(only node HOST's, with ``--node-host``).
 
 Exit status: 0 on success; 2 for bad input (one line on stderr, nothing started); the root-cause worker's exit
 code (128+N when it died of signal N) when workers failed and restarts are exhausted; 128+N when the agent
@@ -78,11 +79,12 @@ def _kill_job(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog=PROG)
     parser.add_argument("--kill-job", "--kill_job", required=True, metavar="JOBID")
     parser.add_argument("--grace", type=float, default=5.0)
+    parser.add_argument("--node-host", "--node_host", default=None, metavar="HOST")
     parser.error = lambda message: (_ for _ in ()).throw(UsageError(message))  # type: ignore[method-assign]
     ns = parser.parse_args(argv)
     if ns.grace < 0:
         raise UsageError(f"--grace {ns.grace:g}: must be >= 0 seconds")
-    return kill_main(check_job_id(ns.kill_job, "--kill-job"), ns.grace)
+    return kill_main(check_job_id(ns.kill_job, "--kill-job"), ns.grace, ns.node_host)
 
 
 def _launch(args: argparse.Namespace) -> int:

@@ -137,6 +137,13 @@ def build_parser(prog: str = PROG, usage: str | None = None) -> argparse.Argumen
         help="write the launcher pid; a path only as --save-pid=PATH "
         "(default $XDG_RUNTIME_DIR/elasticzero-<pid>.pid, else a private temp dir)",
     )
+    l_.add_argument(
+        "--max-node-restarts",
+        "--max_node_restarts",
+        type=_nonneg_int,
+        metavar="N",
+        help="start a lost node's agent again (ssh died, agent killed), up to N times over the job (pdsh)",
+    )
     l_.add_argument("--export", action="append", default=[], metavar="NAME", help="also export NAME (repeatable)")
     l_.add_argument("--export-prefix", "--export_prefix", action="append", default=[], metavar="P", help="prefix")
     a = p.add_argument_group("rendezvous and agent")

@@ -37,7 +37,7 @@ import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, final
+from typing import Any, ClassVar, Protocol, final, runtime_checkable
 
 from elasticzero.errors import UsageError
 from elasticzero.launch.plan import BoundPlan, Command, LaunchPlan, is_secret
@@ -49,6 +49,7 @@ __all__ = [
     "BoundPlan",
     "Command",
     "LauncherBackend",
+    "RestartsNodes",
     "available_launchers",
     "get_launcher",
     "launcher_class",
@@ -113,7 +114,22 @@ class BackendOption:
 #: options every backend accepts: they belong to the launcher itself (``execute`` reads them)
 LAUNCHER_OPTIONS = (
     BackendOption("save_pid", str, None, "write the launcher pid to this path while the job runs", flag="--save-pid"),
+    BackendOption(
+        "max_node_restarts",
+        int,
+        0,
+        "start a lost node's agent again, up to this many times over the job (backends with per-node commands)",
+        flag="--max-node-restarts",
+    ),
 )
+
+
+@runtime_checkable
+class RestartsNodes(Protocol):
+    """A backend that can start one node's command again (``--max-node-restarts``): with the option set its
+    commands are one per node (``Command.host``), and :meth:`restart_node` prepares the host for a new start."""
+
+    def restart_node(self, bound: BoundPlan, host: str) -> str | None: ...
 
 
 class LauncherBackend(ABC):
@@ -150,9 +166,19 @@ class LauncherBackend(ABC):
         replaced by the real value. Pure apart from what :meth:`commands` itself reads; nothing starts.
         """
         checked = replace(plan, options=self.resolve_options(plan.options, sources))
+        self._check_node_restarts(checked.options["max_node_restarts"])
         stand_ins = _stand_ins(checked.env)
         built = self.commands(replace(checked, env={**checked.env, **stand_ins}))
         return BoundPlan(checked, tuple(self._reveal(cmd, stand_ins, checked.env) for cmd in built))
+
+    def _check_node_restarts(self, n: int) -> None:
+        if n < 0:
+            raise UsageError(f"--max-node-restarts {n}: must be >= 0")
+        if n and not isinstance(self, RestartsNodes):
+            raise UsageError(
+                f"--max-node-restarts: launcher {self.name!r} cannot start one node's agent again (its transport "
+                "owns the processes: see docs/launching.md, 'A node comes back'); use --launcher pdsh, or drop the flag"
+            )
 
     def _reveal(self, cmd: Command, stand_ins: Mapping[str, str], env: Mapping[str, str]) -> Command:
         """``cmd`` with the real values in its env; a stand-in in its argv is a :class:`UsageError`."""

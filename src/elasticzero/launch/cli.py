@@ -53,6 +53,7 @@ OPTION_FLAGS: dict[str, tuple[str, Callable[[argparse.Namespace], object]]] = {
     "--per-rank": ("per_rank", lambda a: True if a.per_rank else None),
     "--node-rank": ("node_rank", lambda a: a.node_rank),
     "--save-pid": ("save_pid", lambda a: a.save_pid),  # "" (bare flag): the default path, made at execution
+    "--max-node-restarts": ("max_node_restarts", lambda a: a.max_node_restarts),
 }
 #: DeepSpeed's ssh flags: scripts pass them on every launch, so a backend without ssh ignores them (with a note)
 #: instead of refusing the command, as ``deepspeed`` does on a single node

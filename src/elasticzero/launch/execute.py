@@ -36,10 +36,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from elasticzero.errors import UsageError
+from elasticzero.launch.backend import RestartsNodes
+from elasticzero.launch.supervise import BACKOFF_CAP_S, BACKOFF_S, JobView, Restart, is_node_loss, job_exit, on_exit
 from elasticzero.proc import STOP_SIGNALS, exit_status, parent_death_preexec, signal_exit_code
 
 if TYPE_CHECKING:
@@ -157,6 +161,8 @@ def _start(cwd: str, cmd: Command) -> subprocess.Popen[bytes]:
 
 
 def _run(bound: BoundPlan, backend: LauncherBackend, received: list[int]) -> int:
+    if bound.plan.options.get("max_node_restarts") and isinstance(backend, RestartsNodes):
+        return _Supervisor(bound, backend, received).run()
     procs: list[subprocess.Popen[bytes]] = []
     commands = bound.commands
     try:
@@ -184,6 +190,121 @@ def _run(bound: BoundPlan, backend: LauncherBackend, received: list[int]) -> int
             _stop(bound, backend, procs)
             return first_failure
         time.sleep(POLL)
+
+
+@dataclass
+class _Node:
+    """One node's command under supervision: its process, and a restart pending or being prepared."""
+
+    cmd: Command
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0  # restarts decided for this node (its backoff)
+    start_at: float | None = None  # a restart is due then
+    preparing: Future[str | None] | None = None  # the backend is readying the host
+
+    @property
+    def active(self) -> bool:
+        return self.proc is not None or self.start_at is not None
+
+
+class _Supervisor:
+    """``--max-node-restarts``: one command per node, a lost node's started again (decisions: ``launch.supervise``).
+
+    The loop polls the commands; an ending goes to :func:`~elasticzero.launch.supervise.on_exit`; a restart, once
+    due, is prepared by ``backend.restart_node`` on a thread (ssh round trips: the loop keeps watching the others
+    and the signals), then the node's command starts again. A failed preparation (the host still unreachable) is
+    tried again after the node's next backoff, without spending more of the budget.
+    """
+
+    def __init__(self, bound: BoundPlan, backend: LauncherBackend, received: list[int]) -> None:
+        assert isinstance(backend, RestartsNodes)
+        self.bound, self.backend, self.restarter, self.received = bound, backend, backend, received
+        self.nodes = [_Node(cmd) for cmd in bound.commands]
+        self.budget = int(bound.plan.options["max_node_restarts"])
+        self.used = 0
+        self.last: list[int] = []  # each node's last ending, in the order they ended (a restarted one's removed)
+        self.result_seen = False
+        self.first_failure: tuple[int, float] | None = None
+        self.staged_unused = False
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="node-restart")
+
+    def run(self) -> int:
+        try:
+            for node in self.nodes:
+                if self.received:
+                    break
+                node.proc = _start(self.bound.plan.cwd, node.cmd)
+        except OSError as exc:
+            self._stop()
+            print(f"elasticzero-launch: cannot start {self.nodes[0].cmd.argv[0]!r}: {exc}", file=sys.stderr)
+            return 127
+        try:
+            return self._loop()
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            if self.staged_unused:
+                self.backend.unstage(self.bound)
+
+    def _loop(self) -> int:
+        while True:
+            if self.received:
+                self._stop()
+                return signal_exit_code(self.received[0])
+            now = time.monotonic()
+            for node in self.nodes:
+                self._watch(node, now)
+            if not any(n.active for n in self.nodes):
+                return job_exit(self.last)
+            if self.first_failure is not None and now - self.first_failure[1] > FAIL_GRACE:
+                self._stop()
+                return self.first_failure[0]
+            time.sleep(POLL)
+
+    def _watch(self, node: _Node, now: float) -> None:
+        if node.proc is not None and (rc := node.proc.poll()) is not None:
+            node.proc = None
+            self._ended(node, exit_status(rc), now)
+        if node.start_at is not None and now >= node.start_at and node.preparing is None:
+            node.preparing = self.pool.submit(self.restarter.restart_node, self.bound, str(node.cmd.host))
+        if node.preparing is not None and node.preparing.done():
+            self._prepared(node, node.preparing.result(), now)
+
+    def _ended(self, node: _Node, code: int, now: float) -> None:
+        others = sum(1 for n in self.nodes if n is not node and n.active)
+        view = JobView(others, self.result_seen, self.used, self.budget, node.restarts)
+        decision = on_exit(str(node.cmd.host), code, view)
+        if decision.line:
+            print(f"elasticzero-launch: {decision.line}", file=sys.stderr, flush=True)
+        if isinstance(decision, Restart):
+            self.used, node.restarts, node.start_at = self.used + 1, node.restarts + 1, now + decision.delay_s
+            return
+        self.last.append(code)
+        if not is_node_loss(code):
+            self.result_seen = True
+            if code != 0 and self.first_failure is None:
+                self.first_failure = (code, now)
+
+    def _prepared(self, node: _Node, error: str | None, now: float) -> None:
+        node.preparing = None
+        if error is not None:
+            delay = min(BACKOFF_CAP_S, BACKOFF_S * 2**node.restarts)
+            node.restarts, node.start_at = node.restarts + 1, now + delay
+            print(f"elasticzero-launch: cannot start {node.cmd.host}'s agent again yet: {error}; next try in "
+                  f"{delay:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+            return
+        node.start_at = None
+        if self.result_seen:
+            self.staged_unused = True  # the job ended meanwhile: not started; its env file is removed at the end
+            return
+        try:
+            node.proc = _start(self.bound.plan.cwd, node.cmd)
+        except OSError as exc:
+            print(f"elasticzero-launch: cannot start {node.cmd.argv[0]!r} again: {exc}", file=sys.stderr)
+
+    def _stop(self) -> None:
+        for node in self.nodes:
+            node.start_at = None
+        _stop(self.bound, self.backend, [n.proc for n in self.nodes if n.proc is not None])
 
 
 def _stop(bound: BoundPlan, backend: LauncherBackend, procs: list[subprocess.Popen[bytes]]) -> None:

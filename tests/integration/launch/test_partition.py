@@ -140,7 +140,7 @@ def _cut_node0_of_an_etcd_job(tb: ez_testing.Testbed, hosts: list[str], cluster:
         t_heal = time.time()
         print(f"etcd partition: node 1 trains on {min(r['time'] for r in on()) - t_cut:.2f} s after node 0's cut")
         back = lambda: [r for r in reports(out) if r["world_size"] == 2 and r["time"] > t_heal]  # noqa: E731
-        wait_for(lambda: len(back()) == 2, 120, f"world 2 again after the heal\n{log.read_text()[-4000:]}")
+        wait_for(lambda: len(back()) == 2, 120, "world 2 again after the heal", lambda: log.read_text()[-4000:])
         print(f"etcd partition: world 2 again {min(r['time'] for r in back()) - t_heal:.2f} s after the heal")
         text = _stop(launcher, out, log, job, tb)
         assert f"{hosts[0]}: elasticzero-run: " in text and "tries to join the rendezvous again" in text, text[-4000:]

@@ -558,17 +558,20 @@ def test_launcher_opt_sets_typed_options_shown_by_dry_run(
     argv = ["--launcher", "fake", "--launcher-opt", "site_queue=gpu", "--launcher_opt", "site_timeout=2.5"]
     plan = _json(capsys, [*argv, "--ssh-port", "2200", "--dry-run=json", "t.py"])
     assert plan["options"] == {
-        "save_pid": None, "site_queue": "gpu", "site_timeout": 2.5, "ssh_check": True, "ssh_port": 2200
+        "max_node_restarts": 0, "save_pid": None, "site_queue": "gpu", "site_timeout": 2.5, "ssh_check": True,
+        "ssh_port": 2200,
     }  # fmt: skip
     assert main([*argv, "--dry-run", "t.py"]) == 0
-    assert "options:   save_pid=None site_queue='gpu' site_timeout=2.5 ssh_check=True" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "options:   max_node_restarts=0 save_pid=None site_queue='gpu' site_timeout=2.5 ssh_check=True" in out
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--launcher-opt", "nope=1"], "launcher 'fake' has no option 'nope' (set by --launcher-opt nope=…); "
-         "valid options: save_pid, site_queue, site_timeout, ssh_check, ssh_port; see elasticzero-launch --help"),
+         "valid options: max_node_restarts, save_pid, site_queue, site_timeout, ssh_check, ssh_port; "
+         "see elasticzero-launch --help"),
         (["--launcher-opt", "site_timeout=soon"], "launcher 'fake': option site_timeout='soon': expected float"),
         (["--launcher-opt", "site_queue=cpu"], "option site_queue='cpu': expected one of default, gpu"),
         (["--launcher-opt", "ssh_check=maybe"], "launcher 'fake': option ssh_check='maybe': expected true or false"),
@@ -593,7 +596,9 @@ def test_mpiexec_and_mvapich_launcher_are_settable(
     argv = ["-H", hf, "--launcher", "mvapich", "--launcher-opt", "mvapich_launcher=hydra", "--dry-run=json", "t"]
     plan = _json(capsys, argv)
     assert plan["commands"][0][0] == "mpiexec" and "-genvlist" in plan["commands"][0]
-    assert plan["options"] == {"mpiexec": "mpiexec", "mvapich_launcher": "hydra", "per_rank": False, "save_pid": None}
+    assert plan["options"] == {
+        "max_node_restarts": 0, "mpiexec": "mpiexec", "mvapich_launcher": "hydra", "per_rank": False, "save_pid": None
+    }  # fmt: skip
     argv = ["-H", hf, "--launcher", "mvapich", "--launcher-opt", "mvapich_launcher=rsh", "t"]
     assert "expected one of mpirun_rsh, hydra" in _error(capsys, argv, launch_env)
 

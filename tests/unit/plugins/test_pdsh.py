@@ -9,6 +9,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -52,12 +53,13 @@ def test_launcher_args_go_before_the_remote_command() -> None:
 
 def test_pdsh_options_are_declared_and_typed() -> None:
     backend = get_launcher("pdsh")
-    assert backend.resolve_options({}) == {"ssh_port": None, "ssh_check": True, "save_pid": None}
+    defaults = {"ssh_port": None, "ssh_check": True, "save_pid": None, "max_node_restarts": 0}
+    assert backend.resolve_options({}) == defaults
     typed = backend.resolve_options({"ssh_port": "2200", "ssh_check": "false"})
     assert (typed["ssh_port"], typed["ssh_check"]) == (2200, False)
     with pytest.raises(UsageError, match=r"launcher 'pdsh': option ssh_port='22x': expected int"):
         backend.resolve_options({"ssh_port": "22x"})
-    with pytest.raises(UsageError, match=r"has no option 'per_rank' \(set by --per-rank\); valid options: save_pid"):
+    with pytest.raises(UsageError, match=r"has no option 'per_rank' \(set by --per-rank\); valid options: max_node_"):
         backend.resolve_options({"per_rank": True}, {"per_rank": "--per-rank"})
 
 
@@ -186,3 +188,45 @@ def test_preflight_and_cleanup_share_the_ssh_options(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("PDSH_SSH_ARGS_APPEND", "-o 'unbalanced")
     with pytest.raises(UsageError, match=r"PDSH_SSH_ARGS_APPEND=\"-o 'unbalanced\" cannot be split: No closing"):
         get_launcher("pdsh").bind(plan)
+
+
+def test_supervised_launch_runs_one_pdsh_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PDSH_SSH_ARGS_APPEND", raising=False)
+    plan = make_plan("pdsh", options={"max_node_restarts": 2})
+    one, two = get_launcher("pdsh").bind(plan).commands
+    assert (one.host, two.host) == ("node1", "node2")
+    assert list(one.argv[:-1]) == ["pdsh", "-R", "ssh", "-S", "-f", "32", "-w", "node1"]
+    assert list(two.argv[:-1]) == ["pdsh", "-R", "ssh", "-S", "-f", "32", "-w", "node2"]
+    (fanout,) = get_launcher("pdsh").bind(replace(plan, options={})).commands
+    assert one.argv[-1] == two.argv[-1] == fanout.argv[-1]  # the same remote command (%h: the host's -w name)
+    assert one.env == two.env == fanout.env
+
+
+RECORDING_SSH = """#!{python}
+import json, os, sys
+host = sys.argv[-2]
+with open(os.path.join({out!r}, "calls.jsonl"), "a") as f:
+    f.write(json.dumps({{"host": host, "remote": sys.argv[-1], "stdin": sys.stdin.read()}}) + "\\n")
+sys.exit({code} if "mkdir" in sys.argv[-1] else 0)
+"""
+
+
+@pytest.mark.parametrize("code", [0, 1])
+def test_restart_node_stops_that_node_then_stages_its_env_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "ssh").write_text(RECORDING_SSH.format(python=sys.executable, out=str(tmp_path), code=code))
+    (bindir / "ssh").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    backend = get_launcher("pdsh")
+    bound = backend.bind(make_plan("pdsh", options={"max_node_restarts": 1}))
+    error = backend.restart_node(bound, "node2")  # type: ignore[attr-defined]
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert [c["host"] for c in calls] == ["node2"] * 3  # that host only
+    kill = f"{PY} -m elasticzero.agent.cli --kill-job ez-test-1 --node-host node2"
+    stage, unstage = stage_script(bound.plan, "node2"), unstage_script(bound.plan, "node2")
+    assert [c["remote"] for c in calls] == [kill, unstage, stage]
+    assert calls[2]["stdin"] == env_payload(job_env(bound.plan)).decode()
+    assert error is None if code == 0 else error == f"exit code 1 ({stage[:200]})"

@@ -1,5 +1,5 @@
-"""Stress: the freeze, store-host freeze, partition, hung-worker, live hand-off and live example tests, each repeated,
-to show they are not races (a script, not collected by pytest: no ``test_`` files here).
+"""Stress: the freeze, store-host freeze, partition, node-restart, hung-worker, live hand-off, live comeback and live
+example tests, each repeated, to show they are not races (a script, not collected by pytest: no ``test_`` files here).
 
 Each repetition is one real pytest run of one case (fresh agents, fresh job id, fresh etcd server), so what is
 repeated is exactly what CI runs. The failures' output is kept under ``--keep``; the timings the tests print (the
@@ -30,6 +30,10 @@ LIVE = "tests/integration/agent/test_live_handoff.py::test_survivors_keep_their_
 LIVE_E2E = "tests/integration/elastic/test_live_e2e.py"
 STORE_FREEZE = "tests/integration/agent/test_store_host_freeze.py"
 PARTITION = "tests/integration/launch/test_partition.py"
+RESTART = "tests/integration/launch/test_node_restart.py::test_a_lost_node_is_started_again_and_rejoins"
+LIVE_COMEBACK = (
+    "tests/integration/launch/test_live_comeback.py::test_a_lost_node_comes_back_live_and_the_survivor_never_restarts"
+)
 CASES = {
     "c10d-freeze": "tests/integration/elastic/test_freeze.py::test_frozen_node_survived_fenced_and_rejoins[c10d]",
     "etcd-freeze": "tests/integration/elastic/test_freeze.py::test_frozen_node_survived_fenced_and_rejoins[etcd]",
@@ -37,6 +41,10 @@ CASES = {
     "etcd-cut-off-rejoin": f"{STORE_FREEZE}::test_an_agent_cut_off_from_etcd_stays_and_rejoins",
     "partition": f"{PARTITION}::test_a_partitioned_node_is_dropped_and_the_survivor_trains_on",
     "etcd-partition": f"{PARTITION}::test_the_first_host_cut_off_from_an_etcd_job_rejoins_and_the_job_trains_on",
+    "node-restart-killed": f"{RESTART}[killed]",
+    "node-restart-ssh": f"{RESTART}[ssh]",
+    "live-partition": f"{LIVE_COMEBACK}[partition]",
+    "live-killed": f"{LIVE_COMEBACK}[killed]",
     "c10d-store-call-window": "tests/integration/agent/test_store_call_bound.py",
     "worker-hang": f"{HANG}::test_a_worker_that_stops_making_progress_is_named_and_the_job_trains_on",
     "worker-stop": f"{HANG}::test_a_stopped_worker_is_named_and_the_job_trains_on",
@@ -58,6 +66,9 @@ TIMINGS = {
     "live example (kill)": re.compile(r"^kill: .* at world 1 ([\d.]+) s after it", re.M),
     "live example (freeze)": re.compile(r"^freeze: .* at world 1 ([\d.]+) s after it", re.M),
     "two lost → restarted step": re.compile(r"^two lost: .* ([\d.]+) s after the kill", re.M),
+    "node restart → world 2": re.compile(r"node restart \(\w+\): world 2 again ([\d.]+) s after the loss"),
+    "live: survivor at world 1": re.compile(r"^(?:partition|killed): the survivor .* ([\d.]+) s after it", re.M),
+    "live: world 2 again": re.compile(r"^(?:partition|killed): world 2 again ([\d.]+) s after", re.M),
 }
 
 

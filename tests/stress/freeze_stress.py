@@ -67,6 +67,7 @@ TIMINGS = {
     "live example (freeze)": re.compile(r"^freeze: .* at world 1 ([\d.]+) s after it", re.M),
     "two lost → restarted step": re.compile(r"^two lost: .* ([\d.]+) s after the kill", re.M),
     "node restart → world 2": re.compile(r"node restart \(\w+\): world 2 again ([\d.]+) s after the loss"),
+    "node restart: sshd back → world 2": re.compile(r"node restart \(killed\): world 2 again ([\d.]+) s after sshd"),
     "live: survivor at world 1": re.compile(r"^(?:partition|killed): the survivor .* ([\d.]+) s after it", re.M),
     "live: world 2 again": re.compile(r"^(?:partition|killed): world 2 again ([\d.]+) s after", re.M),
 }

@@ -31,8 +31,10 @@ import pytest
 from launchkit import kill_job, leftovers, wait_for, worker_env_clean
 
 import ez_testing
+from elasticzero.agent.liveness import DEFAULT_PEER_TIMEOUT_S
+from elasticzero.agent.options import RDZV_DEFAULTS
 from elasticzero.data import ByteCorpus, epoch_order, stdlib_corpus
-from ez_testing import REPO, free_port, partition, require, require_program
+from ez_testing import REPO, agents_slack, free_port, partition, require, require_program
 
 LAUNCH = str(Path(sys.executable).parent / "elasticzero-launch")
 DRIVER = REPO / "tests" / "integration" / "elastic" / "train_driver.py"
@@ -147,6 +149,15 @@ def test_a_lost_node_comes_back_live_and_the_survivor_never_restarts(tmp_path: P
         assert back["step"] == k + 3, back
         after = "the heal" if lost == "partition" else "sshd came back"
         print(f"{lost}: world 2 again {back['time'] - t_back:.2f} s after {after}")
+        if lost == "partition":
+            # the cut-off node's next try (1 s apart), a rendezvous round, its fresh worker's start-up and state
+            # fetch: within the peer timeout + a round + the agents' slack + 1.5 x a worker start-up measured here
+            # (the survivor's: process start -> training began)
+            mine = min((r for r in records(tmp) if r["pid"] == survivor), key=lambda r: r["step"])
+            startup = mine["loaded"] - mine["started"]
+            bound = DEFAULT_PEER_TIMEOUT_S + int(RDZV_DEFAULTS["last_call_timeout"]) + agents_slack(startup)
+            bound += 1.5 * startup
+            assert back["time"] - t_back < bound, (back["time"] - t_back, bound, startup)
         joined = {r["pid"] for r in at(tmp, back["step"], 2)} - {survivor}
         assert joined and joined.isdisjoint({r["pid"] for r in records(tmp) if r["time"] < t_loss}), joined
         launcher.wait(timeout=WAIT)

@@ -82,9 +82,12 @@ def test_a_lost_node_is_started_again_and_rejoins(tmp_path: Path, lost: str) -> 
             wait_for(lambda: f"cannot start {hosts[1]}'s agent again yet" in log.read_text(), 30, "a failed try", tail)
             time.sleep(max(0.0, t_kill + 3 - time.time()))
             subprocess.run(["bash", str(REPO / "tests" / "cluster" / "hosts_up.sh")], check=True, timeout=120)
+            t_sshd = time.time()
         back = lambda: [r for r in reports(out) if r["world_size"] == 2 and r["time"] > t_kill]  # noqa: E731
         wait_for(lambda: len(back()) == 2, 120, "world 2 again after the restart", tail)
         print(f"node restart ({lost}): world 2 again {min(r['time'] for r in back()) - t_kill:.2f} s after the loss")
+        if lost == "killed":
+            print(f"node restart (killed): world 2 again {min(r['time'] for r in back()) - t_sshd:.2f} s after sshd")
         assert len({r["pid"] for r in back()} - first) >= 1  # a fresh worker on the restarted node
         now = leftovers(job, tb)  # one agent and one worker per host: the one lost out of reach was stopped
         assert [len(now.get(h, [])) for h in hosts] == [2, 2], now

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from plugin_plans import make_plan
 
@@ -120,3 +126,49 @@ def test_the_option_is_refused_where_a_node_cannot_be_restarted() -> None:
     with pytest.raises(UsageError, match=r"^--max-node-restarts -1: must be >= 0$"):
         Nodes({}).bind(make_plan("nodes", options={"max_node_restarts": -1}))
     assert Fanout().bind(make_plan("fanout")).plan.options["max_node_restarts"] == 0  # the default: off
+
+
+SUPERVISED_LAUNCHER = """
+import os, sys
+sys.path.insert(0, {tests!r})
+from plugin_plans import make_plan
+from elasticzero.launch.backend import Command, LauncherBackend
+from elasticzero.launch.execute import execute
+
+class Sleepy(LauncherBackend):
+    name = "sleepy"
+    def commands(self, plan):
+        code = "import os,time; open(os.path.join({tmp!r}, 'child-%d' % os.getpid()), 'w').close(); time.sleep(300)"
+        return [Command(argv=(sys.executable, "-c", code), host=n.host) for n in plan.nodes]
+    def restart_node(self, bound, host):
+        return None
+    def stop_job(self, bound):
+        open(os.path.join({tmp!r}, "stop_job-called"), "w").close()
+
+backend = Sleepy()
+sys.exit(execute(backend.bind(make_plan("sleepy", cwd={tmp!r}, options={{"max_node_restarts": 3}})), backend))
+"""
+
+
+def test_a_stop_signal_stops_every_node_and_restarts_none(tmp_path: Path) -> None:
+    script = tmp_path / "launcher.py"
+    script.write_text(textwrap.dedent(SUPERVISED_LAUNCHER.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))))
+    proc = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("child-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    children = [int(p.name.split("-")[1]) for p in tmp_path.glob("child-*")]
+    try:
+        assert len(children) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        err = proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in children:
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert (tmp_path / "stop_job-called").exists()
+    assert len(list(tmp_path.glob("child-*"))) == 2  # the stopped nodes were not started again
+    assert "Traceback" not in err and "starting it again" not in err, err

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from elasticzero.errors import UsageError
 from elasticzero.launch.backend import RestartsNodes
-from elasticzero.launch.supervise import BACKOFF_CAP_S, BACKOFF_S, JobView, Restart, is_node_loss, job_exit, on_exit
+from elasticzero.launch.supervise import JobView, Restart, backoff, is_node_loss, job_exit, on_exit
 from elasticzero.proc import STOP_SIGNALS, exit_status, parent_death_preexec, signal_exit_code
 
 if TYPE_CHECKING:
@@ -222,7 +222,7 @@ class _Supervisor:
         self.nodes = [_Node(cmd) for cmd in bound.commands]
         self.budget = int(bound.plan.options["max_node_restarts"])
         self.used = 0
-        self.last: list[int] = []  # each node's last ending, in the order they ended (a restarted one's removed)
+        self.last: list[int] = []  # the endings not restarted, in the order they ended
         self.result_seen = False
         self.first_failure: tuple[int, float] | None = None
         self.staged_unused = False
@@ -287,7 +287,7 @@ class _Supervisor:
     def _prepared(self, node: _Node, error: str | None, now: float) -> None:
         node.preparing = None
         if error is not None:
-            delay = min(BACKOFF_CAP_S, BACKOFF_S * 2**node.restarts)
+            delay = backoff(node.restarts)
             node.restarts, node.start_at = node.restarts + 1, now + delay
             print(f"elasticzero-launch: cannot start {node.cmd.host}'s agent again yet: {error}; next try in "
                   f"{delay:.0f} s", file=sys.stderr, flush=True)  # fmt: skip

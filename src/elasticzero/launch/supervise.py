@@ -33,6 +33,11 @@ SSH_LOST = 255
 BACKOFF_S, BACKOFF_CAP_S = 1.0, 30.0
 
 
+def backoff(node_restarts: int) -> float:
+    """Seconds before a node's next try, after ``node_restarts`` restarts (or failed tries) of that node."""
+    return min(BACKOFF_CAP_S, BACKOFF_S * 2**node_restarts)
+
+
 def is_node_loss(code: int) -> bool:
     """Whether a node command's exit ``code`` says the node was lost (ssh 255, or the agent killed by a signal)."""
     return code == SSH_LOST or exit_signal(code) is not None
@@ -86,7 +91,7 @@ def on_exit(host: str, code: int, job: JobView) -> Restart | Keep:
         return Keep(f"{what}; the job is over on the other nodes: not restarted")
     if job.restarts_used >= job.budget:
         return Keep(f"{what}; no node restarts left (--max-node-restarts {job.budget}): the job goes on without it")
-    delay = min(BACKOFF_CAP_S, BACKOFF_S * 2**job.node_restarts)
+    delay = backoff(job.node_restarts)
     n = job.restarts_used + 1
     return Restart(delay, f"{what}; starting it again in {delay:.0f} s (node restart {n} of {job.budget})")
 

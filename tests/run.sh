@@ -36,7 +36,7 @@ command -v python3 >/dev/null || { apt-get update -qq && apt-get install -y -qq 
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile "torch==2.13.0" -e ".[etcd,test]"
 t1=$(date +%s)
 # the torch range's installs are bound by the network and the disk: start them now, beside the main run, at the
-# lowest priority (see tests/torch_range.sh)
+# lowest priority — their own session is their own scheduler autogroup, which tests/torch_range.sh sets to nice 19
 if [ -z "${EZ_SKIP_TORCH_RANGE:-}" ]; then
   prepare_log=$(mktemp /tmp/elasticzero-torch-prepare.XXXXXX)
   setsid bash tests/torch_range.sh --prepare >"$prepare_log" 2>&1 &  # its own process group: stopped whole at exit

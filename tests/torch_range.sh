@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The torch-range stage of tests/run.sh: every supported torch minor other than the pinned one (the whole suite runs on
-# that) gets unit tests (the private-name canaries always) and the smoke (tests/integration/elastic/
-# test_example_smoke.py: a 2-rank elasticzero-launch of examples/train_gpt.py that checkpoints, resumed on 1 rank at
-# another ZeRO stage). Each version has a venv cached at $EZ_TORCH_CACHE/torch-MAJOR.MINOR, outside the clone, reused
+# that) gets unit tests (the private-name canaries always), and the ends of the range the smoke too
+# (tests/integration/elastic/test_example_smoke.py: a 2-rank elasticzero-launch of examples/train_gpt.py that
+# checkpoints, resumed on 1 rank at another ZeRO stage). Each version has a venv cached at $EZ_TORCH_CACHE/torch-MAJOR.MINOR, outside the clone, reused
 # while it holds exactly that torch; elasticzero itself is installed into it again each run (not editable: the
 # package as pip builds it). One line per version; exit 1 if any version failed (its log path is in its line).
 #
@@ -11,8 +11,9 @@
 # is documented for) and the unit tests of the modules built on torch's private elastic-agent and rendezvous names
 # (UNIT_BETWEEN below). What can differ across versions is what the canaries pin; a public behaviour that changed
 # between the two ends and changed back is not a case worth a full unit run per minor, and a difference that holds
-# on from some version on shows at the newest. The smoke runs on every version (the real launcher, agent, engine and
-# checkpoint on that torch).
+# on from some version on shows at the newest. The smoke (the real launcher, agent, engine and checkpoint on that
+# torch) runs at the ends by the same rule: between them, what it would add over the canaries is a public behaviour
+# of one minor alone (and its ~30 s per version counted against the CI's time, issue 29).
 #
 # Installing the registry's builds (~3 GB of wheels a version with CUDA's libraries, unpacked to more) is bound by the
 # network and the disk, not the CPU: tests/run.sh starts `torch_range.sh --prepare` in the background at its start,
@@ -55,10 +56,13 @@ venv() {
 prepare() {
   local v=$1 dir
   dir=$(venv "$v") || return 1
-  nice -n 19 ionice -c 3 "$dir/bin/python" -m pip install -q --no-compile "torch==$v" ".[test]"
+  # --no-cache-dir: the wheels (~3 GB a version) are not written a second time into pip's cache, which a fresh
+  # machine never reads again (the venv is the cache)
+  nice -n 19 ionice -c 3 "$dir/bin/python" -m pip install -q --no-compile --no-cache-dir "torch==$v" ".[test]"
 }
 
-# check VERSION LOG UNIT… → 0 when the install, the unit tests UNIT… and the smoke pass; their outcome on stdout
+# check VERSION LOG UNIT… → 0 when the install, the unit tests UNIT… and (at the ends) the smoke pass; their outcome
+# on stdout
 check() {
   local v=$1 log=$2 dir
   shift 2
@@ -68,6 +72,7 @@ check() {
   # as in the main run: the unit tests on two xdist workers
   "$dir/bin/python" -m pytest -q -p no:cacheprovider -n 2 "$@" >>"$log" 2>&1
   local unit=$?
+  is_end "$v" || { echo "unit $(summary "$log" 1)"; return "$unit"; }
   "$dir/bin/python" -m pytest -q -p no:cacheprovider "$SMOKE" >>"$log" 2>&1
   local smoke=$?
   echo "unit $(summary "$log" 1), smoke $(summary "$log" 2)"
@@ -77,9 +82,12 @@ check() {
 # summary LOG N → pytest's Nth summary line in LOG ("3 failed, 1026 passed in 80.12s"), without its decoration
 summary() { grep -E '^=*[ ]*[0-9]+ [a-z]+.* in [0-9.]+s' "$1" | sed -n "$2p" | tr -d '=' | sed 's/^ *//; s/ *$//'; }
 
+# is_end VERSION → 0 when VERSION is the oldest or the newest of TORCH_VERSIONS
+is_end() { [ "$1" = "${TORCH_VERSIONS[0]}" ] || [ "$1" = "${TORCH_VERSIONS[-1]}" ]; }
+
 # unit_tests VERSION → the unit tests VERSION runs: all at the ends of TORCH_VERSIONS, UNIT_BETWEEN between them
 unit_tests() {
-  if [ "$1" = "${TORCH_VERSIONS[0]}" ] || [ "$1" = "${TORCH_VERSIONS[-1]}" ]; then
+  if is_end "$1"; then
     echo tests/unit
   else
     echo "${UNIT_BETWEEN[@]}"
@@ -92,6 +100,12 @@ versions=("$@")
 [ $# -gt 0 ] || versions=("${TORCH_VERSIONS[@]}")
 failed=0
 if [ "$mode" = prepare ]; then
+  # Started in its own session (tests/run.sh: setsid), the prepare is its own scheduler autogroup, and with autogroups
+  # on (kernel.sched_autogroup_enabled) the CPU is split between autogroups before nice counts inside one: at nice 19
+  # its unpacking took half the CPU beside the tests (the integration tests ~1.5x slower while it ran). The autogroup
+  # itself is set to nice 19 — only when this process leads its session, so a prepare run from a terminal never
+  # lowers the terminal's session.
+  [ "$(ps -o sid= -p $$ | tr -d ' ')" = "$$" ] && { echo 19 >"/proc/$$/autogroup"; } 2>/dev/null
   for v in "${versions[@]}"; do
     t0=$(date +%s)
     if prepare "$v"; then verdict=ok; else verdict=FAILED; failed=1; fi

@@ -16,6 +16,13 @@ exchange) ``wait(timeout)`` that times out signals the error to every pair of th
 "Application timeout caused pair closure"), and their ``is_completed()`` stays false until ``wait()`` — so a short
 timed wait can only be used where the group is given up anyway. The thread waits without a bound.
 
+The same bound runs code that issues collectives outside the engine's works — a round's ``build`` (the engine's
+broadcast of the module's state), the first round's load of the checkpoint (DCP's collectives): :meth:`BoundedWait.call`
+runs the whole callable on the helper thread and returns its result. There the callable's own error (a
+``ValueError`` in the user's build, an out-of-memory) is raised at once, not after the grace for a round: the caller
+says which errors are a lost peer's (``peer``). The helper thread works on the bound's CUDA device (``device``: the
+current device is per thread; NCCL's object collectives and the build's allocations on ``cuda`` read it).
+
 Abandoning: once it raised :class:`Reconfigure` a bound refuses every later wait (:attr:`BoundedWait.abandoned`), so
 nothing issues or waits on the old group again. The helper thread (a daemon) stays blocked in the abandoned wait, and
 gloo's own worker thread in the collective, until the old group's timeout fires or the lost peer's sockets close (the
@@ -31,6 +38,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeVar
 
 from elasticzero.progress import reporter
 from elasticzero.rounds import NodeRound, RoundError
@@ -50,6 +58,7 @@ class LiveError(RuntimeError):
 
 
 Poll = Callable[[], NodeRound | RoundError | None]
+T = TypeVar("T")
 
 
 def leave_for(found: NodeRound | RoundError | None) -> Reconfigure | None:
@@ -67,37 +76,48 @@ class BoundedWait:
         poll: the round file's decision for this process's current round (:meth:`RoundFile.poll` bound to it).
         poll_s: how long a wait runs between two polls (the bound on leaving after an announcement).
         failure_grace_s: after a work failed, how long to wait for the agent's round before re-raising the failure.
+        device: the CUDA device the helper thread works on (``torch.cuda.set_device`` there); None: the CPU.
     """
 
-    def __init__(self, poll: Poll, *, poll_s: float = 0.05, failure_grace_s: float = 30.0) -> None:
+    def __init__(
+        self, poll: Poll, *, poll_s: float = 0.05, failure_grace_s: float = 30.0, device: str | None = None
+    ) -> None:
         self.poll = poll
         self.poll_s = poll_s
         self.failure_grace_s = failure_grace_s
+        self.device = device
         self.abandoned: NodeRound | None = None
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], Future[None]] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name="ez-bounded-wait", daemon=True)
         self._thread.start()
 
     def __call__(self, wait: Callable[[], None]) -> None:
         """Run ``wait`` (a work's blocking wait), leaving with :class:`Reconfigure` on a new round (the source is
         polled only once the wait took ``poll_s``: a wait that completes costs no store traffic)."""
+        self.call(wait)
+
+    def call(self, work: Callable[[], T], peer: Callable[[BaseException], bool] = lambda _: True) -> T:
+        """Run ``work`` on the helper thread, bounded like a wait; its result. An error ``peer`` does not call a lost
+        peer's is ``work``'s own: raised at once (a lost peer's waits up to the grace for the agent's round)."""
         if self.abandoned is not None:
             raise Reconfigure(self.abandoned)
-        done: Future[None] = Future()
+        done: Future[T] = Future()
         reporter().bounded(True)  # before the thread starts the work: the agent's hang line says where the worker is
         try:
-            self._jobs.put((wait, done))
-            self._wait_for(done)
+            self._jobs.put((work, done))
+            return self._wait_for(done, peer)
         finally:
             reporter().bounded(False)
 
-    def _wait_for(self, done: Future[None]) -> None:
+    def _wait_for(self, done: Future[T], peer: Callable[[BaseException], bool]) -> T:
         while True:
             try:
                 return done.result(timeout=self.poll_s)
             except FutureTimeout:
                 self._leave_if(self.poll())
             except Exception as err:
+                if not peer(err):
+                    raise
                 self.after_failure(err)
 
     def check(self) -> None:
@@ -131,14 +151,18 @@ class BoundedWait:
         raise err
 
     def _serve(self) -> None:
+        if self.device is not None:
+            import torch
+
+            torch.cuda.set_device(torch.device(self.device))
         while (job := self._jobs.get()) is not None:
-            wait, done = job
+            work, done = job
             try:
-                wait()
+                result = work()
             except BaseException as err:  # handed to the waiting caller
                 done.set_exception(err)
             else:
-                done.set_result(None)
+                done.set_result(result)
 
 
 class Unbounded:
@@ -149,6 +173,10 @@ class Unbounded:
 
     def __call__(self, wait: Callable[[], None]) -> None:
         wait()
+
+    def call(self, work: Callable[[], T], peer: Callable[[BaseException], bool] = lambda _: True) -> T:
+        """``work``'s result, run here (``peer`` unused: every error is raised as it is)."""
+        return work()
 
     def check(self) -> None:
         """Nothing to leave for: a static round is never replaced in its process."""

@@ -519,8 +519,10 @@ class LiveTraining(_Rounds):
     def _fill(
         self, round_: NodeRound, bound: BoundedWait, holdings: Holdings, start: Start, group: Any, watch: Any
     ) -> tuple[RoundState, bool]:
-        """Build at ``group``'s world, fill it from ``holdings`` (or the disk: ``resume``), re-cut the sampler."""
-        built = self.build(group)
+        """Build at ``group``'s world, fill it from ``holdings`` (or the disk: ``resume``), re-cut the sampler. The
+        build and the load are bounded like the step's waits (their collectives: the engine's broadcast of the
+        module, DCP's load): a member frozen there leaves them for the agent's next round."""
+        built = bound.call(lambda: self.build(group), peer_failure)
         opt = optimizer_of(built)
         opt.communicator = Communicator(opt.process_group, owner=type(opt).__name__, waiter=bound)
         plan = reshard_from(opt, holdings)
@@ -530,7 +532,8 @@ class LiveTraining(_Rounds):
         at = resume_point(plan, opt.communicator.all_gather_object(mine, tag="reshard"))
         template = template_of(start.sampler, built)
         if at is None:  # the job's first round: the engine state as built, or the disk checkpoint's (resume)
-            step = self.resume(built, template) if self.resume is not None else start.step
+            resume = self.resume
+            step = bound.call(lambda: resume(built, template), peer_failure) if resume is not None else start.step
             at = ResumeAt(step, template.state_dict(), 0)
         else:
             carry(built, at)
@@ -548,7 +551,8 @@ class LiveTraining(_Rounds):
 
     def _bound(self, round_: NodeRound) -> BoundedWait:
         poll = functools.partial(self.rounds.poll, round_.number)
-        return BoundedWait(poll, poll_s=self.poll_s, failure_grace_s=self.failure_grace_s)
+        device = self.where.bound_device  # the helper thread's CUDA device (the build runs there)
+        return BoundedWait(poll, poll_s=self.poll_s, failure_grace_s=self.failure_grace_s, device=device)
 
     def _make_copies(self, opt: ZeroOptimizer, step: int, bound: BoundedWait, config: Any) -> BuddyCopies:
         """The round's copies: the constructor's settings, or ``config`` (what ``build`` returned says: a config's

@@ -10,7 +10,10 @@ writes round 1 (a new world, a new prefix) into the files of the round's members
 - a join (``JOIN``): two ranks train; at step ``K`` (the state saved as above) they wait in the step for a new round;
   the driver forks a fresh third process with round 1 in its file and writes round 1 (world 3) into the two others';
 - a joiner lost before it arrives (``JOINLOST``): as ``JOIN``, but the third process never comes (a joiner killed
-  while its interpreter starts); the two wait for its arrival in round 1 until the driver writes round 2 (world 2).
+  while its interpreter starts); the two wait for its arrival in round 1 until the driver writes round 2 (world 2);
+- a joiner frozen in the round's build (``JOINSTOP``): as ``JOIN``, but the fresh process SIGSTOPs itself at the
+  start of its ``build``, once round 1's group has formed — the two are then in their own builds, in the engine's
+  broadcast of the module's state, which it never joins; the driver writes round 2 (world 2).
 
 Every round's ``build`` puts a WarmupDecayLR schedule on the optimizer (:class:`Built`: a world-independent piece the
 round change carries from a peer); each step's learning rate is recorded.
@@ -62,17 +65,18 @@ WORLD, VICTIM = 3, 2  # the victim is the last rank: the survivors keep their ra
 LIVE = [(2, "KILL", "fp32"), (2, "STOP", "fp32"), (1, "STOP", "fp32"), (3, "KILL", "fp32"), (2, "KILL", "bf16")]
 JOIN = (2, "JOIN", "fp32")  # 2 -> 3: a fresh process gets its shards from its peers
 JOIN_LOST = (2, "JOINLOST", "fp32")  # 2 -> 3 named, the joiner never arrives -> round 2 at 2 again
+JOIN_FROZEN = (2, "JOINSTOP", "fp32")  # 2 -> 3, the joiner freezes in round 1's build -> round 2 at 2 again
 LOSE2 = (2, "KILL2", "fp32")  # ranks 1 and 2 killed: rank 1's copy was on rank 2, a fallback for rank 0
 AFTER_GATE = (2, "GATEKILL", "fp32")  # the victim killed after step K's commit gate, before the attempt ends
-CASES = [*LIVE, JOIN, JOIN_LOST, LOSE2, AFTER_GATE]
-JOINS = ("JOIN", "JOINLOST")
+CASES = [*LIVE, JOIN, JOIN_LOST, JOIN_FROZEN, LOSE2, AFTER_GATE]
+JOINS = ("JOIN", "JOINLOST", "JOINSTOP")
 ARRIVAL_S = 1.0  # how long the driver lets the two wait for the lost joiner's arrival before it writes round 2
 WAIT_S = 60  # how long a joined rank waits in step K for round 1 before the case fails
 
 
 def victims(sig: str) -> list[int]:
     """The ranks lost in a case (``GATEKILL``: SIGKILLed, like ``KILL``)."""
-    return {"KILL2": [1, 2], "JOIN": [], "JOINLOST": []}.get(sig, [VICTIM])
+    return {"KILL2": [1, 2], "JOIN": [], "JOINLOST": [], "JOINSTOP": []}.get(sig, [VICTIM])
 
 
 def case_name(stage: int, sig: str, precision: str) -> str:
@@ -130,10 +134,13 @@ class Built:
         self.scheduler.step()
 
 
-def builder(stage: int, precision: str) -> Any:
-    """``build(group)``: a fresh tiny GPT, its ZeRO optimizer of ``stage`` on ``group`` and the schedule on it."""
+def builder(stage: int, precision: str, freeze: bool = False) -> Any:
+    """``build(group)``: a fresh tiny GPT, its ZeRO optimizer of ``stage`` on ``group`` and the schedule on it
+    (``freeze``: the process SIGSTOPs itself first, its group formed: a node frozen in the round's build)."""
 
     def build(group: Any) -> Built:
+        if freeze:
+            os.kill(os.getpid(), signal.SIGSTOP)
         torch.manual_seed(0)
         opt = STAGES[stage](
             GPT(config()), torch.optim.AdamW, lr=LR, weight_decay=WD, precision=precision, process_group=group
@@ -179,8 +186,9 @@ def after_the_gate(attempt: Any, live: LiveTraining) -> None:
 
 def train(rank: int, out: Path, sig: str, stage: int, precision: str) -> None:
     env = {ROUND_FILE_ENV: round_file(out, rank), "LOCAL_RANK": "0"}
+    freeze = sig == "JOINSTOP" and rank == VICTIM  # the joiner
     live = LiveTraining.from_agent(
-        builder(stage, precision), sampler=sampler_at(0, 1), env=env, nodes=lambda n: list(range(n))
+        builder(stage, precision, freeze), sampler=sampler_at(0, 1), env=env, nodes=lambda n: list(range(n))
     )
     data, reported, lrs = tokens(), [], []
     for attempt in live.steps(TOTAL):
@@ -301,6 +309,14 @@ def run_case(case: tuple[int, str, str], out: Path) -> None:
         time.sleep(ARRIVAL_S)
         survivors = first
         write_rounds(out, 2, survivors, store)
+    if sig == "JOINSTOP":  # the joiner arrives, then freezes in its build; the agents' next round drops it
+        wait_files([Path(f"{out}.waiting{r}") for r in first], pids)
+        write_rounds(out, 1, [*first, VICTIM], store)
+        pids.append(fork_rank(VICTIM, out, case))
+        wait_stopped(pids[VICTIM])
+        time.sleep(ARRIVAL_S)  # the two are in their builds' broadcast by now (a late one finds round 2 at once)
+        survivors = first
+        write_rounds(out, 2, survivors, store)
     for r in lost:
         if sig == "STOP":
             wait_stopped(pids[r])
@@ -310,7 +326,7 @@ def run_case(case: tuple[int, str, str], out: Path) -> None:
         write_rounds(out, 1, survivors, store)
     announced = time.monotonic()
     codes.update({r: exit_code(pids[r], pids) for r in survivors})
-    for r in lost if sig == "STOP" else []:
+    for r in lost if sig == "STOP" else [VICTIM] if sig == "JOINSTOP" else []:
         os.kill(pids[r], signal.SIGKILL)
         codes[r] = exit_code(pids[r], pids)
     report = {"pids": pids, "codes": [codes[r] for r in range(WORLD)], "announced": announced}

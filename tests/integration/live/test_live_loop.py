@@ -37,6 +37,7 @@ from live_loop_worker import (
     AFTER_GATE,
     GLOBAL_BATCH,
     JOIN,
+    JOIN_FROZEN,
     JOIN_LOST,
     LIVE,
     LOSE2,
@@ -200,13 +201,26 @@ def test_a_joiner_lost_before_it_arrives_is_left_for_the_next_round(runs: Path) 
     bound of their own, polling their round files, and form round 2 (world 2 again) as soon as it is written — not
     after the group's timeout (torch's 30 min for gloo here) in ``init_process_group``. Same processes, every step
     committed once, the parameters of an uninterrupted run."""
-    stage, sig, precision = JOIN_LOST
+    left_for_round_2(runs, JOIN_LOST, "joiner lost before arriving")
+
+
+def test_a_member_frozen_in_the_round_s_build_is_left_for_the_next_round(runs: Path) -> None:
+    """Round 1's joiner arrives, then freezes at the start of its ``build``: the two are in their own builds, in the
+    engine's broadcast of the module's state — a collective of a user's code the round's build runs, outside every
+    step. The build is bounded like a step's waits: the two leave it when round 2 (world 2 again) is written and train
+    on there from the state they held, not after the group's timeout."""
+    left_for_round_2(runs, JOIN_FROZEN, "joiner frozen in its build")
+
+
+def left_for_round_2(runs: Path, case: tuple[int, str, str], what: str) -> None:
+    """The two ranks of a join whose joiner never trains formed round 2 (world 2) and trained on (see the callers)."""
+    stage, sig, precision = case
     out = Path(f"{runs}.{case_name(stage, sig, precision)}")
     harness = json.loads(Path(f"{out}.harness.json").read_text())
     errors = [Path(f"{out}.rank{r}.err") for r in range(2)]
     assert harness["codes"][:2] == [0, 0], [e.read_text() for e in errors if e.exists()]
     results = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
-    assert [res["pid"] for res in results] == harness["pids"] and [res["world"] for res in results] == [2, 2]
+    assert [res["pid"] for res in results] == harness["pids"][:2] and [res["world"] for res in results] == [2, 2]
     assert [[(e["round"], e["step"]) for e in res["events"]] for res in results] == [[(2, K)], [(2, K)]]
     assert [res["lrs"] for res in results] == [[lr_of(s) for s in range(TOTAL)]] * 2
     assert record_problems([res["record"] for res in results], [0, 0]) == []
@@ -216,7 +230,7 @@ def test_a_joiner_lost_before_it_arrives_is_left_for_the_next_round(runs: Path) 
     # the bound is a round-file poll (20 ms) + forming a 2-rank group + one tiny step: 30 s is far above it under any
     # load, and far below the 5 min of the store's wait or gloo's 30 min that an unbounded wait would take
     assert first < 30.0, f"round 2 took {first:.1f} s after its announcement"
-    print(f"ZeRO-{stage} joiner lost before arriving: round 2 announced -> first step at world 2 {first:.3f} s")
+    print(f"ZeRO-{stage} {what}: round 2 announced -> first step at world 2 {first:.3f} s")
 
 
 def test_both_copies_lost_is_one_clear_error_for_the_restart_path(runs: Path) -> None:

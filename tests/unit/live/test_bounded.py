@@ -95,3 +95,52 @@ def test_a_broken_round_file_is_a_live_error() -> None:
     source.announced.set()
     with pytest.raises(LiveError, match="not a round"):
         BoundedWait(source).check()
+
+
+def test_a_call_returns_its_result_from_the_helper_thread() -> None:
+    bound = BoundedWait(Source(), poll_s=5)
+    assert bound.call(threading.current_thread) is bound._thread  # the work ran there: the caller only polls
+    bound.close()
+
+
+def test_a_call_s_own_error_is_raised_at_once_without_waiting_for_a_round() -> None:
+    """A round's build that fails of its own (a ``ValueError`` in the user's code, an out-of-memory) is no lost peer:
+    raised as it is, without a poll of the round source (a lost peer's failure would poll it for the grace)."""
+    source = Source()
+    bound = BoundedWait(source, poll_s=5, failure_grace_s=60)
+
+    def build() -> None:
+        raise ValueError("the user's build")
+
+    with pytest.raises(ValueError, match="the user's build"):
+        bound.call(build, peer=lambda err: isinstance(err, RuntimeError))
+    assert (source.polls, bound.abandoned) == (0, None)
+    bound.close()
+
+
+def test_a_call_stuck_in_a_collective_is_left_for_the_announced_round() -> None:
+    """A build stuck in a broadcast a frozen member never joins: the caller leaves with the round; the abandoned
+    build's thread ends whenever its collective does."""
+    source, stuck = Source(), threading.Event()
+    bound = BoundedWait(source, poll_s=0.02)
+    threading.Timer(0.1, source.announced.set).start()
+    with pytest.raises(Reconfigure) as left:
+        bound.call(stuck.wait)
+    assert left.value.round == ROUND
+    stuck.set()
+
+
+def test_the_helper_thread_works_on_the_bound_s_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The current CUDA device is per thread: the helper thread (which runs a round's build and every wait) is set to
+    the bound's device before its first work; none on the CPU."""
+    import torch
+
+    calls: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append((threading.current_thread().name, d)))
+    cuda = BoundedWait(Source(), poll_s=5, device="cuda:1")
+    cuda.call(lambda: None)
+    cpu = BoundedWait(Source(), poll_s=5)
+    cpu.call(lambda: None)
+    assert calls == [("ez-bounded-wait", torch.device("cuda:1"))]
+    cuda.close()
+    cpu.close()

@@ -214,6 +214,36 @@ def test_a_users_own_error_in_a_live_step_is_raised_at_once_with_its_traceback(
     assert frames[-1] == "__call__" and "_train_step" in frames  # raised where it happened, not re-raised later
 
 
+def test_a_users_own_error_in_a_live_round_s_build_is_raised_at_once_with_its_traceback(
+    train_gpt: Any, tmp_path: Path, cpu_machine: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The round's build runs bounded on the bound's helper thread (a member frozen in its collectives is left for
+    the next round); an error of the user's build itself is raised at once, with the build's own frames, not after
+    the bound's failure grace (30 s)."""
+    path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
+    write_round(path, NodeRound(0, 1, ((0, 0),), store, "r0/"))
+    monkeypatch.setenv(ROUND_FILE_ENV, path)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    training = job(train_gpt, tmp_path, "--steps", "4")
+
+    def users_build(group: Any, device: torch.device) -> Any:
+        raise ValueError("a bad model config")
+
+    training.user_build = users_build
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ValueError, match="a bad model config") as raised, training:
+            pass
+    finally:
+        if hasattr(training, "rounds"):
+            training.rounds.groups.abandon()  # type: ignore[attr-defined]
+        else:  # the entry failed: the round's group it formed is left here
+            dist.destroy_process_group()
+    took = time.monotonic() - t0
+    assert took < 10.0, took  # the group's formation and a thread hand-off, far below the 30 s grace
+    assert [f.name for f in traceback.extract_tb(raised.tb)][-1] == "users_build"
+
+
 SCHEDULED = """\
 zero: {stage: 2}
 precision: {dtype: fp32, loss_scale: {enabled: true, init_scale: 1024, growth_interval: 2}}

@@ -28,6 +28,19 @@ TESTBED_FILE = Path(os.environ.get("EZ_TESTBED_FILE", "/run/elasticzero-testbed/
 PYTHON = sys.executable
 
 
+#: the prefix that runs a command with SIGHUP, SIGINT and SIGQUIT at their defaults, as from a terminal: a test run
+#: started in the background of a shell without job control, or under ``nohup``, inherits SIGINT and SIGQUIT (or
+#: SIGHUP) ignored, and the agent keeps an ignored stop signal ignored as it should (agent/stopsignals.py) — a test
+#: that signals an agent it started must start it so
+AS_FROM_A_TERMINAL = [
+    PYTHON,
+    "-c",
+    "import os, signal, sys\n"
+    "for s in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT): signal.signal(s, signal.SIG_DFL)\n"
+    "os.execv(sys.argv[1], sys.argv[1:])",
+]
+
+
 def tests_on_path(*more: Path) -> str:
     """A ``PYTHONPATH`` for a worker process that imports the tests' own modules (``ez_numerics``, ``hf_worker``, …):
     ``tests/``, then ``more``, then the caller's (pytest's ``pythonpath`` setting reaches only pytest's process)."""

@@ -23,7 +23,7 @@ from launchkit import (
 )
 from test_real_launch import bed, check_reports
 
-from ez_testing import free_port
+from ez_testing import AS_FROM_A_TERMINAL, free_port
 
 LAUNCH = str(Path(sys.executable).parent / "elasticzero-launch")
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
@@ -68,7 +68,9 @@ def test_closed_terminal_or_killed_launcher_leaves_nothing(how: str, tmp_path: P
     env = {**worker_env_clean(), "EZ_TEST_OUT": str(out), "EZ_TEST_SLEEP": "600", "OMP_NUM_THREADS": "1"}
     argv = [LAUNCH, "--launcher", "local", "--nproc-per-node", "2", "--rdzv-id", job, "--master-port", str(free_port())]
     argv += ["--export", "EZ_TEST_OUT", "--export", "EZ_TEST_SLEEP", WORKER]
-    proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # as from a terminal: a test run under nohup (or in a shell's background) would have the agent keep SIGHUP ignored
+    proc = subprocess.Popen([*AS_FROM_A_TERMINAL, *argv], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         wait_for(lambda: len(list(out.glob("pid-*"))) == 2 or proc.poll() is not None, 180, "2 sleeping workers")
         assert proc.poll() is None

@@ -16,8 +16,12 @@ from elasticzero.proc import STOP_SIGNALS
 
 @pytest.fixture
 def handlers() -> Iterator[None]:
-    """Put this process's stop-signal handlers back after the test."""
+    """The stop signals at a terminal's defaults for the test (a run under ``nohup`` or in a shell's background
+    inherits some ignored, and the agent rightly keeps an ignored one ignored), this process's handlers put back
+    after it."""
     before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
     try:
         yield
     finally:

@@ -382,7 +382,9 @@ class LiveTraining(_Rounds):
             whose ``optimizer`` it is (called once per round entered; its ``copies_config``, when it has one, a config's
             ``zero.copies``, set the copies instead of the four options below; its ``carried()``, when it has one,
             the world-independent pieces a round change carries from a peer — with ``count_taken_step()``, a step the
-            reshard counted done — as :class:`~elasticzero.config.build.EnginePieces` has them).
+            reshard counted done — as :class:`~elasticzero.config.build.EnginePieces` has them). It runs bounded, on
+            the bound's helper thread (:meth:`BoundedWait.call`): torch's per-thread settings of the caller (a default
+            device, grad mode) do not reach it; the CUDA device is set there.
         sampler: the job's :class:`ElasticSampler` at its start position, or ``sampler(built)`` making it from the
             first ``build`` result (the loop re-cuts it for each round's rank and world, and moves it; never iterate
             it). A process joining a running job takes the position from its peers; the settings (samples, global

@@ -35,13 +35,6 @@ command -v python3 >/dev/null || { apt-get update -qq && apt-get install -y -qq 
 # torch is pinned here (the local CPU build); the package itself declares a range. --no-compile: see tests/torch_range.sh
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile "torch==2.13.0" -e ".[etcd,test]"
 t1=$(date +%s)
-# the torch range's installs are bound by the network and the disk: start them now, beside the main run, at the
-# lowest priority — their own session is their own scheduler autogroup, which tests/torch_range.sh sets to nice 19
-if [ -z "${EZ_SKIP_TORCH_RANGE:-}" ]; then
-  prepare_log=$(mktemp /tmp/elasticzero-torch-prepare.XXXXXX)
-  setsid bash tests/torch_range.sh --prepare >"$prepare_log" 2>&1 &  # its own process group: stopped whole at exit
-  prepare_pid=$!
-fi
 bash tests/cluster/up.sh
 t2=$(date +%s)
 echo "tests/run.sh: install $((t1 - t0))s, test bed $((t2 - t1))s"
@@ -73,6 +66,18 @@ capability() {
   capability_flags "$1" || return 0
   ATEN_CPU_CAPABILITY=$1 "$VENV/bin/python" -c 'import torch; (torch.ones(4099) * 2).sum().item(); print(torch.backends.cpu.get_cpu_capability().lower())' 2>/dev/null
 }
+# start_prepare: the torch range's installs, bound by the network and the disk, in the background from now on at the
+# lowest priority — their own session is their own scheduler autogroup, which tests/torch_range.sh sets to nice 19.
+# Started after the unit tests: the CPU they leave is not what slows the tests beside them, the disk is (~3 GB of
+# wheels a version written while the unit tests' two workers read the tree and its imports: 172 s against 81 s
+# alone), and the integration tests' ~35 min leave them the idle time to finish in
+start_prepare() {
+  [ -n "${EZ_SKIP_TORCH_RANGE:-}" ] && return 0
+  prepare_log=$(mktemp /tmp/elasticzero-torch-prepare.XXXXXX)
+  setsid bash tests/torch_range.sh --prepare >"$prepare_log" 2>&1 &  # its own process group: stopped whole at exit
+  prepare_pid=$!
+}
+
 # pytest exit 5 = no tests collected: that is a broken suite, not a pass
 pytest_rc() { local rc=$1; [ "$rc" = 5 ] && { echo "tests/run.sh: pytest collected no tests" >&2; rc=1; }; return "$rc"; }
 
@@ -104,7 +109,7 @@ torch_range_stage() {
   local t trc
   [ -n "${EZ_SKIP_TORCH_RANGE:-}" ] && return 0
   t=$(date +%s)
-  # the installs started at the beginning (a failed one is no failure here: the stage installs what is missing
+  # the installs started after the unit tests (a failed one is no failure here: the stage installs what is missing
   # itself); polled, as this may run in a subshell that cannot wait for its parent's child
   while [ -n "${prepare_pid:-}" ] && kill -0 "$prepare_pid" 2>/dev/null; do sleep 2; done
   grep '^tests/torch_range.sh' "$prepare_log"
@@ -117,6 +122,7 @@ torch_range_stage() {
 
 set +e
 if [ $# -gt 0 ]; then
+  start_prepare
   "$VENV/bin/python" -m pytest -q "$@"
   pytest_rc $?
   rc=$?
@@ -128,6 +134,7 @@ else
   pytest_rc $?
   rc=$?
   echo "tests/run.sh: unit tests: $([ "$rc" = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t))s"
+  start_prepare
   # The integration tests one at a time. Run side by side (session 15: three xdist workers beside a second pytest),
   # the load (8-10 on 2 cores) stretched every test's processes 3-5x and three of four CI runs failed 3-9 tests
   # each, each a bound met alone: their waits, timeouts and wall-clock bounds are sized for one test's processes.

@@ -16,9 +16,10 @@
 # of one minor alone (and its ~30 s per version counted against the CI's time, issue 29).
 #
 # Installing the registry's builds (~3 GB of wheels a version with CUDA's libraries, unpacked to more) is bound by the
-# network and the disk, not the CPU: tests/run.sh starts `torch_range.sh --prepare` in the background at its start,
-# which installs torch into each version's venv that is not cached yet, at the lowest CPU and I/O priority (nice 19,
-# ionice idle), overlapping the main pytest run (mostly waiting on its subprocesses); the stage waits for it, and
+# network and the disk, not the CPU: tests/run.sh starts `torch_range.sh --prepare` in the background after the unit
+# tests, which installs torch into each version's venv that is not cached yet, at the lowest CPU priority (its
+# autogroup at nice 19, below; `ionice -c 3` counts only under the bfq and cfq disk schedulers), overlapping the
+# integration tests (mostly waiting on their subprocesses); the stage waits for it, and
 # installs itself what it did not finish. The prepare installs the test extra's packages too (transformers, accelerate,
 # lightning, ...), so a version's check pays only for building elasticzero.
 #   bash tests/torch_range.sh [VERSION…]             (default: TORCH_VERSIONS below)

@@ -194,16 +194,27 @@ def _failed_exit(result: object, error_file: str | None) -> int:
     return exit_status(code) or 1
 
 
-def exit_on_stop_signals() -> dict[int, object]:
+def exit_on_stop_signals(*, process: bool = False) -> dict[int, object]:
     """Until the launch starts, a stop signal ends the process with ``128+signal`` (no traceback, nothing running).
 
     Start-up (torch's import, parsing) takes seconds, and ``elasticzero-launch`` execs the agent for the ``local``
     and ``no-ssh`` backends, so a Ctrl-C or SIGTERM meant for the launcher may land here. Returns the previous
     handlers (:func:`main` puts them back for an in-process caller); from the launch on
     :class:`~elasticzero.agent.stopsignals.StopSignals` handles the signals.
+
+    ``process``: this process is the agent (the console script), so the handler ends it with ``os._exit``. A raised
+    ``SystemExit`` lands wherever the main thread is, and most of start-up is torch's import, partly run from C++
+    (``torch._C``'s initialisation imports numpy, ``torch.distributed``'s runs Python): there it was swallowed —
+    torch went on without a word, the agent started its workers and the stop was lost (a SIGHUP ~0.9 s after an
+    unloaded ``elasticzero-launch --launcher local``: the job ran on) — or it broke numpy's import (a traceback
+    and exit 1 later) or escaped a C++ frame (``std::terminate``, SIGABRT). Nothing runs yet and nothing is written
+    before the launch, so there is nothing to clean up. An in-process caller (``process`` false) gets the
+    ``SystemExit``: its process is not ours to end.
     """
 
     def stop(signum: int, _frame: object) -> None:
+        if process:
+            os._exit(signal_exit_code(signum))
         raise SystemExit(signal_exit_code(signum))
 
     if threading.current_thread() is not threading.main_thread():
@@ -230,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     c10d store's destructor, seconds on the node hosting it) must neither raise a stop signal in a finalizer nor
     be killed by one at the default action with another exit code.
     """
-    startup = exit_on_stop_signals()
+    startup = exit_on_stop_signals(process=argv is None)
     try:
         logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING").upper())
         return cli_main(PROG, run, argv)

@@ -20,7 +20,7 @@ import os, signal, subprocess, sys
 CHILD = '''
 import os, signal, sys
 from elasticzero.agent.cli import exit_on_stop_signals
-exit_on_stop_signals()
+exit_on_stop_signals(process=True)  # as the console script: the handler ends the process
 os.kill(os.getpid(), int(sys.argv[1]))
 print("still running")
 '''

@@ -70,3 +70,28 @@ def test_first_raises_later_ones_are_noted_and_torch_is_overruled(handlers: None
     stop.raise_if_lost()  # over: nothing to raise
     assert all(signal.getsignal(s) is signal.SIG_IGN for s in STOP_SIGNALS)
     os.kill(os.getpid(), signal.SIGTERM)  # ignored: the process lives on
+
+
+def test_the_agent_process_ends_at_once_on_a_startup_stop(handlers: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the process (the console script) the start-up handler ends it with os._exit: a SystemExit raised inside
+    torch's import, partly run from C++, was swallowed there (the stop lost, the job started) or aborted the process.
+    In-process it raises SystemExit (the caller's process is not the agent's to end)."""
+    from elasticzero.agent import cli
+
+    exits: list[int] = []
+
+    def fake_exit(code: int) -> None:
+        exits.append(code)
+        raise InterruptedError  # stands for the end of the process: nothing after os._exit runs
+
+    monkeypatch.setattr(cli.os, "_exit", fake_exit)
+    cli.exit_on_stop_signals(process=True)
+    with pytest.raises(InterruptedError):
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(10)  # the handler runs here at the latest (see handled)
+    assert exits == [128 + signal.SIGHUP]
+    cli.exit_on_stop_signals()
+    with pytest.raises(SystemExit) as exc:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)
+    assert (exc.value.code, exits) == (128 + signal.SIGTERM, [128 + signal.SIGHUP])

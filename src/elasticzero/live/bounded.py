@@ -151,18 +151,24 @@ class BoundedWait:
         raise err
 
     def _serve(self) -> None:
-        if self.device is not None:
-            import torch
-
-            torch.cuda.set_device(torch.device(self.device))
+        device = self.device  # set on this thread before its first work: an error there is that work's
         while (job := self._jobs.get()) is not None:
             work, done = job
             try:
+                if device is not None:
+                    _set_device(device)
+                    device = None
                 result = work()
             except BaseException as err:  # handed to the waiting caller
                 done.set_exception(err)
             else:
                 done.set_result(result)
+
+
+def _set_device(device: str) -> None:
+    import torch
+
+    torch.cuda.set_device(torch.device(device))
 
 
 class Unbounded:

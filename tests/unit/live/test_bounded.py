@@ -144,3 +144,18 @@ def test_the_helper_thread_works_on_the_bound_s_cuda_device(monkeypatch: pytest.
     assert calls == [("ez-bounded-wait", torch.device("cuda:1"))]
     cuda.close()
     cpu.close()
+
+
+def test_a_device_that_cannot_be_set_fails_the_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error setting the helper thread's device is the first work's error (the thread serves on): never a thread
+    dead before its first work, which would leave every call waiting."""
+    import torch
+
+    def no_device(d: torch.device) -> None:
+        raise RuntimeError(f"CUDA error: invalid device ordinal {d}")
+
+    monkeypatch.setattr(torch.cuda, "set_device", no_device)
+    bound = BoundedWait(Source(), poll_s=5, device="cuda:7")
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        bound.call(lambda: None, peer=lambda err: False)
+    bound.close()

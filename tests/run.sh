@@ -27,6 +27,12 @@ trap finish EXIT
 # 72 s of CPU on 2 threads, 48 s on 1). Exported, it reaches the agents' workers (torchrun's rule sets it only for
 # nproc > 1) and the namespace hosts' (the launcher exports OMP_NUM_THREADS by default).
 export OMP_NUM_THREADS=1
+# Every Python process writes the bytecode of what it imports (pip installs with --no-compile, see
+# tests/torch_range.sh), so the next process start reads it. A caller's PYTHONDONTWRITEBYTECODE=1 (this machine's
+# shell sets it) made each of the suite's thousands of process starts compile again the ~650 of the 1,700 modules a
+# worker imports that no earlier process had written: `import torch, torch.distributed.run` 5.3 s of CPU against 2.3 s
+# from the caches, bench/gpu_check.py --device cpu --quick 205 s in a fresh-clone run against 83 s.
+unset PYTHONDONTWRITEBYTECODE
 
 t0=$(date +%s)
 bash tests/cluster/packages.sh

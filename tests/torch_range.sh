@@ -33,6 +33,8 @@ CACHE=${EZ_TORCH_CACHE:-/var/cache/elasticzero-ci}
 SMOKE=tests/integration/elastic/test_example_smoke.py
 # this machine's pip constraints cap torch below the newest release; the versions here are pinned one by one instead
 export PIP_CONSTRAINT=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1
+# each version's processes write their bytecode caches (tests/run.sh: why)
+unset PYTHONDONTWRITEBYTECODE
 
 # cached VERSION → 0 when VERSION's venv holds exactly that torch
 cached() {

@@ -80,7 +80,8 @@ capability() {
 start_prepare() {
   [ -n "${EZ_SKIP_TORCH_RANGE:-}" ] && return 0
   prepare_log=$(mktemp /tmp/elasticzero-torch-prepare.XXXXXX)
-  setsid bash tests/torch_range.sh --prepare >"$prepare_log" 2>&1 &  # its own process group: stopped whole at exit
+  prepared=$(mktemp -d /tmp/elasticzero-torch-prepared.XXXXXX)  # the versions it installed (torch_range.sh --prepared)
+  setsid bash tests/torch_range.sh --prepare --prepared "$prepared" >"$prepare_log" 2>&1 &  # its own process group: stopped whole at exit
   prepare_pid=$!
 }
 
@@ -120,7 +121,7 @@ torch_range_stage() {
   while [ -n "${prepare_pid:-}" ] && kill -0 "$prepare_pid" 2>/dev/null; do sleep 2; done
   grep '^tests/torch_range.sh' "$prepare_log"
   echo "tests/run.sh: torch range installs waited for: $(($(date +%s) - t))s"
-  bash tests/torch_range.sh
+  bash tests/torch_range.sh ${prepared:+--prepared "$prepared"}
   trc=$?
   echo "tests/run.sh: torch range: $([ "$trc" = 0 ] && echo passed || echo "FAILED (exit $trc)") in $(($(date +%s) - t))s"
   return "$trc"
@@ -153,7 +154,7 @@ else
 fi
 numerical_reruns || { [ "$rc" = 0 ] && rc=1; }
 torch_range_stage || { [ "$rc" = 0 ] && rc=1; }
-rm -f "${prepare_log:-}"
+rm -rf "${prepare_log:-}" "${prepared:-}"
 prepare_pid=
 set -e
 exit "$rc"

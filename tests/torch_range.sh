@@ -22,8 +22,11 @@
 # integration tests (mostly waiting on their subprocesses); the stage waits for it, and
 # installs itself what it did not finish. The prepare installs the test extra's packages too (transformers, accelerate,
 # lightning, ...), so a version's check pays only for building elasticzero.
-#   bash tests/torch_range.sh [VERSION…]             (default: TORCH_VERSIONS below)
-#   bash tests/torch_range.sh --prepare [VERSION…]   (the venvs and their torch only)
+#   bash tests/torch_range.sh [--prepared DIR] [VERSION…]             (default: TORCH_VERSIONS below)
+#   bash tests/torch_range.sh --prepare [--prepared DIR] [VERSION…]   (the venvs and their torch only)
+# --prepared DIR: the prepare notes there each version it installed (torch, the test extra and elasticzero from this
+# tree), and the check installs only a version not noted (tests/run.sh gives both the same fresh DIR: the tree does
+# not change during its run; ~30 s of pip a version)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -71,7 +74,9 @@ check() {
   shift 2
   dir=$(venv "$v") || { echo "venv failed"; return 1; }
   rm -rf build  # pip builds in the tree: no stale build/lib of an earlier version may enter the wheel
-  "$dir/bin/python" -m pip install -q --no-compile "torch==$v" ".[test]" >>"$log" 2>&1 || { echo "install failed"; return 1; }
+  if [ -z "$PREPARED" ] || [ ! -e "$PREPARED/$v" ]; then
+    "$dir/bin/python" -m pip install -q --no-compile "torch==$v" ".[test]" >>"$log" 2>&1 || { echo "install failed"; return 1; }
+  fi
   # as in the main run: the unit tests on two xdist workers
   "$dir/bin/python" -m pytest -q -p no:cacheprovider -n 2 "$@" >>"$log" 2>&1
   local unit=$?
@@ -97,8 +102,9 @@ unit_tests() {
   fi
 }
 
-mode=check
+mode=check PREPARED=
 [ "${1:-}" = --prepare ] && { mode=prepare; shift; }
+[ "${1:-}" = --prepared ] && { PREPARED=${2:?--prepared DIR}; shift 2; }
 versions=("$@")
 [ $# -gt 0 ] || versions=("${TORCH_VERSIONS[@]}")
 failed=0
@@ -112,6 +118,7 @@ if [ "$mode" = prepare ]; then
   for v in "${versions[@]}"; do
     t0=$(date +%s)
     if prepare "$v"; then verdict=ok; else verdict=FAILED; failed=1; fi
+    [ "$verdict" = ok ] && [ -n "$PREPARED" ] && touch "$PREPARED/$v"
     echo "tests/torch_range.sh --prepare: torch $v: $verdict; $(($(date +%s) - t0))s"
   done
   exit "$failed"

@@ -95,7 +95,9 @@ def test_root_cause_rank_and_error_file_reported(cluster: Cluster) -> None:
 
 
 def test_min_nodes_honoured_when_too_few_survive(cluster: Cluster) -> None:
-    conf = "join_timeout=25,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=4,close_timeout=5"
+    # the survivor gives up after join_timeout without a second node; the first rendezvous must complete within it
+    # too (both agents start at once: ~3 s to the join each, 4x that under load)
+    conf = "join_timeout=12,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=4,close_timeout=5"
     start_nodes(cluster, 2, "2:3", max_restarts=2, rdzv_conf=conf, worker_opts=["loop=1"])
     running_world(cluster, 2, 0, 150)
     t_kill = time.time()

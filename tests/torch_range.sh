@@ -55,27 +55,36 @@ venv() {
   echo "$dir"
 }
 
-# prepare VERSION → 0 when VERSION's venv holds torch==VERSION and the test extra's packages (installed now, at the
-# lowest CPU and I/O priority): check's own install then finds them there and builds only elasticzero itself.
-# --no-compile (here, in check and in tests/run.sh): pip's byte-compilation of every installed module cost 44 s of CPU
-# for torch alone (16 s without); the modules a run imports are compiled on their first import instead
+# pip_install DIR VERSION [PREFIX…] → 0 when pip installed torch==VERSION and this tree's package with the test
+# extra into the venv DIR (under the command PREFIX, if given). pip builds in the tree: `build/` is removed first, so
+# no stale build/lib of an earlier tree enters the wheel (the prepare's install is the one a --prepared check keeps).
+# --no-compile (here and in tests/run.sh): pip's byte-compilation of every installed module cost 44 s of CPU for torch
+# alone (16 s without); the modules a run imports are compiled on their first import instead (tests/run.sh unsets
+# PYTHONDONTWRITEBYTECODE, and so does this script). --no-cache-dir: the wheels (~3 GB a version) are not written a
+# second time into pip's cache, which a fresh machine never reads again (the venv is the cache)
+pip_install() {
+  local dir=$1 v=$2
+  shift 2
+  rm -rf build
+  "$@" "$dir/bin/python" -m pip install -q --no-compile --no-cache-dir "torch==$v" ".[test]"
+}
+
+# prepare VERSION → 0 when VERSION's venv holds torch==VERSION, the test extra's packages and elasticzero (installed
+# now, at the lowest CPU and I/O priority): a check given --prepared then installs nothing for it
 prepare() {
   local v=$1 dir
   dir=$(venv "$v") || return 1
-  # --no-cache-dir: the wheels (~3 GB a version) are not written a second time into pip's cache, which a fresh
-  # machine never reads again (the venv is the cache)
-  nice -n 19 ionice -c 3 "$dir/bin/python" -m pip install -q --no-compile --no-cache-dir "torch==$v" ".[test]"
+  pip_install "$dir" "$v" nice -n 19 ionice -c 3
 }
 
-# check VERSION LOG UNIT… → 0 when the install, the unit tests UNIT… and (at the ends) the smoke pass; their outcome
-# on stdout
+# check VERSION LOG UNIT… → 0 when the install (unless the prepare made it), the unit tests UNIT… and (at the
+# ends) the smoke pass; their outcome on stdout
 check() {
   local v=$1 log=$2 dir
   shift 2
   dir=$(venv "$v") || { echo "venv failed"; return 1; }
-  rm -rf build  # pip builds in the tree: no stale build/lib of an earlier version may enter the wheel
   if [ -z "$PREPARED" ] || [ ! -e "$PREPARED/$v" ]; then
-    "$dir/bin/python" -m pip install -q --no-compile "torch==$v" ".[test]" >>"$log" 2>&1 || { echo "install failed"; return 1; }
+    pip_install "$dir" "$v" >>"$log" 2>&1 || { echo "install failed"; return 1; }
   fi
   # as in the main run: the unit tests on two xdist workers
   "$dir/bin/python" -m pytest -q -p no:cacheprovider -n 2 "$@" >>"$log" 2>&1

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The full test suite, from a fresh clone, as root: installs everything (apt + a venv with torch==2.13.0 CPU),
 # brings up the real-part test bed (namespace hosts with sshd, pdsh, OpenMPI, MPICH, Slurm; etcd servers are
-# started by the tests), runs ruff, mypy and the unit tests, then the integration tests one at a time, then the
-# numerical tests again under every other CPU kernel set torch supports here
-# (ATEN_CPU_CAPABILITY), then unit tests and a smoke on every other supported torch version (tests/torch_range.sh);
-# and tears the test bed down again.
+# started by the tests), runs ruff and the unit tests, then two streams side by side: the main one runs the
+# integration tests that use the test bed, the agents' peers or a bound of wall time one at a time; the side one, in a
+# cpu cgroup of low weight, runs mypy, the other integration tests (SIDE below), the numerical tests again under every
+# other CPU kernel set torch supports here (ATEN_CPU_CAPABILITY), then unit tests and a smoke on every other
+# supported torch version (tests/torch_range.sh); and tears the test bed down again.
 #   bash tests/run.sh [pytest args…]          (pytest args replace the main run's default: the unit tests on 2
 #                                              xdist workers, then the integration tests; EZ_KEEP_TESTBED=1 leaves
 #                                              the test bed up; EZ_SKIP_TORCH_RANGE=1 skips the torch versions other
@@ -15,9 +16,11 @@ cd "$REPO"
 VENV=${EZ_VENV:-$REPO/.venv}
 [ "$(id -u)" = 0 ] || { echo "tests/run.sh: run as root (it installs packages and creates network namespaces)" >&2; exit 1; }
 
-# at exit: stop the torch range's installs if still running (a run that failed early), tear the test bed down
+# at exit: stop the torch range's installs and the side stream if still running (a run that failed early), remove
+# the side stream's cgroup, tear the test bed down
 finish() {
   [ -n "${prepare_pid:-}" ] && kill -- "-$prepare_pid" 2>/dev/null
+  [ -n "${side_cg:-}" ] && remove_cgroup "$side_cg"
   [ -n "${EZ_KEEP_TESTBED:-}" ] || bash "$REPO/tests/cluster/down.sh" >/dev/null 2>&1 || true
 }
 trap finish EXIT
@@ -47,7 +50,6 @@ echo "tests/run.sh: install $((t1 - t0))s, test bed $((t2 - t1))s"
 
 "$VENV/bin/ruff" check src plugins tests bench examples
 "$VENV/bin/ruff" format --check src plugins tests bench examples
-"$VENV/bin/mypy" src
 
 # The numerical tests (engine, checkpoint incl. the DeepSpeed import, HF models): they must hold on any x86-64 CPU,
 # so they run again under every other kernel set torch can pick on this one (ATEN_CPU_CAPABILITY; torch falls back
@@ -72,16 +74,21 @@ capability() {
   capability_flags "$1" || return 0
   ATEN_CPU_CAPABILITY=$1 "$VENV/bin/python" -c 'import torch; (torch.ones(4099) * 2).sum().item(); print(torch.backends.cpu.get_cpu_capability().lower())' 2>/dev/null
 }
-# start_prepare: the torch range's installs, bound by the network and the disk, in the background from now on at the
-# lowest priority — their own session is their own scheduler autogroup, which tests/torch_range.sh sets to nice 19.
-# Started after the unit tests: the CPU they leave is not what slows the tests beside them, the disk is (~3 GB of
-# wheels a version written while the unit tests' two workers read the tree and its imports: 172 s against 81 s
-# alone), and the integration tests' ~35 min leave them the idle time to finish in
+# start_prepare [CGROUP]: the torch range's installs, bound by the network and the disk, in the background from now
+# on at the lowest priority — their own session is their own scheduler autogroup, which tests/torch_range.sh sets to
+# nice 19 — or in CGROUP (the side stream's: its unpacking then takes from the side stream's share, not the main
+# one's; an autogroup counts only in the root cgroup). Started after the unit tests: the CPU they leave is not what
+# slows the tests beside them, the disk is (~3 GB of wheels a version written while the unit tests' two workers read
+# the tree and its imports: 172 s against 81 s alone), and the integration tests leave it the time to finish in
 start_prepare() {
   [ -n "${EZ_SKIP_TORCH_RANGE:-}" ] && return 0
   prepare_log=$(mktemp /tmp/elasticzero-torch-prepare.XXXXXX)
   prepared=$(mktemp -d /tmp/elasticzero-torch-prepared.XXXXXX)  # the versions it installed (torch_range.sh --prepared)
-  setsid bash tests/torch_range.sh --prepare --prepared "$prepared" >"$prepare_log" 2>&1 &  # its own process group: stopped whole at exit
+  # its own process group (setsid in place: a background job is no group leader): stopped whole at exit
+  (
+    [ -z "${1:-}" ] || echo "$BASHPID" >"$1/cgroup.procs"
+    exec setsid bash tests/torch_range.sh --prepare --prepared "$prepared"
+  ) >"$prepare_log" 2>&1 &
   prepare_pid=$!
 }
 
@@ -127,12 +134,69 @@ torch_range_stage() {
   return "$trc"
 }
 
+# The integration tests that run beside the others (the side stream, below): they use no test-bed host and no
+# timing — spawned gloo ranks, the numerical files, the front doors' one-node jobs, the GPU check's sections (one
+# process at a time) — so a slower CPU share only makes them slower. Every other integration test (the test bed's,
+# the agents' peers and liveness, the clock tests) stays in the main stream, one at a time.
+SIDE=(
+  tests/integration/engine tests/integration/hf/test_hf_models.py tests/integration/hf/test_hf_checkpointing.py
+  tests/integration/hf/test_hf_door.py tests/integration/checkpoint/test_ckpt_reshard.py
+  tests/integration/checkpoint/test_ckpt_deepspeed_import.py tests/integration/checkpoint/test_ckpt_scheduler.py
+  tests/integration/checkpoint/test_ckpt_faults.py tests/integration/config tests/integration/bench
+  tests/integration/integrations tests/integration/lightning tests/integration/live/test_copies_overlap.py
+  tests/integration/live/test_live_reshard.py tests/integration/data
+)
+# SIDE_SHARES: the side stream's cpu.shares (cgroup v1; the main stream's processes have 1024 each): where both want
+# the CPU the main stream gets ~94% of it (its bounds were sized alone on the machine), and the side stream takes
+# what the main one leaves idle — 0.8 of the 2 cores on average (its processes mostly wait on their subprocesses)
+SIDE_SHARES=128
+
+# side_cgroup → the directory of a new cpu cgroup for the side stream (printed), or nothing where this machine has no
+# writable cgroup-v1 cpu controller (or a v2 one with the cpu controller on at its root); cpu.weight is v2's shares/10
+side_cgroup() {
+  local v1=/sys/fs/cgroup/cpu v2=/sys/fs/cgroup dir
+  if [ -f "$v1/cpu.shares" ]; then
+    dir=$v1/elasticzero-ci-$$
+    mkdir "$dir" 2>/dev/null && echo "$SIDE_SHARES" >"$dir/cpu.shares" 2>/dev/null && echo "$dir"
+  elif grep -qw cpu "$v2/cgroup.subtree_control" 2>/dev/null; then
+    dir=$v2/elasticzero-ci-$$
+    mkdir "$dir" 2>/dev/null && echo $((SIDE_SHARES * 100 / 1024)) >"$dir/cpu.weight" 2>/dev/null && echo "$dir"
+  fi
+}
+
+# remove_cgroup DIR: kill what is left in it, then remove it
+remove_cgroup() {
+  local pids
+  pids=$(cat "$1/cgroup.procs" 2>/dev/null)
+  # shellcheck disable=SC2086  # one pid a word
+  [ -n "$pids" ] && kill -9 $pids 2>/dev/null
+  for _ in 1 2 3 4 5 6 7 8 9 10; do rmdir "$1" 2>/dev/null && return 0; sleep 0.5; done
+}
+
+# side_stream → 0 when the side integration tests, the numerical reruns and the torch range all pass
+side_stream() {
+  local t t0 rc=0
+  t0=$(date +%s)
+  "$VENV/bin/mypy" src || rc=1  # ~65 s of CPU with no cache (a fresh clone)
+  t=$(date +%s)
+  # a --basetemp of its own: two pytest sessions numbering and pruning /tmp/pytest-of-root at once is a race
+  "$VENV/bin/python" -m pytest -q -p no:cacheprovider --basetemp "$side_tmp" --durations=10 "${SIDE[@]}"
+  pytest_rc $? || rc=1
+  echo "tests/run.sh: side integration tests: $([ "$rc" = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t))s"
+  numerical_reruns || rc=1
+  torch_range_stage || rc=1
+  echo "tests/run.sh: side stream (mypy, side integration tests, numerical reruns, torch range):" \
+    "$([ "$rc" = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t0))s"
+  return "$rc"
+}
+
 set +e
 if [ $# -gt 0 ]; then
+  "$VENV/bin/mypy" src
+  rc=$?
   start_prepare
   "$VENV/bin/python" -m pytest -q "$@"
-  pytest_rc $?
-  rc=$?
+  pytest_rc $? || rc=1
 else
   # the unit tests are independent: two xdist workers, one per core (one collection of the tree each; the one that
   # starts a second torch process shares its worker's core for a few seconds)
@@ -141,19 +205,49 @@ else
   pytest_rc $?
   rc=$?
   echo "tests/run.sh: unit tests: $([ "$rc" = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t))s"
-  start_prepare
-  # The integration tests one at a time. Run side by side (session 15: three xdist workers beside a second pytest),
-  # the load (8-10 on 2 cores) stretched every test's processes 3-5x and three of four CI runs failed 3-9 tests
-  # each, each a bound met alone: their waits, timeouts and wall-clock bounds are sized for one test's processes.
+  # The side stream in a cpu cgroup of its own, from now on beside the main one (its log printed after it)
+  side_cg=$(side_cgroup)
+  start_prepare "$side_cg"
+  side_log=$(mktemp /tmp/elasticzero-side.XXXXXX)
+  side_tmp=$(mktemp -d /tmp/elasticzero-side-tmp.XXXXXX)
+  if [ -n "$side_cg" ]; then
+    (
+      echo "$BASHPID" >"$side_cg/cgroup.procs" || { echo "tests/run.sh: could not join the cgroup $side_cg"; exit 1; }
+      side_stream
+    ) >"$side_log" 2>&1 &
+    side_pid=$!
+    echo "tests/run.sh: the side stream runs beside the main one (cpu cgroup $side_cg, shares $SIDE_SHARES)"
+  else
+    echo "tests/run.sh: no writable cpu cgroup here: the side stream runs after the main one"
+  fi
+  # The main stream: the other integration tests one at a time. Run side by side with each other (session 15: three
+  # xdist workers beside a second pytest) the load (8-10 on 2 cores) stretched every test's processes 3-5x and three
+  # of four CI runs failed 3-9 tests each, each a bound met alone: their waits, timeouts and wall-clock bounds are
+  # sized for one test's processes.
   t=$(date +%s)
-  "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=25 tests/integration
+  ignore=()
+  for path in "${SIDE[@]}"; do ignore+=(--ignore "$path"); done
+  "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=25 "${ignore[@]}" tests/integration
   pytest_rc $?
   irc=$?
   echo "tests/run.sh: integration tests: $([ "$irc" = 0 ] && echo passed || echo "FAILED (exit $irc)") in $(($(date +%s) - t))s"
   [ "$rc" = 0 ] && rc=$irc
+  t=$(date +%s)
+  if [ -n "$side_cg" ]; then
+    wait "$side_pid"
+  else
+    side_stream >"$side_log" 2>&1
+  fi
+  src=$?
+  echo "tests/run.sh: the side stream ended $(($(date +%s) - t))s after the main one; its output:"
+  cat "$side_log"
+  [ "$rc" = 0 ] && [ "$src" != 0 ] && rc=1
+  rm -rf "$side_log" "$side_tmp"
 fi
-numerical_reruns || { [ "$rc" = 0 ] && rc=1; }
-torch_range_stage || { [ "$rc" = 0 ] && rc=1; }
+if [ $# -gt 0 ]; then
+  numerical_reruns || { [ "$rc" = 0 ] && rc=1; }
+  torch_range_stage || { [ "$rc" = 0 ] && rc=1; }
+fi
 rm -rf "${prepare_log:-}" "${prepared:-}"
 prepare_pid=
 set -e

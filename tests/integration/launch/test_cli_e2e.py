@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import secrets
 import signal
@@ -109,6 +110,8 @@ def test_sigint_to_elasticzero_launch_cleans_every_host(tmp_path: Path) -> None:
         wait_for(lambda: len(list(out.glob("pid-*"))) == 4 or proc.poll() is not None, 180, "4 sleeping workers")
         assert proc.poll() is None
         assert pid_file.read_text().strip() == str(proc.pid)
+        assert sorted(p.read_text() for p in out.glob("pid-*")) == sorted([hosts[0]] * 2 + [hosts[1]] * 2)
+        assert leftovers(job, tb), "the job's processes should be visible before the signal"
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=120) == 128 + signal.SIGINT
     finally:
@@ -117,3 +120,4 @@ def test_sigint_to_elasticzero_launch_cleans_every_host(tmp_path: Path) -> None:
             kill_job(job)
     wait_for(lambda: not leftovers(job, tb), 20, "no process of the job on any host")
     assert not pid_file.exists()
+    assert glob.glob(f"/tmp/elasticzero-env-{job}-*") == [], "an env file was left on a host"

@@ -91,7 +91,7 @@ def test_argv_watch_sees_a_value_in_a_namespace_hosts_argv() -> None:
         stdin=subprocess.PIPE,
     )
     try:
-        with ArgvWatch(tb, [needle.encode()]) as watch:
+        with ArgvWatch([needle.encode()]) as watch:
             while not watch.hits:
                 watch.scan()  # the process exists as soon as Popen returned; a few scans find its argv
     finally:

@@ -114,7 +114,7 @@ def hostile_launch(backend: str, tmp_path: Path, options: dict[str, Any]) -> Non
         options=options, cwd=cwd,
     )  # fmt: skip
     out = Path(spec["env"]["EZ_TEST_OUT"])
-    with ArgvWatch(tb, [secret.encode()]) as watch:
+    with ArgvWatch([secret.encode()]) as watch:
         proc = start(spec, tmp_path)
         try:
             wait_for(

@@ -19,9 +19,10 @@ from test_real_launch import MARKS, OPTIONS, bed
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(420)]
 
+# pdsh's SIGINT is test_cli_e2e.py::test_sigint_to_elasticzero_launch_cleans_every_host (the same job and checks,
+# through the console script)
 SIGNAL_CASES = [
     ("pdsh", signal.SIGTERM, False),
-    ("pdsh", signal.SIGINT, False),
     ("openmpi", signal.SIGTERM, False),
     ("mpich", signal.SIGINT, False),
     ("slurm", signal.SIGTERM, False),

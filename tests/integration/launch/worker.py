@@ -16,9 +16,6 @@ import socket
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-
 
 def main() -> int:
     if os.environ.get("EZ_TEST_HOLD"):
@@ -31,6 +28,11 @@ def main() -> int:
         with open(os.path.join(out, f"pid-{os.environ.get('RANK')}-{os.getpid()}"), "w") as f:
             f.write(socket.gethostname())
         time.sleep(float(os.environ["EZ_TEST_SLEEP"]))
+    # torch only once the rank goes on: a rank held or asleep until the test stops it never spends the ~3 s of CPU
+    # its import costs (4 ranks a launch on the 2-core CI machine)
+    import torch
+    import torch.distributed as dist
+
     dist.init_process_group("gloo")
     t = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(t)

@@ -179,14 +179,16 @@ remove_cgroup() {
 
 # side_stream → 0 when the side integration tests, the numerical reruns and the torch range all pass
 side_stream() {
-  local t t0 rc=0
+  local t t0 irc rc=0
   t0=$(date +%s)
   "$VENV/bin/mypy" src || rc=1  # ~65 s of CPU with no cache (a fresh clone)
   t=$(date +%s)
   # a --basetemp of its own: two pytest sessions numbering and pruning /tmp/pytest-of-root at once is a race
   "$VENV/bin/python" -m pytest -q -p no:cacheprovider --basetemp "$side_tmp" --durations=10 "${SIDE[@]}"
-  pytest_rc $? || rc=1
-  echo "tests/run.sh: side integration tests: $([ "$rc" = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t))s"
+  pytest_rc $?
+  irc=$?
+  echo "tests/run.sh: side integration tests: $([ "$irc" = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t))s"
+  [ "$irc" = 0 ] || rc=1
   numerical_reruns || rc=1
   torch_range_stage || rc=1
   echo "tests/run.sh: side stream (mypy, side integration tests, numerical reruns, torch range):" \

@@ -41,7 +41,7 @@ AS_FROM_A_TERMINAL = [
 ]
 
 
-def tests_on_path(*more: Path) -> str:
+def pythonpath_with_tests(*more: Path) -> str:
     """A ``PYTHONPATH`` for a worker process that imports the tests' own modules (``ez_numerics``, ``hf_worker``, …):
     ``tests/``, then ``more``, then the caller's (pytest's ``pythonpath`` setting reaches only pytest's process)."""
     paths = [str(REPO / "tests"), *map(str, more), os.environ.get("PYTHONPATH", "")]

@@ -22,11 +22,14 @@
 # integration tests (mostly waiting on their subprocesses); the stage waits for it, and
 # installs itself what it did not finish. The prepare installs the test extra's packages too (transformers, accelerate,
 # lightning, ...), so a version's check pays only for building elasticzero.
-#   bash tests/torch_range.sh [--prepared DIR] [VERSION…]             (default: TORCH_VERSIONS below)
-#   bash tests/torch_range.sh --prepare [--prepared DIR] [VERSION…]   (the venvs and their torch only)
+#   bash tests/torch_range.sh [--prepared DIR [--prepare-pid PID]] [VERSION…]   (default: TORCH_VERSIONS below)
+#   bash tests/torch_range.sh --prepare [--prepared DIR] [VERSION…]             (the venvs and their torch only)
 # --prepared DIR: the prepare notes there each version it installed (torch, the test extra and elasticzero from this
-# tree), and the check installs only a version not noted (tests/run.sh gives both the same fresh DIR: the tree does
-# not change during its run; ~30 s of pip a version)
+# tree) and each it tried, and the check installs only a version not noted (tests/run.sh gives both the same fresh
+# DIR: the tree does not change during its run; ~30 s of pip a version). --prepare-pid PID: the prepare still runs as
+# PID; each version's check first waits until the prepare has tried that version (or ended), so the first versions
+# are checked while the last one still installs (on a 2-core machine with a slower disk the stage waited 50-80 s for
+# all four).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO"
@@ -84,6 +87,8 @@ check() {
   shift 2
   dir=$(venv "$v") || { echo "venv failed"; return 1; }
   if [ -z "$PREPARED" ] || [ ! -e "$PREPARED/$v" ]; then
+    # pip builds in the tree (pip_install): never beside the prepare's own build of a later version
+    while [ -n "$PREPARE_PID" ] && kill -0 "$PREPARE_PID" 2>/dev/null; do sleep 1; done
     pip_install "$dir" "$v" >>"$log" 2>&1 || { echo "install failed"; return 1; }
   fi
   # as in the main run: the unit tests on two xdist workers
@@ -111,9 +116,10 @@ unit_tests() {
   fi
 }
 
-mode=check PREPARED=
+mode=check PREPARED= PREPARE_PID=
 [ "${1:-}" = --prepare ] && { mode=prepare; shift; }
 [ "${1:-}" = --prepared ] && { PREPARED=${2:?--prepared DIR}; shift 2; }
+[ "${1:-}" = --prepare-pid ] && { PREPARE_PID=${2:?--prepare-pid PID}; shift 2; }
 versions=("$@")
 [ $# -gt 0 ] || versions=("${TORCH_VERSIONS[@]}")
 failed=0
@@ -128,17 +134,26 @@ if [ "$mode" = prepare ]; then
     t0=$(date +%s)
     if prepare "$v"; then verdict=ok; else verdict=FAILED; failed=1; fi
     [ "$verdict" = ok ] && [ -n "$PREPARED" ] && touch "$PREPARED/$v"
+    [ -n "$PREPARED" ] && touch "$PREPARED/$v.tried"
     echo "tests/torch_range.sh --prepare: torch $v: $verdict; $(($(date +%s) - t0))s"
   done
   exit "$failed"
 fi
 LOGS=$(mktemp -d /tmp/elasticzero-torch-range.XXXXXX)
+# await_prepare VERSION → the seconds waited until the prepare (--prepare-pid) tried VERSION or ended
+await_prepare() {
+  local t0=$SECONDS
+  while [ -n "$PREPARE_PID" ] && [ ! -e "$PREPARED/$1.tried" ] && kill -0 "$PREPARE_PID" 2>/dev/null; do sleep 1; done
+  echo $((SECONDS - t0))
+}
+
 for v in "${versions[@]}"; do
+  waited=$(await_prepare "$v")
   t0=$(date +%s)
   log="$LOGS/torch-$v.log"
   # shellcheck disable=SC2046  # unit_tests prints words without spaces
   if outcome=$(check "$v" "$log" $(unit_tests "$v")); then verdict=ok; else verdict="FAILED (log: $log)"; failed=1; fi
-  echo "tests/torch_range.sh: torch $v: $verdict: $outcome; $(($(date +%s) - t0))s"
+  echo "tests/torch_range.sh: torch $v: $verdict: $outcome; $(($(date +%s) - t0))s (after ${waited}s for its install)"
 done
 [ "$failed" = 0 ] && rm -rf "$LOGS"
 exit "$failed"

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from ez_numerics import U32, error_ratio
-from ez_testing import free_port, require, tests_on_path
+from ez_testing import free_port, pythonpath_with_tests, require
 
 RUN = str(Path(sys.executable).parent / "elasticzero-run")
 WORKER = str(Path(__file__).with_name("hf_door_worker.py"))
@@ -37,7 +37,7 @@ def _launch(out: Path, nproc: int, phase: str) -> list[Report]:
     argv = [RUN, "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d"]
     argv += ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", job, "--max-restarts", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    env["PYTHONPATH"] = tests_on_path(Path(__file__).parent)
+    env["PYTHONPATH"] = pythonpath_with_tests(Path(__file__).parent)
     try:
         done = subprocess.run(
             [*argv, WORKER, str(out), phase], env=env, capture_output=True, text=True, timeout=600, check=False
@@ -68,7 +68,8 @@ def test_each_stage_trains_like_the_trainer_s_ddp_run(runs: dict[str, Report], s
     assert r[f"s{stage}_stage"] == f"ZeroStage{stage}"
     assert r[f"s{stage}_ddp_wrapped"] is False  # marked prepared: accelerate added no DDP around it
     assert len(r[f"s{stage}_losses"]) == len(r["ddp_losses"]) == 4
-    assert error_ratio(r[f"s{stage}_losses"], r["ddp_losses"], r["truth_losses"]) <= 1
+    # the Trainer logs every run's loss through its fp32 sum, the float64 truth's too: two stores (ez_numerics)
+    assert error_ratio(r[f"s{stage}_losses"], r["ddp_losses"], r["truth_losses"], fp32_stores=2) <= 1
     # the engine's global norm over every rank's shards, logged as the Trainer logs DDP's (every step clipped at 0.5)
     assert error_ratio(r[f"s{stage}_norms"], r["ddp_norms"], r["truth_norms"]) <= 1
     assert min(r[f"s{stage}_norms"]) > 0.5
@@ -88,7 +89,7 @@ def test_a_world_2_checkpoint_resumes_at_world_1_and_stage_3(runs: dict[str, Rep
     r, resumed = runs["train"], runs["resume"]
     assert resumed["resumed_world"] == 1 and resumed["resumed_steps"] == [3, 4]
     # steps 3 and 4 after the resume: the uninterrupted runs' steps 3 and 4 by the same rule
-    assert error_ratio(resumed["resumed_losses"], r["ddp_losses"][2:], r["truth_losses"][2:]) <= 1
+    assert error_ratio(resumed["resumed_losses"], r["ddp_losses"][2:], r["truth_losses"][2:], fp32_stores=2) <= 1
     assert error_ratio(resumed["resumed_norms"], r["ddp_norms"][2:], r["truth_norms"][2:]) <= 1
 
 

@@ -24,7 +24,7 @@ from ez_agentkit import ELASTICZERO_RUN, FAST_RDZV, Cluster, wait_for
 
 from elasticzero.agent.proctree import descendants, kill_now
 from ez_numerics import error_ratio
-from ez_testing import free_port, require, tests_on_path
+from ez_testing import free_port, pythonpath_with_tests, require
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(600)]
 
@@ -51,7 +51,7 @@ def held(out: Path) -> bool:
 def run_job(cluster: Cluster) -> None:
     """Two nodes to the checkpoint at step 2, the second node SIGKILLed, the survivor to the end (exit 0)."""
     env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    env["PYTHONPATH"] = tests_on_path(Path(__file__).parent)
+    env["PYTHONPATH"] = pythonpath_with_tests(Path(__file__).parent)
     endpoint = f"127.0.0.1:{free_port()}"
     (cluster.out / "gate").touch()  # a world of 1 before the second node joins waits here
     cluster.start(agent_argv(cluster, endpoint), env)
@@ -91,7 +91,8 @@ def test_a_node_lost_restarts_the_trainer_from_the_newest_checkpoint(cluster: Cl
     params = torch.load(out / "params.pt")
     assert params["elastic"].keys() == params["truth"].keys()
     ratios = (
-        error_ratio(got, report["ref_losses"], report["truth_losses"]),
+        # the Trainer logs every run's loss through its fp32 sum, the float64 truth's too: two stores (ez_numerics)
+        error_ratio(got, report["ref_losses"], report["truth_losses"], fp32_stores=2),
         error_ratio(params["elastic"], params["ref"], params["truth"]),
     )
     print(f"error ratios (<= 1): losses {ratios[0]:.3f}, final parameters {ratios[1]:.3f}")

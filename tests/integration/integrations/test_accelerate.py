@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from ez_numerics import error_ratio
-from ez_testing import REPO, free_port, require, tests_on_path
+from ez_testing import REPO, free_port, pythonpath_with_tests, require
 
 WORKER = Path(__file__).with_name("accelerate_worker.py")
 BIN = Path(sys.executable).parent
@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
 
 
 def _env(tmp: Path, **extra: str) -> dict[str, str]:
-    path = tests_on_path(REPO / "src")
+    path = pythonpath_with_tests(REPO / "src")
     # HF_HOME: accelerate reads no user config (its default_config.yaml lives there); nothing is downloaded
     base = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp / "hf"), "PYTHONPATH": path}
     return {**os.environ, **base, "TRANSFORMERS_VERBOSITY": "error", **extra}

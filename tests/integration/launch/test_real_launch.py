@@ -3,7 +3,8 @@ no exported value in any process's argv on any host (``/proc/*/cmdline`` of the 
 
 Each backend starts one ``elasticzero-run`` agent per host (or, per-rank mode, every rank through
 ``elasticzero.launch.rankenv``). Hosts are given in reverse name order, so node ranks must follow the plan
-(hostfile) order, not the transport's. Workers report what they saw to files; the test compares byte-for-byte.
+(hostfile) order, not the transport's. Workers report what they saw to files; the test compares byte-for-byte. On
+four of the launches the ranks then fail (exit 7, or rank 2 SIGKILLed): the launcher must exit with that code.
 """
 
 from __future__ import annotations
@@ -93,11 +94,13 @@ def check_reports(
         assert r["cwd"] == str(cwd)
 
 
-def hostile_launch(backend: str, tmp_path: Path, options: dict[str, Any]) -> None:
+def hostile_launch(backend: str, tmp_path: Path, options: dict[str, Any], fail: str = "", expect: int = 0) -> None:
     """Hostile args/env/cwd arrive byte-for-byte, nothing is injected, and no secret value is ever in an argv.
 
     Every rank holds (``EZ_TEST_HOLD``) until the test has scanned every process's argv on every host with all
     ranks running; a background scan covers the whole launch (ssh, remote shells, transports, agents, ranks).
+    ``fail`` (the worker's ``EZ_TEST_EXIT_RANK``): ranks that exit that way once they have reported; the launch must
+    then exit ``expect`` and still leave nothing behind on any host.
     """
     tb, hosts = bed(backend)
     nodes = [[hosts[1], [0, 1]], [hosts[0], [2, 3]]]  # reverse name order on purpose
@@ -109,10 +112,10 @@ def hostile_launch(backend: str, tmp_path: Path, options: dict[str, Any]) -> Non
     args = hostile_args(mark)
     env = {**hostile_env(mark), "EZT_API_KEY": f"{secret} 'q' \"d\" $(touch {mark}/m-key) %h %%\nline2\n"}
     hold = tmp_path / "release"
+    control = {"EZ_TEST_HOLD": str(hold), **({"EZ_TEST_EXIT_RANK": fail} if fail else {})}
     spec = make_spec(
-        tb, backend, tmp_path, nodes=nodes, entry=[WORKER, *args], env={**env, "EZ_TEST_HOLD": str(hold)},
-        options=options, cwd=cwd,
-    )  # fmt: skip
+        tb, backend, tmp_path, nodes=nodes, entry=[WORKER, *args], env={**env, **control}, options=options, cwd=cwd
+    )
     out = Path(spec["env"]["EZ_TEST_OUT"])
     with ArgvWatch([secret.encode()]) as watch:
         proc = start(spec, tmp_path)
@@ -130,23 +133,30 @@ def hostile_launch(backend: str, tmp_path: Path, options: dict[str, Any]) -> Non
             if proc.poll() is None:
                 proc.kill()
                 kill_job(spec["job_id"])
-    assert proc.returncode == 0, log[-3000:]
+    assert proc.returncode == expect, log[-3000:]
     assert watch.hits == [], f"a secret value was in the argv of {watch.hits}"
     assert watch.scans > 10
-    check_reports(spec, nodes, args, env, cwd)
+    check_reports(spec, nodes, args, env, cwd)  # every rank reported: a failing one only after its all_reduce
     assert markers(mark, token, tmp_path, cwd) == [], "an injected command ran"
-    assert leftovers(spec["job_id"], tb) == {}
+    wait_for(lambda: not leftovers(spec["job_id"], tb), 20, "no process of the job on any host")
     assert glob.glob(f"/tmp/elasticzero-env-{spec['job_id']}-*") == [], "an env file was left on a host"
+
+
+# A failing rank's exit code reaches the launcher, on the same launches: (backend, EZ_TEST_EXIT_RANK, exit code).
+# Agent mode: every rank exits 7 (a lone failure leaves the other agents in torch's 300 s exit barrier); per-rank
+# mode: rank 2 dies of SIGKILL (hydra alone would report a bare 9).
+AGENT_FAILS = {"pdsh": ("*:7", 7), "slurm": ("*:7", 7)}
+PER_RANK_FAILS = {"openmpi": ("2:KILL", 128 + 9), "mpich": ("2:KILL", 128 + 9)}
 
 
 @pytest.mark.parametrize("backend", params("pdsh", "openmpi", "mpich", "mvapich", "slurm"))
 def test_agent_per_node_hostile_strings(backend: str, tmp_path: Path) -> None:
-    hostile_launch(backend, tmp_path, OPTIONS.get(backend, {}))
+    hostile_launch(backend, tmp_path, OPTIONS.get(backend, {}), *AGENT_FAILS.get(backend, ()))
 
 
 @pytest.mark.parametrize("backend", params("openmpi", "mpich", "slurm"))
 def test_per_rank_mode_hostile_strings(backend: str, tmp_path: Path) -> None:
-    hostile_launch(backend, tmp_path, {"per_rank": True})
+    hostile_launch(backend, tmp_path, {"per_rank": True}, *PER_RANK_FAILS.get(backend, ()))
 
 
 CPU_REPORT = """import os, socket

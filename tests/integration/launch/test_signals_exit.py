@@ -1,20 +1,20 @@
 """Signals and exit codes on the real test bed.
 
 SIGINT/SIGTERM to the launcher must stop the job on every host (checked per namespace host with
-``ip netns pids`` + the job id in each process's environment) and exit with 128+signal; a failing rank's code
-reaches the launcher; a rank killed by a signal is reported as 128+signal.
+``ip netns pids`` + the job id in each process's environment) and exit with 128+signal. A failing rank's code
+reaching the launcher (and a rank killed by a signal reported as 128+signal) is asserted on test_real_launch.py's
+launches, whose ranks fail once they have reported.
 """
 
 from __future__ import annotations
 
 import glob
 import signal
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from launchkit import explain_for, kill_job, launch, leftovers, make_spec, reports, start, wait_for
+from launchkit import explain_for, kill_job, leftovers, make_spec, start, wait_for
 from test_real_launch import MARKS, OPTIONS, bed
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(420)]
@@ -64,31 +64,3 @@ def test_signal_stops_job_on_every_host(backend: str, sig: signal.Signals, per_r
     assert proc.returncode == 128 + sig, output[-3000:]
     wait_for(lambda: not leftovers(spec["job_id"], tb), 20, "no process of the job on any host")
     assert glob.glob(f"/tmp/elasticzero-env-{spec['job_id']}-*") == [], "an env file was left on a host"
-
-
-@pytest.mark.parametrize(
-    ("backend", "per_rank", "fail", "expect"),
-    [
-        # agent mode: every rank exits 7 (a lone failure leaves the other agents in torch's 300 s exit barrier)
-        pytest.param("pdsh", False, "*:7", 7, marks=MARKS["pdsh"], id="pdsh-exit7"),
-        pytest.param("slurm", False, "*:7", 7, marks=MARKS["slurm"], id="slurm-exit7"),
-        # per-rank mode: rank 2 dies of SIGKILL; hydra alone would report a bare 9
-        pytest.param("openmpi", True, "2:KILL", 128 + 9, marks=MARKS["openmpi"], id="openmpi-perrank-sigkill"),
-        pytest.param("mpich", True, "2:KILL", 128 + 9, marks=MARKS["mpich"], id="mpich-perrank-sigkill"),
-    ],
-)
-def test_failing_rank_exit_code(backend: str, per_rank: bool, fail: str, expect: int, tmp_path: Path) -> None:
-    tb, hosts = bed(backend)
-    nodes = [[hosts[0], [0, 1]], [hosts[1], [0, 1]]]
-    spec = make_spec(
-        tb,
-        backend,
-        tmp_path,
-        nodes=nodes,
-        env={"EZ_TEST_EXIT_RANK": fail},
-        options={"per_rank": True} if per_rank else {},
-    )
-    p: subprocess.CompletedProcess[str] = launch(spec, tmp_path)
-    assert p.returncode == expect, (p.stdout[-2000:], p.stderr[-2000:])
-    assert len(reports(spec)) == 4  # every rank got through the all_reduce before failing
-    wait_for(lambda: not leftovers(spec["job_id"], tb), 20, "no process of the job on any host")

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from ez_numerics import error_ratio
-from ez_testing import REPO, free_port, require, tests_on_path
+from ez_testing import REPO, free_port, pythonpath_with_tests, require
 
 RUN = str(Path(sys.executable).parent / "elasticzero-run")
 WORKER = Path(__file__).with_name("lightning_worker.py")
@@ -38,7 +38,7 @@ def _launch(out: Path, nproc: int, mode: str) -> dict[str, Any]:
     job = f"ezt-lightning-{secrets.token_hex(4)}"
     argv = [RUN, "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d"]
     argv += ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", job, str(WORKER), mode, str(out)]
-    path = tests_on_path(REPO / "src", REPO / "tests" / "integration" / "hf")
+    path = pythonpath_with_tests(REPO / "src", REPO / "tests" / "integration" / "hf")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
     try:
         done = subprocess.run(argv, env=env, cwd=out, capture_output=True, text=True, timeout=600, check=False)

@@ -92,6 +92,18 @@ start_prepare() {
   prepare_pid=$!
 }
 
+# children_cpu: sets children_cpu_s to the CPU seconds (user + system) of this shell's finished children and all they
+# waited for: bash's `times` (its second line), run in this shell — never call it in a pipeline or a command
+# substitution, whose forked subshell starts with no children's time
+children_cpu() {
+  local f
+  f=$(mktemp) && times >"$f"
+  children_cpu_s=$(awk 'NR == 2 { split($1, u, /[ms]/); split($2, s, /[ms]/); printf "%d", u[1] * 60 + u[2] + s[1] * 60 + s[2] }' "$f")
+  rm -f "$f"
+}
+# busy_cpu → the machine's busy CPU seconds since boot (/proc/stat: user, nice, system, irq, softirq)
+busy_cpu() { awk -v hz="$(getconf CLK_TCK)" '/^cpu / { printf "%d", ($2 + $3 + $4 + $7 + $8) / hz }' /proc/stat; }
+
 # pytest exit 5 = no tests collected: that is a broken suite, not a pass
 pytest_rc() { local rc=$1; [ "$rc" = 5 ] && { echo "tests/run.sh: pytest collected no tests" >&2; rc=1; }; return "$rc"; }
 
@@ -190,8 +202,9 @@ side_stream() {
   [ "$irc" = 0 ] || rc=1
   numerical_reruns || rc=1
   torch_range_stage || rc=1
+  children_cpu
   echo "tests/run.sh: side stream (mypy, side integration tests, numerical reruns, torch range):" \
-    "$([ "$rc" = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t0))s"
+    "$([ "$rc" = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t0))s, ${children_cpu_s}s of CPU"
   return "$rc"
 }
 
@@ -233,7 +246,8 @@ else
   # xdist workers beside a second pytest) the load (8-10 on 2 cores) stretched every test's processes 3-5x and three
   # of four CI runs failed 3-9 tests each, each a bound met alone: their waits, timeouts and wall-clock bounds are
   # sized for one test's processes.
-  t=$(date +%s)
+  t=$(date +%s) busy=$(busy_cpu)
+  streams=$t
   ignore=()
   for path in "${SIDE[@]}"; do ignore+=(--ignore "$path"); done
   "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=25 "${ignore[@]}" tests/integration
@@ -250,6 +264,9 @@ else
   src=$?
   echo "tests/run.sh: the side stream ended $(($(date +%s) - t))s after the main one; its output:"
   cat "$side_log"
+  # what the streams cost: the machine's CPU from the main stream's start to the side stream's end (the side stream's
+  # and the torch installs' own in their lines above; the rest is the main stream's, its test-bed hosts' included)
+  echo "tests/run.sh: the two streams: $(($(date +%s) - streams))s on $(nproc) cores, $(($(busy_cpu) - busy))s of CPU"
   [ "$rc" = 0 ] && [ "$src" != 0 ] && rc=1
   rm -rf "$side_log" "$side_tmp"
 fi

@@ -137,6 +137,11 @@ if [ "$mode" = prepare ]; then
     [ -n "$PREPARED" ] && touch "$PREPARED/$v.tried"
     echo "tests/torch_range.sh --prepare: torch $v: $verdict; $(($(date +%s) - t0))s"
   done
+  # the CPU of the installs: bash's `times` (the finished children's user and system time) run in this shell, into a
+  # file (a pipeline's subshell would report its own children: none)
+  cpu=$(mktemp) && times >"$cpu" && awk 'NR == 2 { split($1, u, /[ms]/); split($2, s, /[ms]/);
+    printf "tests/torch_range.sh --prepare: %ds of CPU\n", u[1] * 60 + u[2] + s[1] * 60 + s[2] }' "$cpu"
+  rm -f "$cpu"
   exit "$failed"
 fi
 LOGS=$(mktemp -d /tmp/elasticzero-torch-range.XXXXXX)

@@ -38,11 +38,18 @@ export OMP_NUM_THREADS=1
 unset PYTHONDONTWRITEBYTECODE
 
 t0=$(date +%s)
-bash tests/cluster/packages.sh
 command -v python3 >/dev/null || { apt-get update -qq && apt-get install -y -qq python3 python3-venv; }
+# the test bed's Debian packages (apt: the network and dpkg) install beside the venv (pip), not before it
+packages_log=$(mktemp /tmp/elasticzero-packages.XXXXXX)
+bash tests/cluster/packages.sh >"$packages_log" 2>&1 &
+packages_pid=$!
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 # torch is pinned here (the local CPU build); the package itself declares a range. --no-compile: see tests/torch_range.sh
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile "torch==2.13.0" -e ".[etcd,test]"
+prc=0
+wait "$packages_pid" || prc=$?
+cat "$packages_log" && rm -f "$packages_log"
+[ "$prc" = 0 ] || { echo "tests/run.sh: tests/cluster/packages.sh failed (exit $prc)" >&2; exit "$prc"; }
 t1=$(date +%s)
 bash tests/cluster/up.sh
 t2=$(date +%s)
@@ -109,20 +116,18 @@ pytest_rc() { local rc=$1; [ "$rc" = 5 ] && { echo "tests/run.sh: pytest collect
 
 # numerical_reruns → 0 when the numerical tests pass under every other CPU kernel set this CPU has
 numerical_reruns() {
-  local main cap t crc nrc rc=0
+  local main cap t crc rc=0
   main=$(capability "${ATEN_CPU_CAPABILITY:-}")  # the kernels the main run used
   for cap in default avx2 avx512; do
     [ "$cap" = "$main" ] && { echo "tests/run.sh: ATEN_CPU_CAPABILITY=$cap: the main run's kernels"; continue; }
     [ "$(capability "$cap")" = "$cap" ] || { echo "tests/run.sh: ATEN_CPU_CAPABILITY=$cap: not on this CPU"; continue; }
     t=$(date +%s)
-    # the single-process ones on two xdist workers, as in the main run
-    ATEN_CPU_CAPABILITY=$cap "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 "${NUMERICAL_UNIT[@]}"
+    # one session, no xdist: in the side stream the CPU is the bound, and two xdist workers collect the tree twice
+    # (the unit suite: 59 s of CPU on two workers, 47 s on one); a --basetemp of its own beside the main stream (below)
+    ATEN_CPU_CAPABILITY=$cap "$VENV/bin/python" -m pytest -q -p no:cacheprovider ${side_tmp:+--basetemp "$side_tmp/$cap"} \
+      "${NUMERICAL_UNIT[@]}" "${NUMERICAL[@]}"
     pytest_rc $?
     crc=$?
-    ATEN_CPU_CAPABILITY=$cap "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${NUMERICAL[@]}"
-    pytest_rc $?
-    nrc=$?
-    [ "$crc" = 0 ] && crc=$nrc
     echo "tests/run.sh: numerical tests under ATEN_CPU_CAPABILITY=$cap: $([ "$crc" = 0 ] && echo passed || echo "FAILED (exit $crc)") in $(($(date +%s) - t))s"
     [ "$rc" = 0 ] && rc=$crc
   done
@@ -159,7 +164,10 @@ SIDE=(
 # A fresh-clone run (2 cores, the torch range installed from the registry in the same run): 42.8 min one stream after
 # the other, 31.3 min side by side — the main stream 1371 s, the side stream 1700 s (side tests 884, numerical reruns
 # 361, torch range 361), the machine's 2 cores ~97% busy throughout: the suite is bound by its CPU (process starts,
-# ~2.5 s of it each for torch's import), not by its waits.
+# ~1.5-2.5 s of it each for torch's import), not by its waits. On a faster 2-core machine (session 21: an AVX-512
+# Xeon at 2.6 GHz) 20.2 min: the streams 1076 s and 1985 s of CPU (92% of both cores) — the side stream 972 (its
+# tests 519 s, each numerical rerun ~160 s, the range 181 s), the torch installs 251, the main stream the rest (~760;
+# alone it is wait-bound: 993 s, 844 s of CPU).
 # SIDE_SHARES: the side stream's cpu.shares (cgroup v1; the main stream's processes have 1024 each): where both want
 # the CPU the main stream gets ~90% of it (its bounds were sized alone on the machine; busy loops: two main ones 10.3
 # and 10.6 M iterations, the side one 2.3 M), and the side stream takes what the main one leaves idle — 0.8 of the 2
@@ -195,7 +203,7 @@ side_stream() {
   "$VENV/bin/mypy" src || rc=1  # ~65 s of CPU with no cache (a fresh clone)
   t=$(date +%s)
   # a --basetemp of its own: two pytest sessions numbering and pruning /tmp/pytest-of-root at once is a race
-  "$VENV/bin/python" -m pytest -q -p no:cacheprovider --basetemp "$side_tmp" --durations=10 "${SIDE[@]}"
+  "$VENV/bin/python" -m pytest -q -p no:cacheprovider --basetemp "$side_tmp/side" --durations=10 "${SIDE[@]}"
   pytest_rc $?
   irc=$?
   echo "tests/run.sh: side integration tests: $([ "$irc" = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t))s"
@@ -266,7 +274,7 @@ else
   cat "$side_log"
   # what the streams cost: the machine's CPU from the main stream's start to the side stream's end (the side stream's
   # and the torch installs' own in their lines above; the rest is the main stream's, its test-bed hosts' included)
-  echo "tests/run.sh: the two streams: $(($(date +%s) - streams))s on $(nproc) cores, $(($(busy_cpu) - busy))s of CPU"
+  echo "tests/run.sh: the two streams: $(($(date +%s) - streams))s on $(getconf _NPROCESSORS_ONLN) cores, $(($(busy_cpu) - busy))s of CPU"
   [ "$rc" = 0 ] && [ "$src" != 0 ] && rc=1
   rm -rf "$side_log" "$side_tmp"
 fi

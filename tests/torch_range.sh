@@ -91,11 +91,12 @@ check() {
     while [ -n "$PREPARE_PID" ] && kill -0 "$PREPARE_PID" 2>/dev/null; do sleep 1; done
     pip_install "$dir" "$v" >>"$log" 2>&1 || { echo "install failed"; return 1; }
   fi
-  # as in the main run: the unit tests on two xdist workers
-  "$dir/bin/python" -m pytest -q -p no:cacheprovider -n 2 "$@" >>"$log" 2>&1
+  # as in the main run: the unit tests on two xdist workers; each session a --basetemp of its own (tests/run.sh may
+  # still run its main stream's pytest, and two sessions numbering and pruning /tmp/pytest-of-root at once race)
+  "$dir/bin/python" -m pytest -q -p no:cacheprovider -n 2 --basetemp "$log.unit" "$@" >>"$log" 2>&1
   local unit=$?
   is_end "$v" || { echo "unit $(summary "$log" 1)"; return "$unit"; }
-  "$dir/bin/python" -m pytest -q -p no:cacheprovider "$SMOKE" >>"$log" 2>&1
+  "$dir/bin/python" -m pytest -q -p no:cacheprovider --basetemp "$log.smoke" "$SMOKE" >>"$log" 2>&1
   local smoke=$?
   echo "unit $(summary "$log" 1), smoke $(summary "$log" 2)"
   [ "$unit" = 0 ] && [ "$smoke" = 0 ]

@@ -19,8 +19,8 @@
 # network and the disk, not the CPU: tests/run.sh starts `torch_range.sh --prepare` in the background after the unit
 # tests, which installs torch into each version's venv that is not cached yet, at the lowest CPU priority (its
 # autogroup at nice 19, below; `ionice -c 3` counts only under the bfq and cfq disk schedulers), overlapping the
-# integration tests (mostly waiting on their subprocesses); the stage waits for it, and
-# installs itself what it did not finish. The prepare installs the test extra's packages too (transformers, accelerate,
+# integration tests (mostly waiting on their subprocesses); each version's check waits for that version's install,
+# and installs itself what the prepare did not. The prepare installs the test extra's packages too (transformers, accelerate,
 # lightning, ...), so a version's check pays only for building elasticzero.
 #   bash tests/torch_range.sh [--prepared DIR [--prepare-pid PID]] [VERSION…]   (default: TORCH_VERSIONS below)
 #   bash tests/torch_range.sh --prepare [--prepared DIR] [VERSION…]             (the venvs and their torch only)
@@ -37,6 +37,8 @@ TORCH_VERSIONS=(2.11.0 2.12.1 2.14.1 2.15.0)
 UNIT_BETWEEN=(tests/unit/test_torch_canaries.py tests/unit/agent tests/unit/rendezvous)
 CACHE=${EZ_TORCH_CACHE:-/var/cache/elasticzero-ci}
 SMOKE=tests/integration/elastic/test_example_smoke.py
+# shellcheck source=tests/cpu_times.sh
+source "$REPO/tests/cpu_times.sh"  # children_cpu
 # this machine's pip constraints cap torch below the newest release; the versions here are pinned one by one instead
 export PIP_CONSTRAINT=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1
 # each version's processes write their bytecode caches (tests/run.sh: why)
@@ -138,11 +140,8 @@ if [ "$mode" = prepare ]; then
     [ -n "$PREPARED" ] && touch "$PREPARED/$v.tried"
     echo "tests/torch_range.sh --prepare: torch $v: $verdict; $(($(date +%s) - t0))s"
   done
-  # the CPU of the installs: bash's `times` (the finished children's user and system time) run in this shell, into a
-  # file (a pipeline's subshell would report its own children: none)
-  cpu=$(mktemp) && times >"$cpu" && awk 'NR == 2 { split($1, u, /[ms]/); split($2, s, /[ms]/);
-    printf "tests/torch_range.sh --prepare: %ds of CPU\n", u[1] * 60 + u[2] + s[1] * 60 + s[2] }' "$cpu"
-  rm -f "$cpu"
+  children_cpu  # the installs' CPU
+  echo "tests/torch_range.sh --prepare: ${children_cpu_s}s of CPU"
   exit "$failed"
 fi
 LOGS=$(mktemp -d /tmp/elasticzero-torch-range.XXXXXX)

@@ -41,16 +41,20 @@ PROGRESS_FILE_ENV = "ELASTICZERO_PROGRESS_FILE"
 #: the signal on which a worker with a record dumps its Python stacks to stderr (faulthandler)
 STACKS_SIGNAL = signal.SIGUSR2
 
-_MAGIC = b"EZP2"
+_MAGIC = b"EZP3"
 #: magic, pid, beats (every report), step, collectives issued, collective waited in (0: none), last step's time (ns;
-#: 0: no step in the current round), rounds entered (live recovery), in a bounded wait (0/1)
-_LAYOUT = struct.Struct("<4sIQQQQQQQ")
+#: 0: no step in the current round), rounds entered (live recovery), in a bounded wait (0/1), the live round the
+#: worker is in (its number + 1; 0: none), the live round in which a collective of its failed on a lost peer's error
+#: (number + 1; 0: none)
+_LAYOUT = struct.Struct("<4sIQQQQQQQQQ")
 RECORD_SIZE = _LAYOUT.size
 _OFF_BEATS = 8  # beats, step: one pack_into per step
 _OFF_COLLECTIVES = 24
 _OFF_WAITING = 32
 _OFF_STEP_NS = 40
 _OFF_BOUNDED = 56
+_OFF_ROUND = 64
+_OFF_FAILED = 72
 _PAIR = struct.Struct("<QQ")
 _TRIPLE = struct.Struct("<QQQ")  # waiting, step time, rounds: one pack_into per round entered
 _ONE = struct.Struct("<Q")
@@ -68,6 +72,9 @@ class ProgressRecord:
     step_ns: int  #: ``time.monotonic_ns()`` when the last step was reported (0: none yet in the current round)
     rounds: int = 0  #: live rounds this process entered (0: none, outside live recovery); each entry zeroes step_ns
     bounded: int = 0  #: 1 while the worker waits in a live loop's bounded wait (:mod:`elasticzero.live.bounded`)
+    round: int = 0  #: the live round the worker entered last, its number + 1 (0: none)
+    #: the live round (number + 1) in which a collective failed on a lost peer's error (0: none since it entered one)
+    failed_round: int = 0
 
     @property
     def marks(self) -> tuple[int, int, int, int]:
@@ -100,7 +107,7 @@ class Reporter:
             os.close(fd)
         self._beats = self._step = self._collectives = self._rounds = 0
         register_stack_dump()
-        _LAYOUT.pack_into(self._map, 0, _MAGIC, os.getpid(), 0, 0, 0, 0, 0, 0, 0)
+        _LAYOUT.pack_into(self._map, 0, _MAGIC, os.getpid(), 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
     def step(self) -> None:
         """The engine finished a step (its steps are counted from the worker's start)."""
@@ -117,12 +124,19 @@ class Reporter:
         _ONE.pack_into(self._map, _OFF_STEP_NS, time.monotonic_ns())
         _PAIR.pack_into(self._map, _OFF_BEATS, self._beats, step)
 
-    def entered_round(self) -> None:
-        """The live loop enters a new round: no step in it yet (the next step's interval spans the round change), and
+    def entered_round(self, number: int) -> None:
+        """The live loop enters round ``number``: no step in it yet (the next step's interval spans the round change),
         no wait of the old round's (abandoned: a helper thread left in one never clears it, its wait ends in an
-        error)."""
+        error), no failed collective."""
         self._rounds += 1
         _TRIPLE.pack_into(self._map, _OFF_WAITING, 0, 0, self._rounds)
+        _PAIR.pack_into(self._map, _OFF_ROUND, number + 1, 0)
+
+    def peer_failed(self) -> None:
+        """A collective of the live round the worker is in failed on a lost peer's error (a closed connection): the
+        agent asks the round's nodes at once (:mod:`elasticzero.agent.suspicion`)."""
+        current = _ONE.unpack_from(self._map, _OFF_ROUND)[0]
+        _ONE.pack_into(self._map, _OFF_FAILED, current)
 
     def bounded(self, inside: bool) -> None:
         """The worker enters (``True``) or leaves a live loop's bounded wait."""
@@ -151,7 +165,10 @@ class NullReporter(Reporter):
     def beat(self, step: int | None = None) -> None:
         pass
 
-    def entered_round(self) -> None:
+    def entered_round(self, number: int) -> None:
+        pass
+
+    def peer_failed(self) -> None:
         pass
 
     def bounded(self, inside: bool) -> None:

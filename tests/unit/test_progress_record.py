@@ -28,7 +28,7 @@ def record(tmp_path: Path) -> Iterator[tuple[Reporter, Path]]:
 
 def test_reports_land_in_the_record(record: tuple[Reporter, Path]) -> None:
     rep, path = record
-    assert read_record(str(path)) == ProgressRecord(os.getpid(), 0, 0, 0, 0, 0, 0, 0)
+    assert read_record(str(path)) == ProgressRecord(os.getpid(), 0, 0, 0, 0, 0, 0, 0, 0, 0)
     assert (rep.issued(), rep.issued()) == (1, 2)
     rep.waiting(2)
     got = read_record(str(path))
@@ -51,10 +51,11 @@ def test_a_round_entered_clears_the_step_time_and_a_bounded_wait_is_marked(recor
     rep.step()
     rep.waiting(rep.issued())  # a wait of the old round, abandoned: its thread never clears it
     before = read_record(str(path))
-    rep.entered_round()
+    rep.entered_round(0)
     entered = read_record(str(path))
     assert before is not None and entered is not None and (before.step_ns > 0, before.waiting) == (True, 1)
     assert (entered.rounds, entered.step_ns, entered.step, entered.waiting, entered.collectives) == (1, 0, 1, 0, 1)
+    assert entered.round == 1  # round 0, stored + 1 (0: none)
     rep.step()
     rep.bounded(True)
     inside = read_record(str(path))
@@ -62,6 +63,19 @@ def test_a_round_entered_clears_the_step_time_and_a_bounded_wait_is_marked(recor
     rep.bounded(False)
     left = read_record(str(path))
     assert left is not None and left.bounded == 0 and len({inside.marks, left.marks}) == 2
+
+
+def test_a_failed_collective_is_marked_with_its_round_until_the_next_round(record: tuple[Reporter, Path]) -> None:
+    """The symptom of a crashed peer (elasticzero.agent.suspicion): a failed collective is recorded with the round it
+    failed in; entering the next round clears it (a failure of the old round's abandoned wait is no news there)."""
+    rep, path = record
+    rep.entered_round(6)
+    rep.peer_failed()
+    failed = read_record(str(path))
+    assert failed is not None and (failed.round, failed.failed_round) == (7, 7)
+    rep.entered_round(7)
+    entered = read_record(str(path))
+    assert entered is not None and (entered.round, entered.failed_round) == (8, 0)
 
 
 def test_no_record_reads_as_none(tmp_path: Path) -> None:

@@ -247,14 +247,16 @@ CANARIES = [
     Canary(f"{HANDLER}._bootstrap_store_info", HANDLER_PY, None),
     Canary(
         "torch.distributed.elastic.rendezvous.dynamic_rendezvous._RendezvousState",
-        f"{HANDLER_PY}, agent/peers.py (last_heartbeats: who is still alive)",
+        f"{HANDLER_PY}, agent/peers.py (last_heartbeats: who is still alive), agent/suspicion.py (an unanswered ask "
+        "expires a node's last_heartbeats; only one of the participants may)",
         _assigns("round", "participants", "last_heartbeats"),
     ),
     # -- peer liveness: the round's participants and their heartbeats, read as torch's num_nodes_waiting does ----
     Canary(f"{HANDLER}._heartbeat_lock", "agent/peers.py (PeerWatch: read the state without racing keep-alive)", None),
     Canary(
         "torch.distributed.elastic.rendezvous.dynamic_rendezvous._BackendRendezvousStateHolder._backend",
-        "agent/peers.py (PeerWatch: a fresh read of the heartbeats, not the holder's 1 s cache)",
+        "agent/peers.py (PeerWatch: a fresh read of the heartbeats, not the holder's 1 s cache; drop_nodes: one "
+        "compare-and-set of the state)",
         None,
     ),
     Canary(

@@ -21,7 +21,8 @@ public API; ``tests/unit/agent/test_exit_barrier.py`` checks torch still calls `
   peer waiting to join, this node dropped: marked in the round's store (:data:`ROUND_CHANGE_KEY`) first where the
   others must hear of it, then with ``--live-recovery`` a hand-off around the running workers
   (:meth:`ElasticZeroAgent._hand_off`), else a re-formed round; no restart spent), or kill a hung worker (its stacks
-  first; the next tick sees it fail, a real failure);
+  first; the next tick sees it fail, a real failure); in live mode also a failed collective's ask
+  (:mod:`~elasticzero.agent.suspicion`): ask the round's nodes, answer another's ask, drop the silent ones;
 * ``_invoke_run`` — before this node leaves on a signal (the others going on), it marks the round as changing, so a
   peer whose workers die of it does not count a failure;
 * ``_exit_barrier`` — torch's terminal-state barrier (same keys, same success condition), polled: a node whose
@@ -37,6 +38,7 @@ function wraps around the command; see :mod:`elasticzero.agent.shim`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -73,12 +75,14 @@ from elasticzero.agent.handoff import (
 from elasticzero.agent.hang import HangWatch
 from elasticzero.agent.health import HealthFile
 from elasticzero.agent.liveness import Liveness, PeerPlan
-from elasticzero.agent.peers import PeerWatch, StoreLostError
+from elasticzero.agent.peers import PeerWatch, StoreLostError, bounded_call, drop_nodes
 from elasticzero.agent.proctree import descendants, kill_now, processes_with_env
 from elasticzero.agent.progress import NO_HANG, HangPlan
 from elasticzero.agent.stopsignals import StopSignals
+from elasticzero.agent.suspicion import ask_line, reported
 from elasticzero.agent.tick import (
     Action,
+    AskPeers,
     Continue,
     Facts,
     Halt,
@@ -89,6 +93,7 @@ from elasticzero.agent.tick import (
     ReportFailure,
     RoundView,
     Stop,
+    Suspicion,
     Workers,
     decide,
     leaving_is_membership_change,
@@ -209,7 +214,8 @@ class ElasticZeroAgent(LocalElasticAgent):
     def _watch_round(self, worker_group: WorkerGroup) -> None:
         """A peer watch over the round just formed, and the health file: this round's ranks, the running pids."""
         if self._peer_plan is not None:
-            self._peers = PeerWatch.for_round(worker_group.spec.rdzv_handler, self._peer_plan)
+            store = self._store if self._rounds is not None else None  # live mode: a failed collective's asks
+            self._peers = PeerWatch.for_round(worker_group.spec.rdzv_handler, self._peer_plan, store)
         self._health.write(
             "running",
             worker_pids=self._worker_pids,
@@ -271,9 +277,20 @@ class ElasticZeroAgent(LocalElasticAgent):
             return Facts(Workers.HEALTHY, live, remaining, liveness=liveness, peers=plan)
         closed, job_failed = self._closed(worker_group)
         lost = bool(liveness.gone) and not liveness.self_gone and not closed
-        changing = self._change_mark() if lost else None  # did a leaver announce the change?
+        suspicion = self._suspicion(worker_group)
+        # did a leaver announce the change? (a lost peer's, or a failed collective's: a peer's hand-off closes it)
+        changing = self._change_mark() if lost or (suspicion.reported and suspicion.asker is None) else None
         marks, hang = RoundView(changing, job_failed), self._hang.look(worker_group)
-        return Facts(Workers.HEALTHY, live, remaining, marks, liveness=liveness, closed=closed, hang=hang, peers=plan)
+        return Facts(
+            Workers.HEALTHY, live, remaining, marks, liveness=liveness, closed=closed, hang=hang, peers=plan,
+            suspicion=suspicion,
+        )  # fmt: skip
+
+    def _suspicion(self, worker_group: WorkerGroup) -> Suspicion:
+        """Live mode: whether a local worker's collective failed in the current round, and the round's ask."""
+        if self._rounds is None or self._peers is None:
+            return Suspicion()
+        return self._peers.suspicion(reported(self._hang.records(worker_group), self._rounds.last))
 
     def _closed(self, worker_group: WorkerGroup) -> tuple[bool, str | None]:
         """Whether another node closed the rendezvous (it gave up: restarts exhausted), and the job-failed mark.
@@ -315,15 +332,48 @@ class ElasticZeroAgent(LocalElasticAgent):
             case KillHung(hang=hang):
                 self._hang.stop(hang)
                 return result
+            case AskPeers():
+                self._ask()
+                return result
             case HandOff() | Reform():
                 self._change_round(action, worker_group)
                 return RunResult(state=WorkerState.HEALTHY)
+
+    def _ask(self) -> None:
+        """Ask the round's nodes whether they are alive (a local worker's collective failed); bounded by the peer
+        timeout — a store that does not answer is left to the peer watch (its silence is found there)."""
+        peers = self._peers
+        if peers is None:
+            return
+        try:
+            asker = bounded_call(peers.ask, peers.plan.timeout_s, _store_silent)
+        except Exception as exc:
+            logger.warning("could not ask the round's nodes after a failed collective: %s", exc)
+            return
+        if asker == peers.this_node:
+            print(f"elasticzero-run: {ask_line(peers.round_nodes)}", file=sys.stderr, flush=True)
+
+    def _settle_ask(self, action: HandOff) -> None:
+        """Before a hand-off on an ask: this node's answer, or the silent nodes dropped from the rendezvous."""
+        peers = self._peers
+        if peers is None:
+            return
+        try:
+            if action.answer:
+                bounded_call(peers.answer, peers.plan.timeout_s, _store_silent)
+            if action.drop:
+                handler = self._worker_group.spec.rdzv_handler
+                drop = functools.partial(drop_nodes, handler, action.drop, peers.this_node)
+                bounded_call(drop, peers.plan.timeout_s, _store_silent)
+        except Exception as exc:  # the heartbeats still drop a dead node, at the peer timeout
+            logger.warning("could not settle the ask in the rendezvous store: %s", exc)
 
     def _change_round(self, action: HandOff | Reform, worker_group: WorkerGroup) -> None:
         """A membership change: the mark first (the others' workers may die of it), then the hand-off or re-form."""
         if action.mark is not None:
             self._mark_round_changing(action.mark)
         if isinstance(action, HandOff):
+            self._settle_ask(action)
             self._hand_off(worker_group, action.why)
             return
         print(f"elasticzero-run: {action.line}", file=sys.stderr, flush=True)
@@ -504,6 +554,10 @@ class ElasticZeroAgent(LocalElasticAgent):
             kill_now(leftovers)
         self._worker_pids = []
         self._health.write("stopped")
+
+
+def _store_silent(waited_s: float) -> TimeoutError:
+    return TimeoutError(f"the rendezvous store did not answer within {waited_s:.1f} s")
 
 
 def round_facts(worker_group: WorkerGroup) -> RoundFacts:

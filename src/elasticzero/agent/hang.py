@@ -21,7 +21,7 @@ import psutil
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 
 from elasticzero.agent.progress import Hang, HangPlan, Observed, Watch, observe, stopping, timeout_source, verdict
-from elasticzero.progress import STACKS_SIGNAL, read_record
+from elasticzero.progress import STACKS_SIGNAL, ProgressRecord, read_record
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,11 @@ class HangWatch:
         workers = [self._observed(w.global_rank, w.local_rank, w.id) for w in group.workers if w.id is not None]
         self._watch = observe(self._watch, workers, now)
         return verdict(self._watch, workers, now, self.plan)
+
+    def records(self, group: WorkerGroup) -> list[ProgressRecord | None]:
+        """The local workers' records as they are now (none without records: hang detection off)."""
+        paths = [self.plan.record_file(w.local_rank) for w in group.workers]
+        return [read_record(p) for p in paths if p is not None]
 
     def close(self) -> None:
         """Remove the records' directory (the agent is done)."""

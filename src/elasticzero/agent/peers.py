@@ -6,6 +6,10 @@ fresh each time, not through the state holder's one-second cache, so a frozen no
 not up to a second later. The read runs in a daemon thread and
 the monitor loop never waits for it: a store that does not answer (c10d: its host is frozen, and torch's keep-alive
 thread holds the lock while it waits) shows as a growing ``store_wait_s`` instead of a blocked agent.
+
+The same read looks for a failed collective's ask in the rendezvous round's store (:mod:`elasticzero.agent.suspicion`):
+who asked, and — while this node is the asker — which nodes answered. :func:`drop_nodes` is the ask's one write to
+torch's state: the silent nodes' heartbeats expired, in one compare-and-set.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, 
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from elasticzero.agent.liveness import Liveness, PeerPlan, Snapshot, judge, store_lost_line
+from elasticzero.agent.suspicion import ASK_KEY, Asked, answer_key, ask_timeout_s, expire, may_drop
+from elasticzero.agent.tick import Suspicion
 
 #: etcd: seconds between two reads of the state (one small range request per agent each); c10d reads every monitor
 #: tick, since the read is also the probe that keeps the tick from blocking on a store whose host froze
@@ -56,14 +62,19 @@ class _Read:
     beats: dict[str, float] | None = None
     at: float = 0.0  #: POSIX time of the read
     closed: bool = False  #: the rendezvous is closed (a node gave up, or the job finished)
+    asker: str | None = None  #: the node that asked in this rendezvous round (None: nobody, or no store to ask in)
+    answered: frozenset[str] = frozenset()  #: the nodes that answered this node's ask
 
 
 class PeerWatch:
     """Watches the participants of one round (built after each rendezvous; :meth:`check` every monitor tick)."""
 
-    def __init__(self, handler: Any, plan: PeerPlan) -> None:
+    def __init__(self, handler: Any, plan: PeerPlan, store: Any = None) -> None:
         self._handler = handler
         self.plan = plan
+        self._store = store  #: the rendezvous round's store, where asks and answers live (None: no asks)
+        self._asked_at: float | None = None  #: when this node asked (monotonic)
+        self._ask: tuple[str | None, frozenset[str]] = (None, frozenset())  #: the last answered read's asker, answers
         #: the store lives in a peer's agent (c10d), not in this process: its silence is that peer's
         self.store_is_a_peer = plan.store_in_agent is not None and not hosts_store(plan.store_in_agent)
         self.this_node = repr(handler._this_node)
@@ -78,13 +89,14 @@ class PeerWatch:
         self.closed: bool | None = None
 
     @classmethod
-    def for_round(cls, handler: Any, plan: PeerPlan) -> PeerWatch | None:
-        """A watch over ``handler``'s current round; ``None`` for a handler without torch's heartbeats (static)."""
+    def for_round(cls, handler: Any, plan: PeerPlan, store: Any = None) -> PeerWatch | None:
+        """A watch over ``handler``'s current round (``store``: the round's, for asks); ``None`` for a handler without
+        torch's heartbeats (static)."""
         if not all(hasattr(handler, a) for a in ("_this_node", "_state_holder", "_heartbeat_lock")):
             return None
         if not hasattr(handler._state_holder, "_backend"):
             return None
-        return cls(handler, plan)
+        return cls(handler, plan, store)
 
     def _participants(self) -> frozenset[str]:
         """The round's participants, as the rendezvous that just completed left them in the state holder."""
@@ -113,19 +125,72 @@ class PeerWatch:
             if read.beats is not None:
                 self._beats, self._read_at, self._unanswered_since = read.beats, read.at, None
                 self.closed = read.closed
+                self._ask = (read.asker, read.answered)
         wait = 0.0 if self._unanswered_since is None else now() - self._unanswered_since
         snap = Snapshot(self.this_node, self.round_nodes, self._beats, self._read_at, wait)
         return judge(snap, self.plan.timeout_s, self.store_is_a_peer)
+
+    def suspicion(self, reported: bool, now: Callable[[], float] = time.monotonic) -> Suspicion:
+        """The ask's state as the last answered read saw it, with ``reported`` (a local worker's failed collective)."""
+        asker, answered = self._ask
+        mine = self._asked_at is not None and asker == self.this_node
+        asked = Asked(answered, now() - self._asked_at) if mine and self._asked_at is not None else None
+        timeout = ask_timeout_s(self.plan.store_in_agent)
+        return Suspicion(reported, asker, self.this_node, self.round_nodes, asked, timeout)
+
+    def ask(self, now: Callable[[], float] = time.monotonic) -> str | None:
+        """Ask the round's nodes (first asker wins); the asker now (this node, or who asked first), None: no store."""
+        if self._store is None:
+            return None
+        won = self._store.compare_set(ASK_KEY, "", self.this_node).decode(errors="replace")
+        if won == self.this_node and self._asked_at is None:  # asked again before a read saw it: the first counts
+            self._asked_at = now()
+        return won
+
+    def answer(self) -> None:
+        """Answer another node's ask: this node is alive."""
+        if self._store is not None:
+            self._store.set(answer_key(self.this_node), "1")
 
     def _start_read(self, t: float) -> None:
         self._read, self._next_read = _Read(), t + READ_PERIOD_S
         if self._unanswered_since is None:
             self._unanswered_since = t
-        args = (self._handler, self._read)
+        others = self.round_nodes - {self.this_node} if self._asked_at is not None else frozenset()
+        args = (self._handler, self._read, self._store, others)
         threading.Thread(target=_read_state, args=args, name="elasticzero-peer-read", daemon=True).start()
 
 
-def _read_state(handler: Any, read: _Read) -> None:
+def _read_ask(store: Any, read: _Read, others: frozenset[str]) -> None:
+    """Who asked in the round's store, and which of ``others`` answered (this node's ask); nothing without a store."""
+    if store is None or not store.check([ASK_KEY]):
+        return
+    read.asker = store.get(ASK_KEY).decode(errors="replace")
+    read.answered = frozenset(n for n in others if store.check([answer_key(n)]))
+
+
+def drop_nodes(handler: Any, nodes: tuple[str, ...], this_node: str, tries: int = 5) -> bool:
+    """Expire ``nodes``' heartbeats in torch's rendezvous state (:func:`~elasticzero.agent.suspicion.expire`), one
+    compare-and-set on its backend under the handler's heartbeat lock, retried on a concurrent write; whether it
+    landed. Only a participant drops others (:func:`~elasticzero.agent.suspicion.may_drop`): a node that was itself
+    dropped meanwhile (frozen, then resumed into a stale view) drops nobody. False also when the nodes were gone
+    already, or the state kept changing."""
+    backend = handler._state_holder._backend
+    with handler._heartbeat_lock:
+        for _ in range(tries):
+            fetched = backend.get_state()
+            if fetched is None:
+                return False
+            state = pickle.loads(fetched[0])  # the state torch itself pickled there
+            if not may_drop(state, this_node) or not expire(state, nodes):
+                return False
+            result = backend.set_state(pickle.dumps(state), fetched[1])
+            if result is not None and result[2]:
+                return True
+    return False
+
+
+def _read_state(handler: Any, read: _Read, store: Any = None, others: frozenset[str] = frozenset()) -> None:
     """In a daemon thread: fetch the rendezvous state from its backend and note each node's last heartbeat."""
     try:
         with handler._heartbeat_lock:
@@ -135,6 +200,7 @@ def _read_state(handler: Any, read: _Read) -> None:
         beats = state.last_heartbeats if state is not None else {}
         read.closed = bool(state is not None and state.closed)
         read.beats = {repr(node): beat.timestamp() for node, beat in beats.items()}
+        _read_ask(store, read, others)
     except Exception:  # a store error is no answer: the store's silence keeps growing
         pass
     finally:

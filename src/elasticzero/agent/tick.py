@@ -4,9 +4,10 @@ torch's ``dynamic_rendezvous.py`` shape (``_RendezvousJoinOp`` returns an action
 overrides of :class:`~elasticzero.agent.agent.ElasticZeroAgent` that torch's run loop calls each tick gather what
 they read into one frozen :class:`Facts` — torch's verdict on the workers, the round's marks in the rendezvous store,
 the peer-liveness verdict (:mod:`~elasticzero.agent.liveness`), whether the rendezvous is closed, the hang verdict
-(:mod:`~elasticzero.agent.progress`), whether torch's loop found nodes waiting to join — call :func:`decide`, and
-carry out the one :data:`Action` it returns. A membership change names its kind (:class:`Change`): a peer lost, a
-peer waiting to join, this node dropped.
+(:mod:`~elasticzero.agent.progress`), whether torch's loop found nodes waiting to join, the state of an ask after a
+failed collective (:mod:`~elasticzero.agent.suspicion`) — call :func:`decide`, and carry out the one :data:`Action` it
+returns. A membership change names its kind (:class:`Change`): a peer lost, a peer waiting to join, this node
+dropped, a peer crashed, a connection lost with every node alive, another node's ask.
 
 The rules (docs/agent.md, "Membership changes are not failures", "Peer liveness", "Live recovery"):
 
@@ -19,6 +20,11 @@ The rules (docs/agent.md, "Membership changes are not failures", "Peer liveness"
   hear of is marked first (``mark``) — except a peer lost in a round another node already marked (a node leaving on a
   signal whose heartbeats stop before this node's workers die of its stop): that node's change, joined without a
   mark of this node's over it; then a hung worker is stopped (:class:`KillHung`: it fails the next tick).
+* in live mode, between a peer found gone by its heartbeat and nodes waiting to join: a failed collective's ask
+  (:mod:`~elasticzero.agent.suspicion`). A local worker reported one, nobody asked yet and no node marked the round as
+  changing (a peer handing its workers a new round closes the old group's connections): ask (:class:`AskPeers`);
+  another node asked: answer and hand off at once; this node asked: wait for the verdict, then hand off — dropping
+  the silent nodes from the rendezvous first (``drop``), or with everyone when all answered.
 """
 
 from __future__ import annotations
@@ -28,6 +34,15 @@ from enum import Enum
 
 from elasticzero.agent.liveness import Liveness, PeerPlan, dropped_line, gone_line, gone_reason, store_lost_line
 from elasticzero.agent.progress import Hang
+from elasticzero.agent.suspicion import (
+    AllAnswered,
+    Asked,
+    Silent,
+    answered_reason,
+    ask_verdict,
+    asked_reason,
+    silent_reason,
+)
 
 #: why a node with healthy workers changes the round when torch's loop saw nodes waiting to join; logged and marked
 MEMBERSHIP_RESTART = "restarting its workers for nodes waiting to join"
@@ -43,6 +58,9 @@ class Change(Enum):
     PEER_LOST = "peer lost"  #: a participant of the round went silent past the peer timeout, or left the state
     PEER_WAITING = "peer waiting to join"  #: torch's loop found nodes waiting to join (its restart hook)
     NODE_DROPPED = "this node dropped"  #: this node was silent past the timeout (frozen, cut off): the others went on
+    PEER_CRASHED = "peer crashed"  #: a collective failed and a participant did not answer the ask: dropped
+    CONNECTION_LOST = "connection lost"  #: a collective failed but every participant answered: re-formed with all
+    PEER_ASKED = "asked by a peer"  #: another node's collective failed and it asked this node: the round re-forms
 
 
 class Workers(Enum):
@@ -70,6 +88,18 @@ class RoundView:
 
 
 @dataclass(frozen=True)
+class Suspicion:
+    """A failed collective's ask in the current rendezvous round (:mod:`~elasticzero.agent.suspicion`)."""
+
+    reported: bool = False  #: a local worker's collective failed on a lost peer's error in the current live round
+    asker: str | None = None  #: the node that asked (the ask key's value); None: nobody asked
+    this_node: str = ""
+    round_nodes: frozenset[str] = frozenset()  #: the round's participants
+    asked: Asked | None = None  #: this node's ask as its peer read saw it (the asker only)
+    timeout_s: float = 0.0  #: how long an ask waits for answers
+
+
+@dataclass(frozen=True)
 class Facts:
     """What one tick (or torch's restart hook) read, as plain values."""
 
@@ -83,6 +113,7 @@ class Facts:
     closed: bool = False  #: the rendezvous is closed (another node gave up, or the job finished)
     hang: Hang | None = None  #: a hung local worker
     peers: PeerPlan | None = None  #: the peer timeout the liveness verdict used (for the lines)
+    suspicion: Suspicion = Suspicion()  #: live mode: a failed collective's ask
 
 
 @dataclass(frozen=True)
@@ -111,6 +142,8 @@ class HandOff:
     change: Change
     mark: str | None  #: the round-change mark to set first (None: none)
     why: str  #: the cause, in the hand-off's line
+    drop: tuple[str, ...] = ()  #: nodes to drop from the rendezvous first (their heartbeats expired): a crash
+    answer: bool = False  #: answer another node's ask first
 
 
 @dataclass(frozen=True)
@@ -137,7 +170,12 @@ class KillHung:
     hang: Hang
 
 
-Action = Continue | ReportFailure | Rejoin | HandOff | Reform | Stop | KillHung
+@dataclass(frozen=True)
+class AskPeers:
+    """A local worker's collective failed on a lost peer's error: ask the round's nodes whether they are alive."""
+
+
+Action = Continue | ReportFailure | Rejoin | HandOff | Reform | Stop | KillHung | AskPeers
 
 
 def decide(facts: Facts) -> Action:
@@ -150,9 +188,30 @@ def decide(facts: Facts) -> Action:
     if stop is not None:
         return stop
     change = change_of(facts)
+    if change in (Change.NODE_DROPPED, Change.PEER_LOST):
+        return _change(change, facts)  # the heartbeats decided already
+    asking = _suspected(facts) if facts.live else None
+    if asking is not None:
+        return asking
     if change is not None:
         return _change(change, facts)
     return KillHung(facts.hang) if facts.hang is not None else Continue()
+
+
+def _suspected(facts: Facts) -> Action | None:
+    """A failed collective's ask (see the module): ask, answer, wait for the verdict, or hand off on it."""
+    s = facts.suspicion
+    if s.asker is None:  # a round another node marked as changing explains the failure: its change comes (no ask)
+        return AskPeers() if s.reported and facts.marks.changing is None else None
+    if s.asker != s.this_node:
+        return HandOff(Change.PEER_ASKED, None, asked_reason(s.asker), answer=True)
+    verdict = ask_verdict(s.round_nodes, s.this_node, s.asked, s.timeout_s) if s.asked is not None else None
+    if isinstance(verdict, Silent):
+        why = silent_reason(verdict.nodes, s.timeout_s)
+        return HandOff(Change.PEER_CRASHED, why, why, drop=verdict.nodes)
+    if isinstance(verdict, AllAnswered):
+        return HandOff(Change.CONNECTION_LOST, answered_reason(), answered_reason())
+    return Continue()  # waiting for the answers (a fraction of a second)
 
 
 def _failed(facts: Facts) -> Action:

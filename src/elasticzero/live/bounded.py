@@ -139,8 +139,10 @@ class BoundedWait:
 
     def after_failure(self, err: BaseException) -> None:
         """A collective failed (a peer's sockets closed; at its wait, or already when it was issued): the agent's
-        round is expected. Raise :class:`Reconfigure` (from ``err``) if it comes within ``failure_grace_s``, else
-        ``err``."""
+        round is expected. The worker's progress record says so first: its agent asks the round's nodes at once
+        (:mod:`elasticzero.agent.suspicion`), so a crash costs no heartbeat timeout. Raise :class:`Reconfigure` (from
+        ``err``) if the round comes within ``failure_grace_s``, else ``err``."""
+        reporter().peer_failed()
         deadline = time.monotonic() + self.failure_grace_s
         while time.monotonic() < deadline:
             try:

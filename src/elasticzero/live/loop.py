@@ -503,7 +503,7 @@ class LiveTraining(_Rounds):
         """Form ``round_``'s group, build at its world, fill it, position the sampler (the module's steps 1-5); the
         same code for a survivor (``holdings`` its own) and a fresh process (``Holdings()``). Returns the round's
         value and whether the step in flight was counted done."""
-        reporter().entered_round()  # the hang watch: no step in this round yet (watched again from its first)
+        reporter().entered_round(round_.number)  # the hang watch: no step in this round yet; no failed collective
         aborted = False
         if old is not None and old.watch is not None:
             old.watch.close()

@@ -117,13 +117,15 @@ def job(tmp: Path, case: Case, name: str, steps: int) -> list[str]:
     return [*args, "--save-every", str(SAVE), "--checkpoint-dir", str(tmp / f"{name}-ckpt")]
 
 
-def start_node(cluster: Cluster, case: Case, endpoint: str, steps: int = STEPS, max_restarts: int = 0) -> Agent:
+def start_node(
+    cluster: Cluster, case: Case, endpoint: str, steps: int = STEPS, max_restarts: int = 0, extra: tuple[str, ...] = ()
+) -> Agent:
     tmp, i = cluster.tmp, len(cluster.agents)
     agent = [str(ELASTICZERO_RUN), "--nnodes", "1:3", "--nproc-per-node", "1", "--rdzv-backend", case.backend]
     agent += ["--rdzv-endpoint", endpoint, "--rdzv-id", cluster.job_id, "--rdzv-conf", FAST_RDZV]
     agent += ["--max-restarts", str(max_restarts), "--monitor-interval", "0.2", "--live-recovery"]
     agent += ["--health-file", str(tmp / f"health{i}.json")]
-    hooks = ["--record-samples", str(tmp / "record.jsonl"), "--hold-file", str(tmp / "hold")]
+    hooks = ["--record-samples", str(tmp / "record.jsonl"), "--hold-file", str(tmp / "hold"), *extra]
     return cluster.start([*agent, str(DRIVER), *job(tmp, case, "live", steps), *hooks])
 
 
@@ -283,6 +285,8 @@ def test_live_recovery_keeps_the_survivor_through_kill_join_and_freeze(
     print(f"kill: the survivor (pid {first['pid']}) committed step {first['step']} at world 1 {took:.2f} s after it")
     assert first["pid"] == survivor and first["step"] == 4  # the same process, at the next step
     assert took < RETRAIN_S, took
+    # found by its symptom (the step's collective failed on the closed connection), not by the heartbeat's timeout
+    assert "did not answer within" in n0.output() and "silent for more than the peer timeout" not in n0.output()
 
     # 2. a node joins at step 6: the job grows back to world 2 in the same survivor process
     wait_for(lambda: at(cluster, 6, 1), WAIT, "step 6 at world 1", cluster.agents)
@@ -323,6 +327,36 @@ def test_live_recovery_keeps_the_survivor_through_kill_join_and_freeze(
     check_final_parameters(cluster, case, reference, STEPS)
     assert cluster.leftovers() == []
     print(f"{case}: {time.monotonic() - t0:.1f} s")
+
+
+CUT_STEPS, CUT_AT = 7, 4
+
+
+def test_a_dropped_connection_between_live_nodes_drops_no_node(cluster: Cluster) -> None:
+    """Rank 1's worker shuts down its connections to rank 0's worker before step ``CUT_AT``: the step's collective fails
+    on both nodes — a crash's symptom, with both nodes alive. The agents ask before they drop anyone
+    (``agent/suspicion.py``): both answer, the round re-forms with both, and the job trains on at world 2 in the same
+    two processes, every step once, the cut step redone in the new round."""
+    case, endpoint = Case("c10d", 2, "fp32"), f"127.0.0.1:{free_port()}"
+    cut = ("--cut-at", str(CUT_AT), "--cut-rank", "1")
+    hold_at(cluster, 0)
+    n0 = start_node(cluster, case, endpoint, steps=CUT_STEPS, extra=cut)
+    cluster.wait_store(endpoint)
+    n1 = start_node(cluster, case, endpoint, steps=CUT_STEPS, extra=cut)
+    wait_for(lambda: in_one_round(n0, n1), WAIT, "one round of the two nodes", cluster.agents)
+    hold_at(cluster, CUT_AT - 1)
+    wait_for(lambda: at(cluster, CUT_AT - 1, 2), WAIT, f"step {CUT_AT - 1} at world 2", cluster.agents)
+    workers = {worker_of(cluster, n0, CUT_AT - 1, 2), worker_of(cluster, n1, CUT_AT - 1, 2)}
+    (cluster.tmp / "hold").unlink()
+    assert [finished(a.proc, "the agents' exit", cluster) for a in (n0, n1)] == [0, 0]
+    out = n0.output() + n1.output()
+    assert "train_driver: rank 1 cut" in out and "every node answered: re-forming with all of them" in out, out
+    assert "asked whether this node is alive" in out, out
+    assert "did not answer" not in out and "was dropped" not in out, out
+    recs = records(cluster)
+    assert {r["pid"] for r in recs} == workers and {r["world"] for r in recs} == {2}
+    check_exactly_once(recs, range(1, CUT_STEPS + 1), cluster.tmp)
+    assert cluster.leftovers() == []
 
 
 def test_two_buddies_lost_at_once_fall_back_to_the_disk_checkpoint(cluster: Cluster) -> None:

@@ -14,6 +14,9 @@ one), with the example's flags and:
 - ``--hang-at N --hang-rank R``: in an attempt that started from step 0, rank R stops making progress before step N
   (after the hold): it writes the wall-clock instant to ``<--record-samples>.hang`` and sleeps for good, while its
   peers go on into step N's collectives. The hang tests' hung worker;
+- ``--cut-at N --cut-rank R``: live, once per process: before step N (after the hold) rank R shuts down its TCP
+  connections to its peers' workers (every established socket but the round store's) and steps on: a dropped
+  connection between live nodes, which fails the step's collective on both sides;
 - ``--freeze-file FILE``: when FILE holds ``STEP RANK``, rank RANK stops itself (SIGSTOP) inside the checkpoint save of
   step STEP — rank 0 right before its commit, any other rank right before it writes its files — after renaming FILE
   to ``FILE.fired`` (once). A test then freezes the rest of that node and resumes it later (fencing).
@@ -52,6 +55,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hang-at", type=int, help="rank --hang-rank sleeps for good before this step (first attempt)")
     p.add_argument("--hang-rank", type=int, default=0, help="the rank --hang-at hangs (default 0)")
     p.add_argument("--freeze-file", type=Path, help="'STEP RANK': that rank SIGSTOPs itself in that step's save")
+    p.add_argument("--cut-at", type=int, help="live: rank --cut-rank drops its peer connections before this step")
+    p.add_argument("--cut-rank", type=int, default=0, help="the rank --cut-at cuts (default 0)")
     return p
 
 
@@ -61,6 +66,7 @@ class Driven(Hooks):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, self.started_at = args, process_start()  # this worker process's start (wall clock)
         self.attempt, self.loaded, self.reported = 0, 0.0, 0
+        self.cut = False  # --cut-at done in this process
 
     def started(self, training: Training) -> None:
         self.loaded = time.time()
@@ -77,9 +83,19 @@ class Driven(Hooks):
             # only while held, the step after the hold could run at the old world: 1 run of test_live_e2e in 10)
             attempt.check()
             if not held(path, training.step):
-                return
+                break
             elasticzero.heartbeat()
             time.sleep(0.05)
+        self.maybe_cut(training)
+
+    def maybe_cut(self, training: Training) -> None:
+        """``--cut-at``: the chosen rank shuts down its connections to the peers' workers (once per process)."""
+        a = self.args
+        if self.cut or not training.live or a.cut_at != training.step + 1 or a.cut_rank != training.rank:
+            return
+        self.cut = True
+        cut = cut_peer_connections(round_store_port())
+        print(f"train_driver: rank {training.rank} cut {cut} peer connection(s) before step {a.cut_at}", flush=True)
 
     def before_step(self, training: Training, attempt: Any) -> None:
         """Plain: the hold after the last commit's checkpoint, then the hang."""
@@ -129,6 +145,31 @@ class Driven(Hooks):
         self.reported, event = len(events), events[-1]
         wall = time.time() - time.monotonic()
         return {"entered": {"round": event.round.number, "left": event.left_at + wall, "ready": event.ready_at + wall}}
+
+
+def round_store_port() -> int:
+    """The port of the store of the round this worker is in (its connections to it are kept)."""
+    from elasticzero.rounds import ROUND_FILE_ENV, NodeRound, RoundFile
+
+    found = RoundFile(os.environ[ROUND_FILE_ENV]).poll(-1)
+    assert isinstance(found, NodeRound), found
+    return found.store.port
+
+
+def cut_peer_connections(store_port: int) -> int:
+    """Shut down (both directions) every established TCP connection of this process but those to or of the store at
+    ``store_port``: the process group's connections to the peers' workers. How many."""
+    import socket
+
+    cut = 0
+    for conn in psutil.Process().net_connections(kind="tcp"):
+        ports = {conn.laddr.port if conn.laddr else 0, conn.raddr.port if conn.raddr else 0}
+        if conn.status != psutil.CONN_ESTABLISHED or store_port in ports or conn.fd < 0:
+            continue
+        with socket.socket(fileno=os.dup(conn.fd)) as sock:
+            sock.shutdown(socket.SHUT_RDWR)  # acts on the connection itself, not only this descriptor
+        cut += 1
+    return cut
 
 
 def process_start() -> float:

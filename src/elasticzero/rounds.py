@@ -18,8 +18,12 @@ The steps of one round:
 3. **read** (each worker, between steps and while a collective waits): :class:`RoundFile` (thin I/O: one ``stat``
    per poll when unchanged) and :func:`decide_node` (pure) over the bytes read: nothing new, a newer round, or a
    :class:`RoundError` — errors as data, never an exception from the reader;
-4. **arrive** (each member, on ``PrefixStore(round.prefix, TCPStore(round.store))``): it sets its
-   :func:`arrival_key` and waits for every member's before it forms the round's default group.
+4. **ready** (each member, on ``PrefixStore(round.prefix, TCPStore(round.store))``): it sets its :func:`ready_key`
+   — a member of the old round as soon as it read the new one, a fresh process (a joiner's worker) once it started
+   and reached the round's formation — and a member of the old round goes on training there until every member's
+   key is set: a join pauses nobody while the joiner's interpreter, torch and script start;
+5. **arrive** (each member, on the same store): it sets its :func:`arrival_key` and waits for every member's before
+   it forms the round's default group.
 """
 
 from __future__ import annotations
@@ -66,6 +70,11 @@ def next_round_number(lasts: Sequence[int | None]) -> int:
 def round_prefix(number: int) -> str:
     """write: the store prefix of round ``number`` (unique per round within the job's store)."""
     return f"{ROUND_PREFIX}{number}/"
+
+
+def ready_key(rank: int) -> str:
+    """ready: the key a member sets under the round's prefix once it can switch to the round."""
+    return f"ready/{rank}"
 
 
 def arrival_key(rank: int) -> str:

@@ -16,6 +16,11 @@ communicator: a kernel stuck on a lost peer is torn down, where ``shutdown`` alo
 abandoned group (and every store) referenced for the life of the process — the object that owns the rounds owns them,
 no module state.
 
+Switching is gated (:meth:`RoundGroups.ready`, the round protocol's *ready* step): a member of the old round reads
+the new round, says it is ready under the new round's prefix and keeps training in the old group until every member
+said so — a joiner's worker says so once it started and reached the round's formation. A join then pauses the old
+members for the formation, build and reshard alone, not for the joiner's cold start.
+
 Forming is leavable: ``init_process_group`` waits for every member without a bound but the group's timeout (minutes),
 so a member lost before it arrives — a joiner killed while its interpreter starts, a node frozen between two rounds —
 would hold the others there. :meth:`RoundGroups.form` first connects to the round's store once it listens
@@ -40,7 +45,7 @@ import torch.distributed as dist
 
 from elasticzero.device import Placement
 from elasticzero.live.bounded import LiveError
-from elasticzero.rounds import NodeRound, arrival_key
+from elasticzero.rounds import NodeRound, arrival_key, ready_key
 
 #: the store's wait bound when the round gives no timeout (torch's TCPStore default)
 _STORE_TIMEOUT = timedelta(minutes=5)
@@ -159,6 +164,7 @@ class RoundGroups:
         self.current: Any = None  #: the default group this object formed last (None before the first)
         self.abandoned: list[Any] = []  #: every group left, never released (see the module)
         self._stores: dict[tuple[str, int], Any] = {}  #: one client (or server) per store address, reused
+        self._lock = threading.Lock()  #: the stores are reached from a round watch's thread too (NCCL)
 
     def form(self, spec: GroupSpec, *, aborted: bool = False, check: Check = lambda: None) -> Any:
         """Leave the current group (``aborted``: a :class:`RoundWatch` already aborted it), form ``spec``'s once
@@ -166,6 +172,7 @@ class RoundGroups:
         default group."""
         self.abandon(aborted=aborted)
         store = dist.PrefixStore(spec.prefix, self._store(spec, check))
+        store.set(ready_key(spec.rank), "1")  # a fresh process: it started (a member of the old round said so already)
         arrive(store, spec.rank, spec.world_size, check)
         dist.init_process_group(store=store, **init_args(spec))
         self.current = dist.group.WORLD
@@ -184,31 +191,52 @@ class RoundGroups:
             else:
                 dist.destroy_process_group(pg)
 
+    def ready(self, spec: GroupSpec) -> bool:
+        """Say this member is ready to switch to ``spec``'s round, and whether every member is (see the module); never
+        waits for a store that is not listening yet (its host, the round's new rank 0, may be a joiner starting)."""
+        store = self._store_now(spec)
+        if store is None:
+            return False
+        prefixed = dist.PrefixStore(spec.prefix, store)
+        prefixed.set(ready_key(spec.rank), "1")
+        return bool(prefixed.check([ready_key(r) for r in range(spec.world_size)]))
+
     def _store(self, spec: GroupSpec, check: Check) -> Any:
         """The store at ``spec``'s address: the one this process already has there, else a new client (or server,
         when the round's new rank 0 hosts it); a client connects in tries of :data:`_CONNECT_TRY`, ``check`` between
         two (the host may be a joiner still starting, or lost)."""
+        while (store := self._store_now(spec)) is None:
+            check()
+            time.sleep(_ARRIVAL_POLL_S)
+        return store
+
+    def _store_now(self, spec: GroupSpec) -> Any:
+        """The store at ``spec``'s address if this process has it or can have it at once (served here, or one try of
+        a client at a port that listens), else None."""
         key = (spec.host, spec.port)
-        if key not in self._stores:
-            limit = spec.timeout if spec.timeout is not None else _STORE_TIMEOUT
-            self._stores[key] = self._connect(spec, check) if not spec.store_master else self._serve(spec, limit)
-            self._stores[key].set_timeout(limit)
-        return self._stores[key]
+        with self._lock:
+            if key not in self._stores:
+                limit = spec.timeout if spec.timeout is not None else _STORE_TIMEOUT
+                store = self._serve(spec, limit) if spec.store_master else _try_connect(spec)
+                if store is None:
+                    return None
+                store.set_timeout(limit)
+                self._stores[key] = store
+            return self._stores[key]
 
     @staticmethod
     def _serve(spec: GroupSpec, limit: timedelta) -> Any:
         return dist.TCPStore(spec.host, spec.port, is_master=True, timeout=limit, wait_for_workers=False)
 
-    @staticmethod
-    def _connect(spec: GroupSpec, check: Check) -> Any:
-        while True:
-            if listening(spec.host, spec.port):
-                try:
-                    return dist.TCPStore(spec.host, spec.port, is_master=False, timeout=_CONNECT_TRY)
-                except RuntimeError:  # DistNetworkError / DistStoreError: gone between the probe and the client
-                    pass
-            check()
-            time.sleep(_ARRIVAL_POLL_S)
+
+def _try_connect(spec: GroupSpec) -> Any:
+    """One try of a client of ``spec``'s store (None: nothing listens there, or it went away meanwhile)."""
+    if not listening(spec.host, spec.port):
+        return None
+    try:
+        return dist.TCPStore(spec.host, spec.port, is_master=False, timeout=_CONNECT_TRY)
+    except RuntimeError:  # DistNetworkError / DistStoreError: gone between the probe and the client
+        return None
 
 
 def listening(host: str, port: int) -> bool:

@@ -545,14 +545,24 @@ class LiveTraining(_Rounds):
         return RoundState(round_, bound, watch, built, opt, copies, sampler, at.step), caught_up
 
     def _watch(self, round_: NodeRound, group: Any) -> RoundWatch | None:
-        """Under NCCL (:func:`aborts_on_announce`), a watch that aborts ``group`` once a newer round is announced."""
+        """Under NCCL (:func:`aborts_on_announce`), a watch that aborts ``group`` once a newer round is announced and
+        every member of it is ready (:meth:`_announced`)."""
         if aborts_on_announce(str(dist.get_backend(group))):
-            poll = functools.partial(self.rounds.poll, round_.number)
-            return RoundWatch(poll, group.abort, self.poll_s)
+            return RoundWatch(functools.partial(self._announced, round_.number), group.abort, self.poll_s)
         return None
 
+    def _announced(self, number: int) -> NodeRound | RoundError | None:
+        """The round file's decision for the members of round ``number``: a newer round once every one of its members
+        is ready to switch (:meth:`RoundGroups.ready <elasticzero.live.group.RoundGroups.ready>`: meanwhile this
+        process trains on in its round — a joiner's worker is starting), at once when it does not name this process
+        (its entry fails with one line) or is no round."""
+        found = self.rounds.poll(number)
+        if not isinstance(found, NodeRound) or found.rank_of(self.local_rank) is None:
+            return found
+        return found if self.groups.ready(group_spec(found, self.local_rank, self.where, self.group_timeout)) else None
+
     def _bound(self, round_: NodeRound) -> BoundedWait:
-        poll = functools.partial(self.rounds.poll, round_.number)
+        poll = functools.partial(self._announced, round_.number)
         device = self.where.bound_device  # the helper thread's CUDA device (the build runs there)
         return BoundedWait(poll, poll_s=self.poll_s, failure_grace_s=self.failure_grace_s, device=device)
 

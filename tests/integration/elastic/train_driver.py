@@ -10,7 +10,11 @@ one), with the example's flags and:
   "The sample record");
 - ``--hold-file FILE``: before step N+1 the job waits while FILE exists and holds a number <= N — plain: after step
   N's checkpoint, collectively (a lost peer fails the job); live: before that checkpoint, each rank polling the round
-  file (a membership change during the hold is taken at once). A test holds the job at a known step this way;
+  file (a membership change during the hold is taken once every member of the new round is ready: a joiner's worker
+  started). A test holds the job at a known step this way; live, the round a rank starts in and each round it enters
+  later are appended to ``<--record-samples>.rounds`` as it begins its first attempt there (``{"pid", "rank",
+  "world", "round", "step"}``; ``round`` null for the first), so a test can release the hold once the round it waits
+  for is entered;
 - ``--hang-at N --hang-rank R``: in an attempt that started from step 0, rank R stops making progress before step N
   (after the hold): it writes the wall-clock instant to ``<--record-samples>.hang`` and sleeps for good, while its
   peers go on into step N's collectives. The hang tests' hung worker;
@@ -67,6 +71,7 @@ class Driven(Hooks):
         self.args, self.started_at = args, process_start()  # this worker process's start (wall clock)
         self.attempt, self.loaded, self.reported = 0, 0.0, 0
         self.cut = False  # --cut-at done in this process
+        self.rounds_seen = -1  # live rounds entered (training.events) written to <record>.rounds (-1: not the first)
 
     def started(self, training: Training) -> None:
         self.loaded = time.time()
@@ -76,6 +81,7 @@ class Driven(Hooks):
     def before_save(self, training: Training, attempt: Any) -> None:
         """Live: the hold comes first in the attempt, before the last commit's checkpoint: a round change during it
         lands between a save step's commit and its save (the join race of issue 21)."""
+        self.note_rounds(training)
         path = self.args.hold_file
         while training.live and path is not None and training.step < training.total:
             # a new round: leave the hold for it. Checked before the hold is read, so also once after it ends: the
@@ -87,6 +93,17 @@ class Driven(Hooks):
             elasticzero.heartbeat()
             time.sleep(0.05)
         self.maybe_cut(training)
+
+    def note_rounds(self, training: Training) -> None:
+        """Append the rounds this process entered since the last call to ``<record>.rounds``."""
+        events, record = training.events, self.args.record_samples
+        if record is None or not training.live or len(events) == self.rounds_seen:
+            return
+        self.rounds_seen = len(events)
+        line = {"pid": os.getpid(), "rank": training.rank, "world": training.world}
+        line |= {"round": events[-1].round.number if events else None, "step": training.step}
+        with record.with_suffix(".rounds").open("a") as fh:
+            fh.write(json.dumps(line) + "\n")
 
     def maybe_cut(self, training: Training) -> None:
         """``--cut-at``: the chosen rank shuts down its connections to the peers' workers (once per process)."""

@@ -63,6 +63,24 @@ def handed(log: Path, host: str, world: int) -> int:
     return len(re.findall(line, log.read_text(), re.M))
 
 
+def rounds_of(tmp: Path) -> list[dict]:
+    """The rounds the workers started in and entered (the driver's ``<record>.rounds``), in order."""
+    path = tmp / "record.rounds"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def entered(tmp: Path, pid: int, world: int) -> int:
+    """How many rounds at ``world`` worker ``pid`` started in or entered."""
+    return sum(1 for r in rounds_of(tmp) if r["pid"] == pid and r["world"] == world)
+
+
+def in_world(tmp: Path, world: int) -> bool:
+    """``world`` workers are in a round at ``world``, each by its latest round (a worker trains on in its round until
+    every member of the new one is ready: the workers' view, not the agents')."""
+    latest = {r["pid"]: r["world"] for r in rounds_of(tmp)}
+    return sum(1 for w in latest.values() if w == world) == world
+
+
 def hold_at(tmp: Path, step: int) -> None:
     (tmp / "hold").write_text(str(step))
 
@@ -120,7 +138,7 @@ def test_a_lost_node_comes_back_live_and_the_survivor_never_restarts(tmp_path: P
         k = one_round_of_two(tmp, launcher, tail)
         survivor = next(r["pid"] for r in at(tmp, k, 2) if r["rank"] == 0)
         assert survivor in leftovers(job, tb)[hosts[0]]  # rank 0 is host 2's: the store's node survives
-        handed_before = handed(log, hosts[0], 2)
+        handed_before, entered_before = handed(log, hosts[0], 2), entered(tmp, survivor, 2)
         t_loss = time.time()
         if lost == "partition":
             with partition(tb, 1, 2):
@@ -140,10 +158,12 @@ def test_a_lost_node_comes_back_live_and_the_survivor_never_restarts(tmp_path: P
             t_back = time.time()
         print(f"{lost}: the survivor committed step {first['step']} at world 1 {first['time'] - t_loss:.2f} s after it")
         assert first["pid"] == survivor and first["step"] == k + 1, first
-        # the job holds before step k+3: the node joins during the hold (the survivor hands its worker a round at
-        # world 2), then the hold is released and step k+3 is the first at world 2
-        again = lambda: handed(log, hosts[0], 2) > handed_before  # noqa: E731
-        wait_for(again, WAIT, "the survivor handed a round at world 2 again", tail)
+        # the job holds before step k+3: the node joins during the hold (the survivor's agent hands its worker a round
+        # at world 2; the worker enters it once the joiner's worker is ready), then the hold is released and step
+        # k+3 is the first at world 2
+        again = lambda: entered(tmp, survivor, 2) > entered_before  # noqa: E731
+        wait_for(again, WAIT, "the survivor's worker in a round at world 2 again", tail)
+        assert handed(log, hosts[0], 2) > handed_before, tail()
         (tmp / "hold").unlink()
         back = wait_for_first(tmp, t_back, 2, tail)
         assert back["step"] == k + 3, back
@@ -175,16 +195,17 @@ def test_a_lost_node_comes_back_live_and_the_survivor_never_restarts(tmp_path: P
 
 
 def one_round_of_two(tmp: Path, launcher: subprocess.Popen[bytes], tail: Callable[[], str]) -> int:
-    """Hold the job step by step until a step is committed at world 2 (host 3's node may join after host 2 started
-    alone, at world 1: it then joins live, during a hold); that step, with the job holding after it."""
-    for h in range(1, STEPS - 6):
-        hold_at(tmp, h)
-        done = lambda h=h: at(tmp, h, 1) or at(tmp, h, 2) or launcher.poll() is not None  # noqa: E731
-        wait_for(done, WAIT, f"step {h}", tail)
-        assert launcher.poll() is None, tail()
-        if at(tmp, h, 2):
-            return h
-    raise AssertionError(f"no step at world 2 by step {STEPS - 7}\n{tail()}")
+    """Hold the job before step 2 until both workers are in one round at world 2 (host 3's node may join after host 2
+    started alone, at world 1: it then joins live, during the hold), then let step 2 run; 2, with the job holding
+    after it."""
+    hold_at(tmp, 1)
+    both = lambda: in_world(tmp, 2) or launcher.poll() is not None  # noqa: E731
+    wait_for(both, WAIT, "both workers in a round at world 2", tail)
+    assert launcher.poll() is None, tail()
+    hold_at(tmp, 2)
+    wait_for(lambda: at(tmp, 2, 2) or launcher.poll() is not None, WAIT, "step 2 at world 2", tail)
+    assert at(tmp, 2, 2), tail()
+    return 2
 
 
 def wait_for_first(tmp: Path, t: float, world: int, tail: Callable[[], str]) -> dict:

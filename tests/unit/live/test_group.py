@@ -158,3 +158,21 @@ def test_a_store_that_is_not_there_is_tried_until_the_check_leaves() -> None:
     with pytest.raises(Leave):
         groups.form(spec, check=leave_after(2))  # two tries of the connection, then the newer round
     assert time.monotonic() - start < 10.0 and groups.current is None and not dist.is_initialized()
+
+
+def test_a_member_switches_only_once_every_member_said_it_is_ready() -> None:
+    """The round protocol's *ready* step: a member of the old round asks each time it polls (and trains on meanwhile);
+    a store nobody serves yet (its host, the new rank 0, is a joiner still starting) is a no at once, without a
+    wait; once the joiner's store is up and it said it is ready, the member says so too and both are."""
+    port = free_port()
+    survivor = GroupSpec("gloo", 1, 2, "127.0.0.1", port, False, "r5/", None, timedelta(seconds=30))
+    joiner = GroupSpec("gloo", 0, 2, "127.0.0.1", port, True, "r5/", None, timedelta(seconds=30))
+    groups, host = RoundGroups(), RoundGroups()
+    start = time.monotonic()
+    assert not groups.ready(survivor)  # nothing listens there yet
+    assert time.monotonic() - start < 1.0 and groups._stores == {}
+    assert not host.ready(joiner)  # the joiner serves the store and said it; the survivor has not yet
+    store = dist.PrefixStore("r5/", host._stores[("127.0.0.1", port)])
+    assert store.check(["ready/0"]) and not store.check(["ready/1"])
+    assert groups.ready(survivor)  # says it, and finds the joiner's: both ready
+    assert host.ready(joiner) and store.check(["ready/0", "ready/1"])

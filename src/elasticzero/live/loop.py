@@ -476,6 +476,7 @@ class LiveTraining(_Rounds):
         the same holdings and the same start (everything the interrupted entry built is thrown away). The entered
         round's value is assigned once; a step in flight its reshard counted done is committed then, once. Returns
         the round entered."""
+        previous = old
         while True:
             bound = self._bound(round_)  # a failure from here on waits for a round newer than this one
             try:
@@ -489,6 +490,8 @@ class LiveTraining(_Rounds):
         if caught_up:
             self._commit_in_flight(start)
         self.now = value
+        if previous is not None:
+            release(previous)  # its holdings are in the new round's state now
         return round_
 
     def _commit_in_flight(self, start: Start) -> None:
@@ -525,6 +528,23 @@ class LiveTraining(_Rounds):
         build and the load are bounded like the step's waits (their collectives: the engine's broadcast of the
         module, DCP's load): a member frozen there leaves them for the agent's next round."""
         built = bound.call(lambda: self.build(group), peer_failure)
+        try:
+            return self._fill_built(round_, bound, holdings, start, group, watch, built)
+        except BaseException:
+            release_optimizer(optimizer_of(built))  # the entry is thrown away: its model and optimizer with it
+            raise
+
+    def _fill_built(
+        self,
+        round_: NodeRound,
+        bound: BoundedWait,
+        holdings: Holdings,
+        start: Start,
+        group: Any,
+        watch: Any,
+        built: Any,
+    ) -> tuple[RoundState, bool]:
+        """:meth:`_fill` once ``built`` exists (see there)."""
         opt = optimizer_of(built)
         opt.communicator = Communicator(opt.process_group, owner=type(opt).__name__, waiter=bound)
         plan = reshard_from(opt, holdings)
@@ -591,6 +611,21 @@ class Start:
 def _sampler(start: Start) -> ElasticSampler:
     assert isinstance(start.sampler, ElasticSampler), "a survivor's start is a settled round's sampler"
     return start.sampler
+
+
+def release(state: RoundState) -> None:
+    """Let go of a round left for good: its copies' hooks, and its optimizer's hooks on its model
+    (:func:`release_optimizer`) — else the old model, optimizer and copies stay alive for the life of the process."""
+    if state.copies is not None:
+        state.copies.close()
+    release_optimizer(state.opt)
+
+
+def release_optimizer(opt: Any) -> None:
+    """``opt.release()`` where it has one (a ZeRO optimizer: its hooks on the model's parameters, which autograd
+    holds in C++, out of Python's collector's sight)."""
+    if hasattr(opt, "release"):
+        opt.release()
 
 
 def caught_up_with(step: int, in_flight: int) -> bool:

@@ -63,8 +63,11 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.clock, pytest.mark.timeout(180)
 DRIVER = Path(__file__).with_name("train_driver.py")
 STEPS, GLOBAL, SEQ, CORPUS, SEED, SAVE, LR = 16, 8, 32, 4_700, 3, 4, 2.0e-3
 CONFIG = f"optimizer: {{type: AdamW, params: {{lr: {LR}}}}}\ntrain_batch_size: {GLOBAL}\nmicro_batch_size: 2\n"
-#: FAST_RDZV's peer timeout (1 s x 4) and last call (1 s)
-PEER_TIMEOUT_S, LAST_CALL_S = 4.0, 1.0
+#: FAST_RDZV with a 6 s peer timeout (1 s x 6) and its 1 s last call: a kill must be found by its symptom (the failed
+#: collective's ask, ~1.5-2.5 s here) well before the dead node's heartbeat could age out, even on a loaded machine
+RDZV = FAST_RDZV.replace("keep_alive_max_attempt=4", "keep_alive_max_attempt=6")
+PEER_TIMEOUT_S, LAST_CALL_S = 6.0, 1.0
+assert RDZV != FAST_RDZV
 #: survivor trains again after a loss within: the agents' part (timeout + last call + ~1 s of ticks, store round trips
 #: and the round-number agreement, as test_live_handoff.py measures it) plus the in-memory reshard and one step of
 #: this tiny job (well under 1 s each here); 3 s of slack for a loaded 2-core machine. A restart would add the worker
@@ -122,7 +125,7 @@ def start_node(
 ) -> Agent:
     tmp, i = cluster.tmp, len(cluster.agents)
     agent = [str(ELASTICZERO_RUN), "--nnodes", "1:3", "--nproc-per-node", "1", "--rdzv-backend", case.backend]
-    agent += ["--rdzv-endpoint", endpoint, "--rdzv-id", cluster.job_id, "--rdzv-conf", FAST_RDZV]
+    agent += ["--rdzv-endpoint", endpoint, "--rdzv-id", cluster.job_id, "--rdzv-conf", RDZV]
     agent += ["--max-restarts", str(max_restarts), "--monitor-interval", "0.2", "--live-recovery"]
     agent += ["--health-file", str(tmp / f"health{i}.json")]
     hooks = ["--record-samples", str(tmp / "record.jsonl"), "--hold-file", str(tmp / "hold"), *extra]

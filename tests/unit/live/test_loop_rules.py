@@ -5,6 +5,8 @@ same member — a fresh default group in the same process, the state carried ove
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +129,25 @@ def test_a_world_of_one_enters_a_second_round_in_the_same_process(tmp_path: Path
         assert live.opt is not old_opt and live.groups.current is dist.group.WORLD and len(live.groups.abandoned) == 1
         carried = seen[2]  # what the new optimizer, built afresh, started round 1 from
         assert all(torch.equal(carried[k], v) for k, v in end_of_round0.items())
+    finally:
+        live.close()
+        live.groups.abandon()
+
+
+def test_a_round_left_is_let_go_its_model_and_optimizer_collected(tmp_path: Path, cpu_machine: None) -> None:
+    """The old round's optimizer (and its model, masters, state, copies) is released once the new round is entered:
+    collected, not kept by its hooks on the old model's parameters for the life of the process."""
+    path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
+    write_round(path, NodeRound(0, 1, ((0, 0),), store, "r0/"))
+    data = torch.randn(48, 4, generator=torch.Generator().manual_seed(1))
+    live = LiveTraining.from_agent(build, sampler=sampler(0, 1), env={ROUND_FILE_ENV: path})
+    try:
+        train(live, 2, data, [])
+        old_opt, old_model = weakref.ref(live.opt), weakref.ref(live.model)
+        write_round(path, NodeRound(1, 1, ((0, 0),), store, "r1/"))
+        train(live, 3, data, [])
+        gc.collect()
+        assert [e.round.number for e in live.events] == [1] and old_opt() is None and old_model() is None
     finally:
         live.close()
         live.groups.abandon()

@@ -112,6 +112,14 @@ class ZeroStage3(ZeroOptimizer):
             self._attach_entry(name)
         hf.mark_sharded(module)  # HF generate() then keeps ranks in lock step (synced_gpus) by itself
 
+    def release(self) -> None:
+        """The base's, and every unit's and entry point's forward hooks."""
+        super().release()
+        for handle in self._hook_handles:
+            handle.remove()
+        for name in list(self._entry_handles):
+            self._detach_entry(name)
+
     def _install_hooks(self) -> list[Any]:
         """Every unit's forward hooks (gather/free), run outside any compiled graph; their handles."""
         handles = []

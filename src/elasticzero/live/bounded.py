@@ -5,7 +5,11 @@ A :class:`BoundedWait` is a :data:`~elasticzero.engine.zero.comm.work.Waiter`: g
 bound's helper thread while the calling thread waits for it ``poll_s`` at a time and, between two, polls the round
 source. When a newer round is announced the caller leaves with :class:`Reconfigure` (the round); when the work fails
 (a peer's socket closed: SIGKILL) it waits up to ``failure_grace_s`` for the agent's round, then leaves with
-:class:`Reconfigure` too (or re-raises the failure when no round came). gloo may also fail a collective when it is
+:class:`Reconfigure` too (or re-raises the failure when no round came). gloo does not fail every wait on a lost peer:
+a receive whose sender dies while its message is in flight waits for good, although gloo closed that peer's
+connection. So a wait that lasts (``lost_after_s``) also asks ``lost`` — whether a connection of the round's group
+was closed (:meth:`~elasticzero.live.group.RoundGroups.lost`) — and takes a yes as the wait's failure
+(:class:`PeerConnectionLost`). gloo may also fail a collective when it is
 *issued* (posting a receive on a closed pair raises): the loop construct hands such an error to
 :meth:`BoundedWait.after_failure` itself. While a wait runs the worker's progress record says so
 (:meth:`~elasticzero.progress.Reporter.bounded`): the agent's hang line tells a worker waiting on other work on the
@@ -52,6 +56,10 @@ class Reconfigure(Exception):
         self.round = round_
 
 
+class PeerConnectionLost(RuntimeError):
+    """A connection of the round's group closed while a wait of it went on (the wait itself may never fail)."""
+
+
 class LiveError(RuntimeError):
     """Live reconfiguration cannot go on in this process (a bad round file, not a member of the new round, a failed
     reconfiguration): exit, and the agent's restart path takes over (disk checkpoint)."""
@@ -77,15 +85,25 @@ class BoundedWait:
         poll_s: how long a wait runs between two polls (the bound on leaving after an announcement).
         failure_grace_s: after a work failed, how long to wait for the agent's round before re-raising the failure.
         device: the CUDA device the helper thread works on (``torch.cuda.set_device`` there); None: the CPU.
+        lost: whether a connection of the round's group closed (None: not asked); asked every ``lost_after_s`` of a
+            wait, from the first ``lost_after_s`` on.
     """
 
     def __init__(
-        self, poll: Poll, *, poll_s: float = 0.05, failure_grace_s: float = 30.0, device: str | None = None
+        self,
+        poll: Poll,
+        *,
+        poll_s: float = 0.05,
+        failure_grace_s: float = 30.0,
+        device: str | None = None,
+        lost: Callable[[], bool] | None = None,
+        lost_after_s: float = 0.25,
     ) -> None:
         self.poll = poll
         self.poll_s = poll_s
         self.failure_grace_s = failure_grace_s
         self.device = device
+        self.lost, self.lost_after_s = lost, lost_after_s
         self.abandoned: NodeRound | None = None
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name="ez-bounded-wait", daemon=True)
@@ -110,11 +128,16 @@ class BoundedWait:
             reporter().bounded(False)
 
     def _wait_for(self, done: Future[T], peer: Callable[[BaseException], bool]) -> T:
+        next_look = time.monotonic() + self.lost_after_s
         while True:
             try:
                 return done.result(timeout=self.poll_s)
             except FutureTimeout:
                 self._leave_if(self.poll())
+                if self.lost is not None and time.monotonic() >= next_look:
+                    next_look = time.monotonic() + self.lost_after_s
+                    if self.lost():
+                        self.after_failure(PeerConnectionLost("a connection of this round's group closed mid-wait"))
             except Exception as err:
                 if not peer(err):
                     raise

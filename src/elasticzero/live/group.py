@@ -21,6 +21,12 @@ the new round, says it is ready under the new round's prefix and keeps training 
 said so — a joiner's worker says so once it started and reached the round's formation. A join then pauses the old
 members for the formation, build and reshard alone, not for the joiner's cold start.
 
+The group's connections are watched (gloo): the sockets ``init_process_group`` opened are recorded, and
+:meth:`RoundGroups.lost` says whether one of them closed since — gloo closes a pair's socket when its peer dies, even
+where a wait on that peer never fails (a receive whose sender died mid-message), so a bounded wait that lasts asks
+(:class:`~elasticzero.live.bounded.BoundedWait`'s ``lost``). :func:`socket_fds` is the I/O (``/proc/self/fd``),
+:func:`closed` the decision.
+
 Forming is leavable: ``init_process_group`` waits for every member without a bound but the group's timeout (minutes),
 so a member lost before it arrives — a joiner killed while its interpreter starts, a node frozen between two rounds —
 would hold the others there. :meth:`RoundGroups.form` first connects to the round's store once it listens
@@ -32,10 +38,11 @@ that all arrived a moment ago then enter ``init_process_group``.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -165,6 +172,8 @@ class RoundGroups:
         self.abandoned: list[Any] = []  #: every group left, never released (see the module)
         self._stores: dict[tuple[str, int], Any] = {}  #: one client (or server) per store address, reused
         self._lock = threading.Lock()  #: the stores are reached from a round watch's thread too (NCCL)
+        #: the current group's connections (gloo), as :func:`socket_fds` saw them once it formed; none while forming
+        self.sockets: dict[int, str] = {}
 
     def form(self, spec: GroupSpec, *, aborted: bool = False, check: Check = lambda: None) -> Any:
         """Leave the current group (``aborted``: a :class:`RoundWatch` already aborted it), form ``spec``'s once
@@ -174,14 +183,22 @@ class RoundGroups:
         store = dist.PrefixStore(spec.prefix, self._store(spec, check))
         store.set(ready_key(spec.rank), "1")  # a fresh process: it started (a member of the old round said so already)
         arrive(store, spec.rank, spec.world_size, check)
+        before = socket_fds()
         dist.init_process_group(store=store, **init_args(spec))
         self.current = dist.group.WORLD
+        if spec.backend == "gloo":
+            self.sockets = {fd: link for fd, link in socket_fds().items() if before.get(fd) != link}
         return self.current
+
+    def lost(self) -> bool:
+        """Whether a connection of the current group closed since it formed (see the module)."""
+        return closed(self.sockets, socket_fds()) if self.sockets else False
 
     def abandon(self, *, aborted: bool = False) -> None:
         """Leave the group formed last (aborted — unless ``aborted`` already — and destroyed, kept referenced);
         nothing when there is none."""
         pg, self.current = self.current, None
+        self.sockets = {}  # its connections close now: no sign of a lost peer
         if pg is None:
             return
         self.abandoned.append(pg)
@@ -227,6 +244,28 @@ class RoundGroups:
     @staticmethod
     def _serve(spec: GroupSpec, limit: timedelta) -> Any:
         return dist.TCPStore(spec.host, spec.port, is_master=True, timeout=limit, wait_for_workers=False)
+
+
+def socket_fds() -> dict[int, str]:
+    """This process's open sockets: descriptor -> its link (``socket:[inode]``); empty without ``/proc``."""
+    found = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return {}
+    for name in names:
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:"):
+            found[int(name)] = link
+    return found
+
+
+def closed(recorded: Mapping[int, str], now: Mapping[int, str]) -> bool:
+    """Whether a socket of ``recorded`` is not open as it was (closed; its descriptor free or reused)."""
+    return any(now.get(fd) != link for fd, link in recorded.items())
 
 
 def _try_connect(spec: GroupSpec) -> Any:

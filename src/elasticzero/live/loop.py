@@ -584,7 +584,8 @@ class LiveTraining(_Rounds):
     def _bound(self, round_: NodeRound) -> BoundedWait:
         poll = functools.partial(self._announced, round_.number)
         device = self.where.bound_device  # the helper thread's CUDA device (the build runs there)
-        return BoundedWait(poll, poll_s=self.poll_s, failure_grace_s=self.failure_grace_s, device=device)
+        grace, lost = self.failure_grace_s, self.groups.lost  # lost: the current group's connections (gloo)
+        return BoundedWait(poll, poll_s=self.poll_s, failure_grace_s=grace, device=device, lost=lost)
 
     def _make_copies(self, opt: ZeroOptimizer, step: int, bound: BoundedWait, config: Any) -> BuddyCopies:
         """The round's copies: the constructor's settings, or ``config`` (what ``build`` returned says: a config's

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from elasticzero import progress
-from elasticzero.live.bounded import BoundedWait, LiveError, Reconfigure
+from elasticzero.live.bounded import BoundedWait, LiveError, PeerConnectionLost, Reconfigure
 from elasticzero.rounds import NodeRound, RoundError, StoreAddress
 
 pytestmark = pytest.mark.timeout(60)
@@ -88,6 +88,28 @@ def test_a_failure_without_a_round_is_raised_after_the_grace() -> None:
     with pytest.raises(RuntimeError, match="closed by peer"):
         bound.after_failure(RuntimeError("closed by peer"))
     assert bound.abandoned is None
+
+
+def test_a_wait_that_never_fails_is_left_once_a_connection_of_the_group_closed() -> None:
+    """gloo's receive of a message whose sender died mid-way never fails: a wait that lasts asks ``lost`` (not before
+    ``lost_after_s``), and a yes is the wait's failure — the agent's round is waited for, else it is raised."""
+    source, stuck, asked = Source(), threading.Event(), []
+
+    def lost() -> bool:
+        asked.append(time.monotonic())
+        return len(asked) >= 2  # the second look finds the connection closed
+
+    bound = BoundedWait(source, poll_s=0.01, failure_grace_s=0.1, lost=lost, lost_after_s=0.05)
+    start = time.monotonic()
+    with pytest.raises(PeerConnectionLost, match="closed mid-wait"):
+        bound(stuck.wait)
+    assert len(asked) == 2 and asked[0] - start >= 0.05 and asked[1] - asked[0] >= 0.05
+    bound2 = BoundedWait(source, poll_s=0.01, failure_grace_s=5, lost=lambda: True, lost_after_s=0.0)
+    threading.Timer(0.1, source.announced.set).start()
+    with pytest.raises(Reconfigure) as left:  # the agent's round came within the grace: left for it
+        bound2(stuck.wait)
+    assert isinstance(left.value.__cause__, PeerConnectionLost)
+    stuck.set()
 
 
 def test_a_broken_round_file_is_a_live_error() -> None:

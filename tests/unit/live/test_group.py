@@ -23,8 +23,10 @@ from elasticzero.live.group import (
     abandon_calls,
     aborts_on_announce,
     arrive,
+    closed,
     group_spec,
     init_args,
+    socket_fds,
 )
 from elasticzero.rounds import NodeRound, RoundFile, StoreAddress, arrival_key, write_round
 from ez_testing import free_port
@@ -176,3 +178,33 @@ def test_a_member_switches_only_once_every_member_said_it_is_ready() -> None:
     assert store.check(["ready/0"]) and not store.check(["ready/1"])
     assert groups.ready(survivor)  # says it, and finds the joiner's: both ready
     assert host.ready(joiner) and store.check(["ready/0", "ready/1"])
+
+
+def test_a_closed_socket_of_the_recorded_ones_is_a_lost_connection() -> None:
+    """The decision: a recorded socket gone, or its descriptor reused by another socket; new sockets do not count."""
+    recorded = {7: "socket:[100]", 9: "socket:[101]"}
+    assert not closed(recorded, {7: "socket:[100]", 9: "socket:[101]", 12: "socket:[300]"})
+    assert closed(recorded, {7: "socket:[100]"})
+    assert closed(recorded, {7: "socket:[100]", 9: "socket:[555]"})
+    assert not closed({}, {})
+
+
+def test_socket_fds_sees_this_process_s_sockets_open_and_closed() -> None:
+    import socket
+
+    sock = socket.socket()
+    fd, link = sock.fileno(), socket_fds()[sock.fileno()]
+    assert link.startswith("socket:[")
+    sock.close()
+    assert socket_fds().get(fd) != link
+
+
+def test_a_formed_group_records_its_connections_and_leaving_it_forgets_them() -> None:
+    """A world of one has no peer connections to lose (gloo may open none): never lost; after leaving, nothing."""
+    groups = RoundGroups()
+    groups.form(GroupSpec("gloo", 0, 1, "127.0.0.1", free_port(), True, "r9/", None, timedelta(seconds=30)))
+    try:
+        assert not groups.lost()
+    finally:
+        groups.abandon()
+    assert groups.sockets == {} and not groups.lost()

@@ -44,7 +44,13 @@ worker's process start time) and the bench's own instants:
 - the step time at the new world (median interval of its consecutive steps): at world 2 the live path's steps carry
   the copies, the restart path's do not.
 
-Summary per path and event: median [min, max], side by side, and the restart / live ratio of the medians.
+- a join's pause: the survivors' longest interval between two consecutive steps they committed, from their last step
+  before the join to the first step of the new world, in their median step time before the join (live: they train
+  on at the old world until the joiner's worker is ready, so this is the switch's own cost).
+
+Summary per path and event: median [min, max], side by side, and the restart / live ratio of the medians; then issue
+31's goal for each kind against the live path's median: a kill <= 2 s to the first step at the new world, a freeze <=
+the peer timeout + 1 s, a join's pause <= 1.5 x the step.
 
 **The copies' cost** (``--copy-sizes``, default ``bench``: the 29.5M-parameter GPT of the issue's goal):
 ``bench/copies_bench.py`` run from here on 2 ranks, ZeRO-2 — step time with and without the ``BuddyCopies`` in the same

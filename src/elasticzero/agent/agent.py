@@ -215,7 +215,8 @@ class ElasticZeroAgent(LocalElasticAgent):
         """A peer watch over the round just formed, and the health file: this round's ranks, the running pids."""
         if self._peer_plan is not None:
             store = self._store if self._rounds is not None else None  # live mode: a failed collective's asks
-            self._peers = PeerWatch.for_round(worker_group.spec.rdzv_handler, self._peer_plan, store)
+            spec = worker_group.spec
+            self._peers = PeerWatch.for_round(spec.rdzv_handler, self._peer_plan, store, spec.monitor_interval)
         self._health.write(
             "running",
             worker_pids=self._worker_pids,

@@ -69,9 +69,11 @@ class _Read:
 class PeerWatch:
     """Watches the participants of one round (built after each rendezvous; :meth:`check` every monitor tick)."""
 
-    def __init__(self, handler: Any, plan: PeerPlan, store: Any = None) -> None:
+    def __init__(self, handler: Any, plan: PeerPlan, store: Any = None, monitor_interval_s: float = 0.1) -> None:
         self._handler = handler
         self.plan = plan
+        read_period = None if plan.store_in_agent is not None else READ_PERIOD_S  # c10d reads every tick
+        self.ask_timeout_s = ask_timeout_s(monitor_interval_s, read_period)  #: how long this node's asks wait
         self._store = store  #: the rendezvous round's store, where asks and answers live (None: no asks)
         self._asked_at: float | None = None  #: when this node asked (monotonic)
         self._ask: tuple[str | None, frozenset[str]] = (None, frozenset())  #: the last answered read's asker, answers
@@ -89,14 +91,16 @@ class PeerWatch:
         self.closed: bool | None = None
 
     @classmethod
-    def for_round(cls, handler: Any, plan: PeerPlan, store: Any = None) -> PeerWatch | None:
-        """A watch over ``handler``'s current round (``store``: the round's, for asks); ``None`` for a handler without
-        torch's heartbeats (static)."""
+    def for_round(
+        cls, handler: Any, plan: PeerPlan, store: Any = None, monitor_interval_s: float = 0.1
+    ) -> PeerWatch | None:
+        """A watch over ``handler``'s current round (``store``: the round's, for asks; ``monitor_interval_s``: how
+        often the agents tick); ``None`` for a handler without torch's heartbeats (static)."""
         if not all(hasattr(handler, a) for a in ("_this_node", "_state_holder", "_heartbeat_lock")):
             return None
         if not hasattr(handler._state_holder, "_backend"):
             return None
-        return cls(handler, plan, store)
+        return cls(handler, plan, store, monitor_interval_s)
 
     def _participants(self) -> frozenset[str]:
         """The round's participants, as the rendezvous that just completed left them in the state holder."""
@@ -135,8 +139,7 @@ class PeerWatch:
         asker, answered = self._ask
         mine = self._asked_at is not None and asker == self.this_node
         asked = Asked(answered, now() - self._asked_at) if mine and self._asked_at is not None else None
-        timeout = ask_timeout_s(self.plan.store_in_agent)
-        return Suspicion(reported, asker, self.this_node, self.round_nodes, asked, timeout)
+        return Suspicion(reported, asker, self.this_node, self.round_nodes, asked, self.ask_timeout_s)
 
     def ask(self, now: Callable[[], float] = time.monotonic) -> str | None:
         """Ask the round's nodes (first asker wins); the asker now (this node, or who asked first), None: no store."""

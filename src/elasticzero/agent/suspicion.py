@@ -13,10 +13,10 @@ the agents ask before they drop anyone (docs/agent.md, "Live recovery"):
 3. **answer**: every other agent's peer read finds the ask; its next tick sets its :func:`answer_key` and joins the
    change at once (a hand-off: its workers' group is broken too);
 4. **verdict** (:func:`ask_verdict`, over the asker's reads): every other participant answered — all alive, the
-   round re-forms with everyone; :data:`ASK_TIMEOUT_S` passed with some silent — they are dropped: their heartbeats in
-   torch's rendezvous state are set to the epoch in one compare-and-set (:func:`expire`), so torch's own rule
-   (``_sanitize``) removes them at the next read of the state, and the round re-forms without waiting for the peer
-   timeout.
+   round re-forms with everyone; the ask timeout (:func:`ask_timeout_s`) passed with some silent — they are dropped:
+   their heartbeats in torch's rendezvous state are set to the epoch in one compare-and-set (:func:`expire`), so
+   torch's own rule (``_sanitize``) removes them at the next read of the state, and the round re-forms without
+   waiting for the peer timeout.
 
 A node frozen rather than dead answers nothing either and is dropped the same way (it rejoins when it thaws, as after
 a heartbeat timeout); a freeze that closes no socket is still found by the heartbeat alone. The keys live under the
@@ -34,12 +34,14 @@ from elasticzero.progress import ProgressRecord
 
 #: the ask, in the rendezvous round's store: its value is the asking node's descriptor
 ASK_KEY = "elasticzero/agent/ask"
-#: seconds the asker waits for every other node's answer. A live agent answers within its next peer read (a monitor
-#: tick, 0.1 s, with c10d); 5 reads of slack for a loaded machine. A live node that misses it is dropped and rejoins
-#: as after a heartbeat timeout (a round change, no lost state) — the price of a crash found in a second
+#: an ask waits for this many of the answering agents' monitor ticks: a live agent answers at its first tick after its
+#: peer read found the ask, the rest is slack for a loaded machine. A live node that misses it is dropped and rejoins as
+#: after a heartbeat timeout (a round change, no lost state) — the price of a crash found in a second
+ASK_READS = 5
+#: etcd agents read the state every :data:`~elasticzero.agent.peers.READ_PERIOD_S` only: this many of those at least
+ETCD_ASK_READS = 2
+#: and never less than this (s): at torch's 0.1 s monitor tick, 5 reads
 ASK_TIMEOUT_S = 0.5
-#: an etcd agent reads every :data:`~elasticzero.agent.peers.READ_PERIOD_S` (0.5 s): two reads of slack
-ETCD_ASK_TIMEOUT_S = 1.0
 #: the heartbeat a dropped node gets: older than any peer timeout, so torch's ``_sanitize`` removes it
 EPOCH = datetime.fromtimestamp(0, timezone.utc)
 
@@ -49,9 +51,11 @@ def answer_key(node: str) -> str:
     return f"elasticzero/agent/alive/{node}"
 
 
-def ask_timeout_s(store_in_agent: str | None) -> float:
-    """How long an ask waits for answers: c10d agents read every tick, etcd agents every half second."""
-    return ASK_TIMEOUT_S if store_in_agent is not None else ETCD_ASK_TIMEOUT_S
+def ask_timeout_s(monitor_interval_s: float, read_period_s: float | None) -> float:
+    """How long an ask waits for answers: :data:`ASK_READS` monitor ticks, at least :data:`ETCD_ASK_READS` of the
+    agents' state reads where they read less often than they tick (etcd: ``read_period_s``; c10d reads every tick:
+    None), and never less than :data:`ASK_TIMEOUT_S` (the default 0.1 s tick: 0.5 s with c10d, 1 s with etcd)."""
+    return max(ASK_TIMEOUT_S, ASK_READS * monitor_interval_s, ETCD_ASK_READS * (read_period_s or 0.0))
 
 
 def reported(records: Iterable[ProgressRecord | None], round_number: int | None) -> bool:

@@ -50,8 +50,12 @@ def test_all_answered_is_final_at_once_and_the_asker_need_not_answer_itself() ->
     assert ask_verdict(frozenset({A}), A, Asked(frozenset(), 0.0), 0.5) == AllAnswered()
 
 
-def test_etcd_agents_read_less_often_and_get_more_time() -> None:
-    assert ask_timeout_s("10.0.0.1:29400") < ask_timeout_s(None)
+def test_the_ask_waits_five_of_the_answerers_reads_and_at_least_half_a_second() -> None:
+    """c10d agents read every monitor tick, etcd agents every 0.5 s at the soonest."""
+    assert ask_timeout_s(0.1, None) == 0.5  # torch's default tick
+    assert ask_timeout_s(0.2, None) == 1.0  # the agent tests' tick
+    assert ask_timeout_s(0.01, None) == 0.5  # never below the floor
+    assert ask_timeout_s(0.1, 0.5) == 1.0 and ask_timeout_s(1.0, 0.5) == 5.0  # etcd: two of its 0.5 s reads, or ticks
 
 
 def test_an_expired_heartbeat_is_one_torchs_rule_drops() -> None:

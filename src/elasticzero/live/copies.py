@@ -330,6 +330,17 @@ class BuddyCopies(OwnsCommunicator):
             self._worker.shutdown()
         self.communicator.close()
 
+    def abandon(self) -> None:
+        """Let go of the copies of a round left for good (their holdings read already), waiting for nothing: the step
+        hooks off, the worker thread told to end after what it runs. Not :meth:`close`, which waits for the copies'
+        step in flight and closes the communicator — either may wait on the old group, which a lost peer can leave
+        waiting (or raise) for good."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)
+
     # -- the gradients during backward (GradWatcher) ----------------------------------------------------------------
     def grads_changing(self, bucket: int | None) -> None:
         """Before a shard is written in place: an early send still reading it (a re-reduced bucket's, or any before

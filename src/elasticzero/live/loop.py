@@ -615,10 +615,11 @@ def _sampler(start: Start) -> ElasticSampler:
 
 
 def release(state: RoundState) -> None:
-    """Let go of a round left for good: its copies' hooks, and its optimizer's hooks on its model
+    """Let go of a round left for good, waiting for nothing of its group (a lost peer may leave a wait of it pending
+    for good): its copies abandoned (:meth:`BuddyCopies.abandon`), its optimizer's hooks on its model off
     (:func:`release_optimizer`) — else the old model, optimizer and copies stay alive for the life of the process."""
     if state.copies is not None:
-        state.copies.close()
+        state.copies.abandon()
     release_optimizer(state.opt)
 
 

@@ -169,3 +169,22 @@ def agents_slack(startup: float) -> float:
     on a quiet 2-core machine the agents' work came to 0.7-1.9 s past the timers beside start-ups of 7.0-8.7 s (at most
     0.27 of it), so 0.3 of it, and never under 1.5 s."""
     return max(1.5, 0.3 * startup)
+
+
+# -- the test driver's round record (tests/integration/elastic/train_driver.py, ``<record>.rounds``) ------------------
+def driver_rounds(tmp: Path) -> list[dict[str, Any]]:
+    """The rounds the driver's workers started in and entered, in order (``tmp``: where ``record.jsonl`` is)."""
+    path = tmp / "record.rounds"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def entered(tmp: Path, pid: int, world: int) -> int:
+    """How many rounds at ``world`` worker ``pid`` started in or entered."""
+    return sum(1 for r in driver_rounds(tmp) if r["pid"] == pid and r["world"] == world)
+
+
+def in_world(tmp: Path, world: int) -> bool:
+    """``world`` workers are in a round at ``world``, each by its latest round (a worker trains on in its round until
+    every member of the new one is ready: the workers' view, not the agents')."""
+    latest = {r["pid"]: r["world"] for r in driver_rounds(tmp)}
+    return sum(1 for w in latest.values() if w == world) == world

@@ -53,7 +53,7 @@ from elasticzero.agent.proctree import descendants
 from elasticzero.data import ByteCorpus, epoch_order, stdlib_corpus
 from elasticzero.proc import JOB_ID_ENV
 from ez_numerics import error_ratio
-from ez_testing import REPO, free_port
+from ez_testing import REPO, entered, free_port, in_world
 
 sys.path.insert(0, str(REPO / "examples"))
 from gpt import GPT, config_for, lm_loss
@@ -169,24 +169,6 @@ def handed(agent: Agent, world: int) -> int:
     return len(re.findall(rf"handing the workers round \d+ at world {world}, no restart", agent.output()))
 
 
-def rounds_of(cluster: Cluster) -> list[dict]:
-    """The rounds the workers started in and entered (the driver's ``<record>.rounds``), in order."""
-    path = cluster.tmp / "record.rounds"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def entered(cluster: Cluster, pid: int, world: int) -> int:
-    """How many rounds at ``world`` worker ``pid`` started in or entered."""
-    return sum(1 for r in rounds_of(cluster) if r["pid"] == pid and r["world"] == world)
-
-
-def in_world(cluster: Cluster, world: int) -> bool:
-    """``world`` workers are in a round at ``world``, each by its latest round (the live workers' view, not the
-    agents': a worker trains on in its round until every member of the new one is ready)."""
-    latest = {r["pid"]: r["world"] for r in rounds_of(cluster)}
-    return sum(1 for w in latest.values() if w == world) == world
-
-
 def node_tree(agent: Agent) -> list:
     import psutil
 
@@ -287,7 +269,7 @@ def test_live_recovery_keeps_the_survivor_through_kill_join_and_freeze(
     if case.rdzv == "c10d":
         cluster.wait_store(endpoint)  # node 0 hosts the store: it is never the one killed or frozen
     n1 = start_node(cluster, case, endpoint)
-    wait_for(lambda: in_world(cluster, 2), WAIT, "both workers in one round of the two nodes", cluster.agents)
+    wait_for(lambda: in_world(cluster.tmp, 2), WAIT, "both workers in one round of the two nodes", cluster.agents)
     hold_at(cluster, 3)
     wait_for(lambda: at(cluster, 3, 2), WAIT, "step 3 at world 2", cluster.agents)
     survivor = worker_of(cluster, n0, 3, 2)
@@ -307,9 +289,10 @@ def test_live_recovery_keeps_the_survivor_through_kill_join_and_freeze(
     # 2. a node joins at step 6: the job grows back to world 2 in the same survivor process, which trains on at world 1
     #    (here: holds before step 7) until the joiner's worker is ready, then enters the round at world 2
     wait_for(lambda: at(cluster, 6, 1), WAIT, "step 6 at world 1", cluster.agents)
-    grown = entered(cluster, survivor, 2)
+    grown = entered(cluster.tmp, survivor, 2)
     n2 = start_node(cluster, case, endpoint)
-    wait_for(lambda: entered(cluster, survivor, 2) > grown, WAIT, "the survivor in a round at world 2", cluster.agents)
+    grew = lambda: entered(cluster.tmp, survivor, 2) > grown  # noqa: E731
+    wait_for(grew, WAIT, "the survivor in a round at world 2", cluster.agents)
     assert handed(n0, 2) >= 1
     hold_at(cluster, 9)
     wait_for(lambda: at(cluster, 7, 2), WAIT, "step 7 at world 2", cluster.agents)
@@ -325,12 +308,13 @@ def test_live_recovery_keeps_the_survivor_through_kill_join_and_freeze(
     print(f"freeze: the survivor committed step {first['step']} at world 1 {took:.2f} s after it")
     assert first["pid"] == survivor and first["step"] == 10 and took < RETRAIN_S, (first, took)
     wait_for(lambda: at(cluster, 12, 1), WAIT, "step 12 at world 1", cluster.agents)
-    grown = entered(cluster, survivor, 2)
+    grown = entered(cluster.tmp, survivor, 2)
     # 12 is a save step and the job holds before its checkpoint: the node rejoins between the commit and the save,
     # which both members must take in the new round (a survivor taking it alone hung the round: the join race)
     assert 12 % SAVE == 0, "keep the rejoin at a save step"
     signal_node(n2, sig=signal.SIGCONT)
-    wait_for(lambda: entered(cluster, survivor, 2) > grown, WAIT, "the survivor in a round at world 2", cluster.agents)
+    grew = lambda: entered(cluster.tmp, survivor, 2) > grown  # noqa: E731
+    wait_for(grew, WAIT, "the survivor in a round at world 2", cluster.agents)
     hold_at(cluster, STEPS)
     wait_for(lambda: at(cluster, 13, 2), WAIT, "step 13 at world 2 (the resumed node rejoined)", cluster.agents)
     rejoined = next(r["pid"] for r in at(cluster, 13, 2) if r["pid"] != survivor)
@@ -361,7 +345,7 @@ def test_a_dropped_connection_between_live_nodes_drops_no_node(cluster: Cluster)
     n0 = start_node(cluster, case, endpoint, steps=CUT_STEPS, extra=cut)
     cluster.wait_store(endpoint)
     n1 = start_node(cluster, case, endpoint, steps=CUT_STEPS, extra=cut)
-    wait_for(lambda: in_world(cluster, 2), WAIT, "both workers in one round of the two nodes", cluster.agents)
+    wait_for(lambda: in_world(cluster.tmp, 2), WAIT, "both workers in one round of the two nodes", cluster.agents)
     hold_at(cluster, CUT_AT - 1)
     wait_for(lambda: at(cluster, CUT_AT - 1, 2), WAIT, f"step {CUT_AT - 1} at world 2", cluster.agents)
     workers = {worker_of(cluster, n0, CUT_AT - 1, 2), worker_of(cluster, n1, CUT_AT - 1, 2)}
@@ -391,7 +375,7 @@ def test_two_buddies_lost_at_once_fall_back_to_the_disk_checkpoint(cluster: Clus
     n0 = start_node(cluster, case, endpoint, steps, max_restarts=1)
     cluster.wait_store(endpoint)  # node 0 hosts the store: the survivor
     n1, n2 = start_node(cluster, case, endpoint, steps), start_node(cluster, case, endpoint, steps)
-    wait_for(lambda: in_world(cluster, 3), WAIT, "the workers in one round of the three nodes", cluster.agents)
+    wait_for(lambda: in_world(cluster.tmp, 3), WAIT, "the workers in one round of the three nodes", cluster.agents)
     hold_at(cluster, kill_at)
     wait_for(lambda: at(cluster, kill_at, 3), WAIT, f"step {kill_at} at world 3", cluster.agents)
     survivor = worker_of(cluster, n0, kill_at, 3)

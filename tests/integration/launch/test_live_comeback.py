@@ -34,7 +34,7 @@ import ez_testing
 from elasticzero.agent.liveness import DEFAULT_PEER_TIMEOUT_S
 from elasticzero.agent.options import RDZV_DEFAULTS
 from elasticzero.data import ByteCorpus, epoch_order, stdlib_corpus
-from ez_testing import REPO, agents_slack, free_port, partition, require, require_program
+from ez_testing import REPO, agents_slack, entered, free_port, in_world, partition, require, require_program
 
 LAUNCH = str(Path(sys.executable).parent / "elasticzero-launch")
 DRIVER = REPO / "tests" / "integration" / "elastic" / "train_driver.py"
@@ -61,24 +61,6 @@ def handed(log: Path, host: str, world: int) -> int:
     """How many rounds at ``world`` the agent on ``host`` has handed its running worker (pdsh prefixes its lines)."""
     line = rf"^{re.escape(host)}: .*handing the workers round \d+ at world {world}, no restart"
     return len(re.findall(line, log.read_text(), re.M))
-
-
-def rounds_of(tmp: Path) -> list[dict]:
-    """The rounds the workers started in and entered (the driver's ``<record>.rounds``), in order."""
-    path = tmp / "record.rounds"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def entered(tmp: Path, pid: int, world: int) -> int:
-    """How many rounds at ``world`` worker ``pid`` started in or entered."""
-    return sum(1 for r in rounds_of(tmp) if r["pid"] == pid and r["world"] == world)
-
-
-def in_world(tmp: Path, world: int) -> bool:
-    """``world`` workers are in a round at ``world``, each by its latest round (a worker trains on in its round until
-    every member of the new one is ready: the workers' view, not the agents')."""
-    latest = {r["pid"]: r["world"] for r in rounds_of(tmp)}
-    return sum(1 for w in latest.values() if w == world) == world
 
 
 def hold_at(tmp: Path, step: int) -> None:

@@ -146,6 +146,16 @@ def _trampoline_names(*names: str) -> Check:
     return check
 
 
+def _members(*names: str) -> Check:
+    """The enum still has these members (we return them to torch's loop)."""
+
+    def check(enum: Any) -> str | None:
+        missing = [n for n in names if n not in getattr(enum, "__members__", {})]
+        return f"no member(s) {missing}" if missing else None
+
+    return check
+
+
 def _method_params(method: str, *names: str) -> Check:
     """The object (a class attribute torch sets) has ``method`` taking these parameters first."""
 
@@ -194,7 +204,9 @@ def _source(obj: Any) -> str:
 
 AGENT = "torch.distributed.elastic.agent.server.api.SimpleElasticAgent"
 LOCAL_AGENT = "torch.distributed.elastic.agent.server.local_elastic_agent.LocalElasticAgent"
-HANDLER = "torch.distributed.elastic.rendezvous.dynamic_rendezvous.DynamicRendezvousHandler"
+DR = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+HANDLER = f"{DR}.DynamicRendezvousHandler"
+PROMPT_PY = "agent/prompt.py (PromptExecutor, make_prompt: a live job's re-formations without torch's fixed waits)"
 AGENT_PY = "agent/agent.py (ElasticZeroAgent)"
 HANDLER_PY = "rendezvous/handler.py (ElasticZeroRendezvousHandler)"
 WG = "worker_group"
@@ -249,7 +261,9 @@ CANARIES = [
         "torch.distributed.elastic.rendezvous.dynamic_rendezvous._RendezvousState",
         f"{HANDLER_PY}, agent/peers.py (last_heartbeats: who is still alive), agent/suspicion.py (an unanswered ask "
         "expires a node's last_heartbeats; only one of the participants may)",
-        _assigns("round", "participants", "last_heartbeats"),
+        _assigns(
+            "round", "participants", "last_heartbeats", "complete", "deadline", "closed", "wait_list", "redundancy_list"
+        ),
     ),
     # -- peer liveness: the round's participants and their heartbeats, read as torch's num_nodes_waiting does ----
     Canary(f"{HANDLER}._heartbeat_lock", "agent/peers.py (PeerWatch: read the state without racing keep-alive)", None),
@@ -259,6 +273,20 @@ CANARIES = [
         "compare-and-set of the state)",
         None,
     ),
+    # -- the prompt re-formation (live mode): torch's op executor, its SYNC waited by us --------------------------
+    Canary(f"{DR}._DistributedRendezvousOpExecutor", PROMPT_PY, _params("node", "state_holder", "settings")),
+    Canary(
+        f"{DR}._DistributedRendezvousOpExecutor.run", PROMPT_PY, _params("state_handler", "deadline", "update_deadline")
+    ),
+    Canary(f"{DR}._DistributedRendezvousOpExecutor._state", PROMPT_PY, None),
+    Canary(f"{DR}._DistributedRendezvousOpExecutor._node", PROMPT_PY, None),
+    Canary(f"{DR}._DistributedRendezvousOpExecutor._settings", PROMPT_PY, None),
+    Canary(f"{DR}._RendezvousContext", PROMPT_PY, _params("node", "state", "settings")),
+    Canary(f"{DR}._RendezvousJoinOp", PROMPT_PY, _method_params("__call__", "ctx", "deadline")),
+    Canary(f"{DR}._Action", PROMPT_PY, _members("SYNC", "MARK_RENDEZVOUS_COMPLETE")),
+    Canary(f"{HANDLER}._op_executor", PROMPT_PY, None),
+    Canary(f"{HANDLER}._settings", PROMPT_PY, None),
+    Canary(f"{DR}._BackendRendezvousStateHolder._cache_duration", PROMPT_PY, None),
     Canary(
         "torch.distributed.elastic.rendezvous.dynamic_rendezvous._NodeDesc",
         "rendezvous/ordering.py (hint keys), rendezvous/handler.py (constructor)",
@@ -332,6 +360,12 @@ _INSTANCE_ATTRS = {
     f"{HANDLER}._heartbeat_lock",
     "torch.distributed.elastic.rendezvous.dynamic_rendezvous._BackendRendezvousStateHolder._backend",
     "torch.nn.Module._parameters",
+    f"{DR}._DistributedRendezvousOpExecutor._state",
+    f"{DR}._DistributedRendezvousOpExecutor._node",
+    f"{DR}._DistributedRendezvousOpExecutor._settings",
+    f"{HANDLER}._op_executor",
+    f"{HANDLER}._settings",
+    f"{DR}._BackendRendezvousStateHolder._cache_duration",
 }
 
 

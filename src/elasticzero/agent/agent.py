@@ -78,6 +78,7 @@ from elasticzero.agent.liveness import Liveness, PeerPlan
 from elasticzero.agent.peers import PeerWatch, StoreLostError, bounded_call, drop_nodes
 from elasticzero.agent.proctree import descendants, kill_now, processes_with_env
 from elasticzero.agent.progress import NO_HANG, HangPlan
+from elasticzero.agent.prompt import expect
 from elasticzero.agent.stopsignals import StopSignals
 from elasticzero.agent.suspicion import ask_line, reported
 from elasticzero.agent.tick import (
@@ -375,6 +376,8 @@ class ElasticZeroAgent(LocalElasticAgent):
             self._mark_round_changing(action.mark)
         if isinstance(action, HandOff):
             self._settle_ask(action)
+            if self._peers is not None:  # the round's nodes still alive: the prompt rendezvous waits for them only
+                expect(worker_group.spec.rdzv_handler, self._peers.alive(action.drop))
             self._hand_off(worker_group, action.why)
             return
         print(f"elasticzero-run: {action.line}", file=sys.stderr, flush=True)

@@ -26,8 +26,9 @@ from torch.numa.binding import AffinityMode, NumaOptions
 
 from elasticzero.agent.agent import ElasticZeroAgent, PeerFailedError
 from elasticzero.agent.agentdirs import sweep
-from elasticzero.agent.peers import bound_store_calls
+from elasticzero.agent.peers import bound_store_calls, state_read_period_s
 from elasticzero.agent.plan import AgentPlan, LogsPlan, RendezvousPlan
+from elasticzero.agent.prompt import make_prompt
 from elasticzero.agent.stopsignals import StopSignals
 from elasticzero.errors import UsageError
 
@@ -118,6 +119,15 @@ class CutOffError(RendezvousConnectionError):
 _ABANDONED: list[RendezvousHandler] = []
 
 
+def rendezvous_handler(plan: AgentPlan, params: RendezvousParameters) -> RendezvousHandler:
+    """The registry's handler for ``params``; under ``--live-recovery`` its re-formations prompt
+    (:func:`~elasticzero.agent.prompt.make_prompt`: polled at the peer watch's read period)."""
+    handler = rdzv_registry.get_rendezvous_handler(params)
+    if plan.workers.live is not None and plan.peers is not None:
+        make_prompt(handler, state_read_period_s(plan.peers, plan.monitor_interval))
+    return handler
+
+
 def launch(plan: AgentPlan, stop_signals: StopSignals | None = None) -> tuple[RunResult, ElasticZeroAgent]:
     """Rendezvous, run the workers under :class:`ElasticZeroAgent` until they finish; return the result.
 
@@ -128,7 +138,7 @@ def launch(plan: AgentPlan, stop_signals: StopSignals | None = None) -> tuple[Ru
     sweep(os.environ, plan.job_id)  # folders of this job's agents killed earlier on this node (a rejoin after one)
     apply_torch_knobs(plan)
     params = rdzv_parameters(plan.rdzv)
-    handler = bound_store_calls(rdzv_registry.get_rendezvous_handler(params), plan.peers)
+    handler = bound_store_calls(rendezvous_handler(plan, params), plan.peers)
     spec = worker_spec(plan, handler, params)
     agent = ElasticZeroAgent(
         spec,

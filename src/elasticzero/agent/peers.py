@@ -27,7 +27,7 @@ import psutil
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousHandler, RendezvousInfo
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from elasticzero.agent.liveness import Liveness, PeerPlan, Snapshot, judge, store_lost_line
+from elasticzero.agent.liveness import Liveness, PeerPlan, Snapshot, judge, silent, store_lost_line
 from elasticzero.agent.suspicion import ASK_KEY, Asked, answer_key, ask_timeout_s, expire, may_drop
 from elasticzero.agent.tick import Suspicion
 
@@ -48,6 +48,12 @@ def hosts_store(store: str | None) -> bool:
     proc = psutil.Process()
     listing = getattr(proc, "net_connections", None) or proc.connections  # psutil >= 6 renamed it
     return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in listing(kind="tcp"))
+
+
+def state_read_period_s(plan: PeerPlan, monitor_interval_s: float) -> float:
+    """How often this agent reads the rendezvous state: every monitor tick where the store lives in an agent (c10d),
+    every :data:`READ_PERIOD_S` otherwise (etcd)."""
+    return monitor_interval_s if plan.store_in_agent is not None else READ_PERIOD_S
 
 
 class StoreLostError(RendezvousConnectionError):
@@ -133,6 +139,14 @@ class PeerWatch:
         wait = 0.0 if self._unanswered_since is None else now() - self._unanswered_since
         snap = Snapshot(self.this_node, self.round_nodes, self._beats, self._read_at, wait)
         return judge(snap, self.plan.timeout_s, self.store_is_a_peer)
+
+    def alive(self, dropped: tuple[str, ...] = ()) -> frozenset[str]:
+        """The round's nodes the last answered read found alive (torch's rule, :func:`silent`), this node, less
+        ``dropped``: whom this node expects in the round a hand-off forms next
+        (:func:`~elasticzero.agent.prompt.expect`)."""
+        snap = Snapshot(self.this_node, self.round_nodes, self._beats, self._read_at, 0.0)
+        found = {n for n in self.round_nodes if not silent(snap, n, self.plan.timeout_s)} | {self.this_node}
+        return frozenset(found - set(dropped))
 
     def suspicion(self, reported: bool, now: Callable[[], float] = time.monotonic) -> Suspicion:
         """The ask's state as the last answered read saw it, with ``reported`` (a local worker's failed collective)."""

@@ -63,10 +63,13 @@ def training(args: argparse.Namespace, hooks: Sequence[Hooks] = ()) -> Training:
     data = (stdlib_corpus(args.cache_dir, split, max_bytes=args.corpus_bytes) for split in ("train", "eval"))
     train, held_out = (ByteCorpus(d, args.seq_len) for d in data)
 
-    def build(group: dist.ProcessGroup, device: torch.device) -> tuple[torch.nn.Module, Any]:
+    def build(
+        group: dist.ProcessGroup, device: torch.device, model: torch.nn.Module | None = None
+    ) -> tuple[torch.nn.Module, Any]:
         cfg = load_config(args.config, overrides=overrides(args), world_size=dist.get_world_size(group))
-        torch.manual_seed(args.seed)  # the same initial weights on every rank
-        model = GPT(config_for(args.size, vocab_size=256, block_size=args.seq_len)).to(device)
+        if model is None:  # not a live survivor keeping its model across a round change
+            torch.manual_seed(args.seed)  # the same initial weights on every rank
+            model = GPT(config_for(args.size, vocab_size=256, block_size=args.seq_len)).to(device)
         return model, build_pieces(model, cfg, process_group=group)
 
     def loss(net: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -12,13 +12,15 @@
         if attempt.committed:                           # the with swallowed a round change: count only commits
             log_and_checkpoint(live.step)
 
-``build(group)`` makes the model and its ZeRO optimizer on a process group (called once per round, on a model built
-afresh: the reshard reads the old one). Every round — the first one too — is entered the same way, by survivors and
-fresh processes alike (:meth:`LiveTraining._enter`):
+``build(group)`` makes the model and its ZeRO optimizer on a process group (called once per round); ``rebuild(group,
+module)``, where given, makes them on a survivor's own model instead (unwrapped from its old optimizer first, whose
+state the reshard reads; the reshard then overwrites the parameters). Every round — the first one too — is entered
+the same way, by survivors and fresh processes alike (:meth:`LiveTraining._enter`):
 
 1. the round's group is formed: a fresh default group on the round's store and prefix (:mod:`.group`; the previous
    one, if any, is left and kept referenced);
-2. ``build(group)`` at the round's world, its communicator bounded by a watch of the round file;
+2. ``build(group)`` (a survivor whose optimizer allows it: ``rebuild(group, module)``) at the round's world, its
+   communicator bounded by a watch of the round file;
    :func:`~elasticzero.live.reshard.reshard_from` fills it from what the members hold (a survivor: its own
    state and its wards' copies, :meth:`BuddyCopies.holdings`; a fresh process: nothing);
 3. the group decides where training goes on (:func:`resume_point`, pure over the plan and the members' sampler
@@ -399,6 +401,11 @@ class LiveTraining(_Rounds):
             checkpoint into what ``build`` returned and the job's sampler, and returns its step; default: the state as
             built, at ``start_step``.
         start_step: the step a fresh job starts at without ``resume``.
+        rebuild: ``rebuild(group, module)``: what ``build`` returns, made on ``module`` — this process's model of the
+            round it leaves, unwrapped from its optimizer (:meth:`ZeroOptimizer.unwrap`) — instead of a fresh model:
+            a survivor keeps its model across a round change (the reshard overwrites its parameters). Used where the
+            old optimizer allows it (:meth:`ZeroOptimizer.rewrappable`: stages 1/2 at fp32 parameters); else, and
+            without ``rebuild``, ``build`` makes the round afresh.
         replicate, node_shift, overlap, early: the buddy copies (:class:`BuddyCopies`'s ``enabled``, ``node_shift``,
             ``overlap``, ``early``; a config's ``zero.copies``): without copies a lost node's state is lost, and its
             loss falls back to the disk checkpoint (``ReshardFallback``).
@@ -419,13 +426,14 @@ class LiveTraining(_Rounds):
         group_timeout: timedelta | None = None,
         resume: Callable[[Any, ElasticSampler], int] | None = None,
         start_step: int = 0,
+        rebuild: Callable[[Any, Any], Any] | None = None,
         replicate: bool = True,
         node_shift: int = 1,
         overlap: bool = True,
         early: bool = True,
     ) -> None:
         super().__init__()
-        self.build, self.rounds, self.nodes, self.resume = build, rounds, nodes, resume
+        self.build, self.rebuild, self.rounds, self.nodes, self.resume = build, rebuild, rounds, nodes, resume
         self.replicate, self.node_shift, self.overlap, self.early = replicate, node_shift, overlap, early  # copies
         self.local_rank, self.where = local_rank, where or Placement("cpu", "gloo", alone=False)
         self.poll_s, self.failure_grace_s, self.group_timeout = poll_s, failure_grace_s, group_timeout
@@ -527,12 +535,27 @@ class LiveTraining(_Rounds):
         """Build at ``group``'s world, fill it from ``holdings`` (or the disk: ``resume``), re-cut the sampler. The
         build and the load are bounded like the step's waits (their collectives: the engine's broadcast of the
         module, DCP's load): a member frozen there leaves them for the agent's next round."""
-        built = bound.call(lambda: self.build(group), peer_failure)
+        built = bound.call(lambda: self._make(group), peer_failure)
         try:
             return self._fill_built(round_, bound, holdings, start, group, watch, built)
         except BaseException:
             release_optimizer(optimizer_of(built))  # the entry is thrown away: its model and optimizer with it
             raise
+
+    def _make(self, group: Any) -> Any:
+        """The round's ``build``: on this process's model of the round it leaves where it keeps it (:meth:`_kept`),
+        else afresh."""
+        kept = self._kept()
+        return self.build(group) if kept is None else self.rebuild(group, kept)  # type: ignore[misc]
+
+    def _kept(self) -> Any:
+        """The module a survivor keeps — its settled round's, unwrapped (:meth:`ZeroOptimizer.unwrap`: that round's
+        optimizer released, the parameters off its buffers, which the holdings view) — or None: no ``rebuild``, no
+        settled round (a fresh process), or an optimizer whose module cannot be wrapped again."""
+        old = getattr(self, "now", None)
+        if self.rebuild is None or old is None or not _rewrappable(old.opt):
+            return None
+        return old.opt.unwrap()
 
     def _fill_built(
         self,
@@ -621,6 +644,10 @@ def release(state: RoundState) -> None:
     if state.copies is not None:
         state.copies.abandon()
     release_optimizer(state.opt)
+
+
+def _rewrappable(opt: Any) -> bool:
+    return bool(getattr(opt, "rewrappable", lambda: False)())
 
 
 def release_optimizer(opt: Any) -> None:

@@ -2,9 +2,10 @@
 
 ::
 
-    def build(group, device):                        # the model and its engine pieces on a round's group
+    def build(group, device, model=None):            # the model and its engine pieces on a round's group
         cfg = load_config("job.yaml", world_size=dist.get_world_size(group))
-        model = GPT(...).to(device)
+        if model is None:                            # else a live survivor's model, handed back: kept
+            model = GPT(...).to(device)
         return model, build_pieces(model, cfg, process_group=group)
 
     def loss(net, batch):                            # one micro-batch's loss (the batch already on the device)
@@ -38,6 +39,7 @@ then trains. After the last step one more attempt takes what is due at the end (
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
 import sys
@@ -61,10 +63,19 @@ from elasticzero.progress import heartbeat
 from elasticzero.rounds import ROUND_FILE_ENV
 
 #: ``build(group, device) -> (model, pieces)``: a fresh model on ``device`` and its engine pieces
-#: (:func:`elasticzero.config.build_pieces`) on ``group``, at that group's world size
-Build = Callable[[Any, torch.device], tuple[torch.nn.Module, Any]]
+#: (:func:`elasticzero.config.build_pieces`) on ``group``, at that group's world size; or
+#: ``build(group, device, model)``, which builds the pieces on ``model`` when one is given (see :class:`Training`)
+Build = Callable[..., tuple[torch.nn.Module, Any]]
 #: ``loss(net, batch) -> tensor``: one micro-batch's loss; ``net`` the module to run (DDP's at stage 0)
 Loss = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+def takes_model(build: Callable[..., Any]) -> bool:
+    """Whether ``build`` takes the model to keep (a parameter named ``model``: see :class:`Training`)."""
+    try:
+        return "model" in inspect.signature(build).parameters
+    except (TypeError, ValueError):  # a callable without a signature (a C builtin): the two-argument form
+        return False
 
 
 def due(step: int, every: int, total: int, done: int | None) -> bool:
@@ -147,7 +158,11 @@ class Training:
     """A training job in every mode (see the module). Enter it (``with``), iterate it for the committed steps.
 
     Args:
-        build: ``build(group, device) -> (model, pieces)``, called once per round (once in a plain run).
+        build: ``build(group, device) -> (model, pieces)``, called once per round (once in a plain run). A build that
+            takes a third parameter named ``model`` — ``build(group, device, model=None)`` — keeps the model across
+            a live round change: ``model`` is None where the process makes its first model, else its model of the
+            round it leaves (its optimizer released from it; the reshard then overwrites its parameters): build the
+            pieces on it instead of a new model (used at stages 1/2 with fp32 parameters; else ``model`` is None).
         loss: ``loss(net, batch)``, one micro-batch's loss (the batch moved to the device).
         dataset: the training set (a map-style ``Dataset``: the sampler picks indices).
         steps: optimizer steps in total.
@@ -220,14 +235,15 @@ class Training:
         return StaticTraining(self._build, sampler=self._sampler, group=dist.group.WORLD, resume=self._resume)
 
     def _live(self) -> LiveTraining:
-        return LiveTraining.from_agent(
-            self._build, sampler=self._sampler, env=self.env, resume=self._resume, **self.live_options
-        )
+        rebuild = self._build if takes_model(self.user_build) else None  # the survivors keep their model
+        options = {"rebuild": rebuild, **self.live_options}
+        return LiveTraining.from_agent(self._build, sampler=self._sampler, env=self.env, resume=self._resume, **options)
 
-    def _build(self, group: Any) -> Kit:
-        """One round's kit: the user's model and pieces on ``group``, the round's checkpointer (a new round claims the
-        directory: a stale rank of an old one — a frozen node resumed — can no longer write it)."""
-        model, pieces = self.user_build(group, self.device)
+    def _build(self, group: Any, kept: torch.nn.Module | None = None) -> Kit:
+        """One round's kit: the user's model and pieces on ``group`` (on ``kept``, a survivor's model, where given),
+        the round's checkpointer (a new round claims the directory: a stale rank of an old one — a frozen node
+        resumed — can no longer write it)."""
+        model, pieces = self.user_build(group, self.device, kept) if kept is not None else self._fresh(group)
         if self.live:
             self._check_live(pieces)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -238,6 +254,12 @@ class Training:
             # which a background write may use while the steps' collectives run on the default group
             ckpt = Checkpointer(directory, process_group=group if self.live else None, **options)
         return Kit(model, pieces.wrap(model), pieces, world, rank, ckpt)
+
+    def _fresh(self, group: Any) -> tuple[torch.nn.Module, Any]:
+        """The user's build of a new model (``model=None`` where it takes one)."""
+        if takes_model(self.user_build):
+            return self.user_build(group, self.device, None)
+        return self.user_build(group, self.device)
 
     def _phase(self, phase: str, step: int) -> None:
         for hook in self.hooks:

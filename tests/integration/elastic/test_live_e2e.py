@@ -53,7 +53,7 @@ from elasticzero.agent.proctree import descendants
 from elasticzero.data import ByteCorpus, epoch_order, stdlib_corpus
 from elasticzero.proc import JOB_ID_ENV
 from ez_numerics import error_ratio
-from ez_testing import REPO, entered, free_port, in_world
+from ez_testing import REPO, driver_rounds, entered, free_port, in_world
 
 sys.path.insert(0, str(REPO / "examples"))
 from gpt import GPT, config_for, lm_loss
@@ -325,6 +325,8 @@ def test_live_recovery_keeps_the_survivor_through_kill_join_and_freeze(
     mine = sorted((r for r in records(cluster) if r["pid"] == survivor), key=lambda r: r["step"])
     assert [r["step"] for r in mine] == list(range(1, STEPS + 1))  # never restarted, every step once
     assert [r["world"] for r in mine] == [2] * 3 + [1] * 3 + [2] * 3 + [1] * 3 + [2] * 4
+    models = [r["model"] for r in driver_rounds(cluster.tmp) if r["pid"] == survivor]
+    assert len(models) >= 5 and len(set(models)) == 1, models  # four round changes (at least), one model
     check_exactly_once(records(cluster), range(1, STEPS + 1), cluster.tmp)
     check_final_parameters(cluster, case, reference, STEPS)
     assert cluster.leftovers() == []

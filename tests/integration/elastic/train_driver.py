@@ -102,6 +102,7 @@ class Driven(Hooks):
         self.rounds_seen = len(events)
         line = {"pid": os.getpid(), "rank": training.rank, "world": training.world}
         line |= {"round": events[-1].round.number if events else None, "step": training.step}
+        line |= {"model": id(training.model)}  # the object: a survivor keeps its model across round changes
         with record.with_suffix(".rounds").open("a") as fh:
             fh.write(json.dumps(line) + "\n")
 

@@ -135,16 +135,17 @@ class Built:
 
 
 def builder(stage: int, precision: str, freeze: bool = False) -> Any:
-    """``build(group)``: a fresh tiny GPT, its ZeRO optimizer of ``stage`` on ``group`` and the schedule on it
-    (``freeze``: the process SIGSTOPs itself first, its group formed: a node frozen in the round's build)."""
+    """``build(group, module=None)``: a fresh tiny GPT (or ``module``, a survivor's own: LiveTraining's ``rebuild``),
+    its ZeRO optimizer of ``stage`` on ``group`` and the schedule on it (``freeze``: the process SIGSTOPs itself
+    first, its group formed: a node frozen in the round's build)."""
 
-    def build(group: Any) -> Built:
+    def build(group: Any, module: Any = None) -> Built:
         if freeze:
             os.kill(os.getpid(), signal.SIGSTOP)
-        torch.manual_seed(0)
-        opt = STAGES[stage](
-            GPT(config()), torch.optim.AdamW, lr=LR, weight_decay=WD, precision=precision, process_group=group
-        )
+        if module is None:
+            torch.manual_seed(0)
+            module = GPT(config())
+        opt = STAGES[stage](module, torch.optim.AdamW, lr=LR, weight_decay=WD, precision=precision, process_group=group)
         return Built(opt, schedule(opt))
 
     return build
@@ -187,11 +188,13 @@ def after_the_gate(attempt: Any, live: LiveTraining) -> None:
 def train(rank: int, out: Path, sig: str, stage: int, precision: str) -> None:
     env = {ROUND_FILE_ENV: round_file(out, rank), "LOCAL_RANK": "0"}
     freeze = sig == "JOINSTOP" and rank == VICTIM  # the joiner
+    build = builder(stage, precision, freeze)
     live = LiveTraining.from_agent(
-        builder(stage, precision, freeze), sampler=sampler_at(0, 1), env=env, nodes=lambda n: list(range(n))
+        build, sampler=sampler_at(0, 1), env=env, nodes=lambda n: list(range(n)), rebuild=build
     )
-    data, reported, lrs = tokens(), [], []
+    data, reported, lrs, models = tokens(), [], [], set()
     for attempt in live.steps(TOTAL):
+        models.add(id(attempt.model))
         with attempt:
             lr = float(attempt.opt.param_groups[0]["lr"])
             at_k = attempt.step == K and live.round.number == 0
@@ -213,7 +216,7 @@ def train(rank: int, out: Path, sig: str, stage: int, precision: str) -> None:
         for e in live.events
     ]
     result = {"pid": os.getpid(), "record": live.record, "events": events, "world": live.opt.world_size}
-    result["reported"], result["lrs"] = reported, lrs
+    result["reported"], result["lrs"], result["models"] = reported, lrs, len(models)
     final = live.opt.full_state_dict()  # collective over the last round's group
     if live.rank == 0:
         torch.save(final, f"{out}.final.pt")

@@ -4,6 +4,7 @@ the driver plays the agent (hosts the store, writes the round files). At step K 
 SIGSTOPped (fp32; one bf16 case), or a fresh third process joins two. Then:
 
 - the survivors are the same processes (pids unchanged) and went through one reconfiguration, resuming at step K;
+  at fp32 stages 1/2 they trained one model object throughout (``rebuild``: the model kept, the reshard into it);
   a joiner starts in round 1 at step K with its shards from its peers (no checkpoint exists);
 - no committed step is redone: each rank's sample record holds every step it trained once (a joiner's from K); the
   samples of a step over all ranks are exactly its global batch from step K on (the global batch kept at the new
@@ -161,6 +162,8 @@ def test_live_loop(runs: Path, stage: int, sig: str, precision: str) -> None:
     results = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(VICTIM)]
     assert [res["pid"] for res in results] == harness["pids"][:VICTIM]  # the survivors kept their processes
     assert [res["world"] for res in results] == [VICTIM] * VICTIM
+    kept = stage in (1, 2) and precision == "fp32"  # ZeroOptimizer.rewrappable: whole fp32 parameters
+    assert [res["models"] for res in results] == [1 if kept else 2] * VICTIM  # a survivor trained one model object
     for res in results:
         assert [(e["round"], e["step"]) for e in res["events"]] == [(1, K)], res["events"]
         assert res["reported"] == list(range(TOTAL))  # every committed step reported committed once
@@ -187,6 +190,7 @@ def test_a_fresh_process_joins_with_its_shards_from_its_peers(runs: Path) -> Non
     results = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)]
     assert [res["pid"] for res in results] == harness["pids"]  # the two kept theirs; the joiner is the new one
     assert [res["world"] for res in results] == [3, 3, 3]
+    assert [res["models"] for res in results] == [1, 1, 1]  # the two kept theirs across the join
     assert [[(e["round"], e["step"]) for e in res["events"]] for res in results] == [[(1, K)], [(1, K)], []]
     assert [res["lrs"] for res in results] == [[lr_of(s) for s in range(first, TOTAL)] for first in (0, 0, K)]
     assert record_problems([res["record"] for res in results], [0, 0, K]) == []

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from elasticzero import ZeroStage1, ZeroStage2, ZeroStage3
+from elasticzero.errors import UsageError
 
 STAGES = [ZeroStage1, ZeroStage2, ZeroStage3]
 pytestmark = pytest.mark.usefixtures("group")
@@ -47,3 +48,48 @@ def test_without_release_the_parameters_hooks_keep_them_alive(stage: Any) -> Non
     opt_ref().release()  # type: ignore[union-attr]  # let this test's own go
     gc.collect()
     assert opt_ref() is None and model_ref() is None
+
+
+# -- unwrap: the module handed back, to be wrapped again (a live survivor keeps its model) -----------------------------
+def first_step(stage: Any, model: nn.Module, x: torch.Tensor) -> Any:
+    opt = stage(model, torch.optim.AdamW, lr=1e-2)
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return opt
+
+
+def fresh_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+@pytest.mark.parametrize("stage", [ZeroStage1, ZeroStage2], ids=lambda s: s.__name__)
+def test_an_unwrapped_module_is_wrapped_again_and_trains_as_a_fresh_copy_of_it(stage: Any) -> None:
+    """Unwrap after a step, wrap again: the next step equals one taken by a new optimizer on a fresh model holding
+    the same values (bitwise: the same ops on the same numbers); the old optimizer's buffers and masters are never
+    written again — not by the new wrap, not by the training after it (a live reshard reads them meanwhile)."""
+    x = torch.randn(4, 8)
+    model = fresh_model()
+    old = first_step(stage, model, x)
+    masters = [m.detach().clone() for m in old.masters]
+    kept = old.unwrap()
+    assert kept is model and old.rewrappable()
+    assert all(p.grad is None for p in model.parameters())
+    copy = fresh_model()
+    copy.load_state_dict(model.state_dict())  # the unwrapped module is a plain one: no hook of the old optimizer
+    for m in (model, copy):
+        first_step(stage, m, x)
+    for (name, p), q in zip(model.named_parameters(), copy.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert all(torch.equal(m, before) for m, before in zip(old.masters, masters, strict=True))
+
+
+def test_a_module_whose_parameters_are_not_whole_fp32_values_is_not_handed_back() -> None:
+    x = torch.randn(4, 8)
+    stage3 = first_step(ZeroStage3, fresh_model(), x)
+    bf16 = ZeroStage2(fresh_model(), torch.optim.AdamW, lr=1e-2, precision="bf16")
+    assert not stage3.rewrappable() and not bf16.rewrappable()
+    for opt in (stage3, bf16):
+        with pytest.raises(UsageError, match=r"unwrap\(\): .* build a fresh model instead"):
+            opt.unwrap()

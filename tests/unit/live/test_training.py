@@ -23,7 +23,7 @@ from elasticzero.errors import UsageError
 from elasticzero.live import Hooks, Training
 from elasticzero.live.loop import Attempt, carry, held_state, resume_point
 from elasticzero.live.reshard import ReshardPlan
-from elasticzero.live.training import due
+from elasticzero.live.training import due, takes_model
 from elasticzero.rounds import ROUND_FILE_ENV, NodeRound, StoreAddress, write_round
 from ez_testing import REPO, free_port
 
@@ -362,3 +362,16 @@ def test_a_joiner_takes_the_sources_engine_state_at_the_resumed_step(
             next(iter(source))  # the step in flight, taken by the source
         assert engine_state(joiner) == engine_state(source) != fresh
         assert engine_state(joiner) == uninterrupted(2 + behind)[-1]
+
+
+def test_a_build_that_takes_a_model_parameter_keeps_the_model() -> None:
+    """``build(group, device, model=None)`` is handed a survivor's model; the two-argument form always builds one."""
+
+    def keeps(group: Any, device: Any, model: Any = None) -> Any:
+        return model
+
+    def builds(group: Any, device: Any) -> Any:
+        return None
+
+    assert takes_model(keeps) and not takes_model(builds)
+    assert not takes_model(print)  # a builtin without a signature Python can read: the two-argument form

@@ -81,6 +81,9 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
     supports_no_sync: bool = True
     """Whether :meth:`no_sync` defers communication (False on stage 3, where it raises);
     :class:`~elasticzero.engine.accumulation.GradAccumulation` falls back to a plain context then."""
+    keeps_whole_params: bool = True
+    """Whether the module's parameters hold their whole values between steps (stages 1/2; stage 3 frees them): after
+    :meth:`release` the module can be wrapped again — a live survivor keeps its model across a round change."""
 
     def __init__(
         self,
@@ -161,7 +164,31 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
             self._input_hook = module.register_forward_pre_hook(input_caster(self.policy.param_dtype), with_kwargs=True)
         self._fp32_hooks = keep_fp32_hooks(module, self.policy)
         self._own_module_state_dict = False  # set while full_state_dict/load_full_state_dict read the module
-        self._register_state_dict_hooks()
+        self._state_dict_hooks = self._register_state_dict_hooks()
+
+    def rewrappable(self) -> bool:
+        """Whether :meth:`unwrap` can hand the module back as a model to wrap again: its parameters hold their whole
+        values (:attr:`keeps_whole_params`) in their own dtype (fp32; under bf16/fp16 they are the low-precision
+        compute copies, which a fresh wrap would take for the model's own)."""
+        return self.keeps_whole_params and self.policy.param_dtype == torch.float32
+
+    def unwrap(self) -> nn.Module:
+        """The module, handed back as a plain model another optimizer can wrap (:meth:`rewrappable`): this optimizer
+        released (:meth:`release`), and every managed parameter given storage of its own holding its current values
+        — the module no longer views this optimizer's flat buffers, which stay exactly as they are (state read from
+        them meanwhile, a live reshard's, is not touched by what the next wrap writes into the parameters: its
+        broadcast of the module). Costs one copy of the parameters; this optimizer is not used again."""
+        if not self.rewrappable():
+            raise UsageError(
+                f"{type(self).__name__}.unwrap(): its parameters are not whole fp32 values (stage 3 frees them, "
+                "bf16/fp16 hold compute copies): build a fresh model instead"
+            )
+        self.release()
+        with torch.no_grad():
+            for b in self.buckets:
+                for p in b.params:
+                    p.data = p.detach().clone()
+        return self.module
 
     def release(self) -> None:
         """Take every hook this optimizer put on its module and its parameters off; the optimizer is not used again.
@@ -169,11 +196,17 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
         For the owner of a model it is done with while the process goes on — a live round change drops the old
         round's model and optimizer. A parameter's post-accumulate-grad hook (the bucketer's) is held by autograd's
         C++ node, an edge Python's collector cannot see: without this, that hook keeps the optimizer, its masters and
-        state and the whole model alive for good (~5x the model's fp32 size per round, measured)."""
+        state and the whole model alive for good (~5x the model's fp32 size per round, measured).
+
+        The managed parameters' gradients go too (stand-ins, views of this optimizer's buffers), so that a new
+        optimizer can wrap the same module (:attr:`keeps_whole_params`). Idempotent."""
         self.bucketer.remove()
-        for handle in (self._bound_hook, self._input_hook):
+        for handle in (self._bound_hook, self._input_hook, *self._fp32_hooks, *self._state_dict_hooks):
             if handle is not None:
                 handle.remove()
+        for b in self.buckets:
+            for p in b.params:
+                p.grad = None
 
     # -- stage hooks (overridden; those called while constructing read only what the base set before) -----------
     def _communicator_replaced(self, new: Communicator) -> None:
@@ -249,8 +282,10 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
     def _on_reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def _register_state_dict_hooks(self) -> None:
-        """Hooks on ``module.state_dict`` / ``module.load_state_dict`` (stages 1/2: keep masters in sync; 3: refuse)."""
+    def _register_state_dict_hooks(self) -> list[RemovableHandle]:
+        """Hooks on ``module.state_dict`` / ``module.load_state_dict`` (stages 1/2: keep masters in sync; 3: refuse);
+        their handles (:meth:`release` removes them)."""
+        return []
 
     # -- torch.optim.Optimizer API ------------------------------------------------------------------------------
     @torch.no_grad()

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.comm.work import same_memory
@@ -75,8 +76,8 @@ class _ReplicatedParamsZero(ZeroOptimizer):
                 lo, hi = b.shard_range()
                 offloader.push_into(b.index, compute[lo:hi])
 
-    def _register_state_dict_hooks(self) -> None:
-        self.module.register_load_state_dict_post_hook(self._refresh_masters)
+    def _register_state_dict_hooks(self) -> list[RemovableHandle]:
+        return [self.module.register_load_state_dict_post_hook(self._refresh_masters)]
 
     @torch.no_grad()
     def _refresh_masters(self, module: nn.Module, incompatible_keys: Any) -> None:

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
 
 from elasticzero.engine import hf
 from elasticzero.engine.bucketer import GradBucketer, phase
@@ -75,6 +76,7 @@ class ZeroStage3(ZeroOptimizer):
 
     stage = 3
     supports_no_sync = False
+    keeps_whole_params = False  # between uses a parameter's storage is freed: a new optimizer would read nothing
 
     def __init__(
         self,
@@ -403,9 +405,11 @@ class ZeroStage3(ZeroOptimizer):
         self.communicator.settle()
 
     # -- module state dict: refused (the module holds freed views) ----------------------------------------------
-    def _register_state_dict_hooks(self) -> None:
-        self.module.register_state_dict_pre_hook(self._refuse_state_dict)
-        self.module.register_load_state_dict_pre_hook(self._refuse_load_state_dict)
+    def _register_state_dict_hooks(self) -> list[RemovableHandle]:
+        return [
+            self.module.register_state_dict_pre_hook(self._refuse_state_dict),
+            self.module.register_load_state_dict_pre_hook(self._refuse_load_state_dict),
+        ]
 
     def _refuse_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if not self._own_module_state_dict:

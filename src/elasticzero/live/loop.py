@@ -500,6 +500,7 @@ class LiveTraining(_Rounds):
         self.now = value
         if previous is not None:
             release(previous)  # its holdings are in the new round's state now
+        self.groups.cut_left()  # every member formed this round's group: the old groups' pending work fails, freed
         return round_
 
     def _commit_in_flight(self, start: Start) -> None:

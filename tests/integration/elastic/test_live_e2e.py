@@ -326,7 +326,9 @@ def test_live_recovery_keeps_the_survivor_through_kill_join_and_freeze(
     assert [r["step"] for r in mine] == list(range(1, STEPS + 1))  # never restarted, every step once
     assert [r["world"] for r in mine] == [2] * 3 + [1] * 3 + [2] * 3 + [1] * 3 + [2] * 4
     models = [r["model"] for r in driver_rounds(cluster.tmp) if r["pid"] == survivor]
-    assert len(models) >= 5 and len(set(models)) == 1, models  # four round changes (at least), one model
+    assert len(models) >= 5, models  # the first round and four changes (at least)
+    if case.zero in (1, 2) and case.precision == "fp32":  # ZeroOptimizer.rewrappable: the example's build keeps it
+        assert len(set(models)) == 1, models  # (a fresh model per round may reuse a freed one's id: not checked)
     check_exactly_once(records(cluster), range(1, STEPS + 1), cluster.tmp)
     check_final_parameters(cluster, case, reference, STEPS)
     assert cluster.leftovers() == []

@@ -4,6 +4,8 @@ one process forms a fresh default group twice over a real TCPStore (a world of o
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -17,6 +19,7 @@ import torch.distributed as dist
 from elasticzero.device import Facts, placement
 from elasticzero.live.bounded import LiveError
 from elasticzero.live.group import (
+    cut,
     GroupSpec,
     RoundGroups,
     RoundWatch,
@@ -208,3 +211,29 @@ def test_a_formed_group_records_its_connections_and_leaving_it_forgets_them() ->
     finally:
         groups.abandon()
     assert groups.sockets == {} and not groups.lost()
+
+
+def test_cut_shuts_down_the_recorded_connections_only(tmp_path: Path) -> None:
+    """A connection recorded and still open is shut down (its peer reads the end); a listening socket (gloo's
+    listener thread dies of a failed accept) and a descriptor closed and reused since (here by a file) are left."""
+    a, b = socket.socketpair()
+    listener = socket.create_server(("127.0.0.1", 0))
+    stale = socket.socket()
+    stale_link = os.readlink(f"/proc/self/fd/{stale.fileno()}")
+    number = stale.fileno()
+    stale.close()
+    fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY)  # the lowest free number: the socket's, reused
+    if fd != number:
+        os.dup2(fd, number)
+        os.close(fd)
+    links = socket_fds()
+    recorded = {a.fileno(): links[a.fileno()], listener.fileno(): links[listener.fileno()], number: stale_link}
+    assert cut(recorded) == 1
+    assert os.fstat(number).st_size == 0  # the file untouched, still open
+    os.close(number)
+    b.settimeout(5)
+    assert b.recv(1) == b""  # the peer of the cut connection reads the end
+    with socket.create_connection(listener.getsockname(), timeout=5):
+        pass  # the listener still accepts
+    for s in (a, b, listener):
+        s.close()

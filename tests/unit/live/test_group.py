@@ -19,7 +19,6 @@ import torch.distributed as dist
 from elasticzero.device import Facts, placement
 from elasticzero.live.bounded import LiveError
 from elasticzero.live.group import (
-    cut,
     GroupSpec,
     RoundGroups,
     RoundWatch,
@@ -27,6 +26,7 @@ from elasticzero.live.group import (
     aborts_on_announce,
     arrive,
     closed,
+    cut,
     group_spec,
     init_args,
     socket_fds,

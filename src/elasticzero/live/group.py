@@ -27,6 +27,12 @@ where a wait on that peer never fails (a receive whose sender died mid-message),
 (:class:`~elasticzero.live.bounded.BoundedWait`'s ``lost``). :func:`socket_fds` is the I/O (``/proc/self/fd``),
 :func:`closed` the decision.
 
+A group left is cut once the next round settled (:meth:`RoundGroups.cut_left`, :func:`cut`): gloo cannot abort an
+operation — its ``abort`` and ``shutdown`` leave a pending one pending, holding its tensors and its waiting thread
+until the group's timeout (minutes) — so its recorded connections are shut down instead, once every member of the new
+round formed the new group (none uses the old one any more): the pending operations fail at once, as on a dead peer's
+connection, and let go of both.
+
 Forming is leavable: ``init_process_group`` waits for every member without a bound but the group's timeout (minutes),
 so a member lost before it arrives — a joiner killed while its interpreter starts, a node frozen between two rounds —
 would hold the others there. :meth:`RoundGroups.form` first connects to the round's store once it listens

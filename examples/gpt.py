@@ -39,11 +39,13 @@ SIZES: dict[str, GPTConfig] = {
     "tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64),
     "small": GPTConfig(vocab_size=2048, block_size=128, n_layer=4, n_head=4, n_embd=256),
     "bench": GPTConfig(vocab_size=4096, block_size=128, n_layer=8, n_head=8, n_embd=512),
+    "large": GPTConfig(vocab_size=4096, block_size=128, n_layer=12, n_head=12, n_embd=768),
 }
 
 
 def config_for(size: str, **overrides: object) -> GPTConfig:
-    """The named size (``tiny``, ``small``, ``bench``) with optional field overrides."""
+    """The named size (``tiny``, ``small``, ``bench``, ``large``: ~85M parameters at vocabulary 256) with optional
+    field overrides."""
     try:
         base = SIZES[size]
     except KeyError:

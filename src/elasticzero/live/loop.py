@@ -48,7 +48,6 @@ training object of both is :class:`elasticzero.live.Training` (:mod:`.training`)
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 import re
@@ -314,7 +313,6 @@ class _Rounds:
         now.step += 1
         if self.events and self.events[-1].first_step_at is None:
             self.events[-1] = _first_step(self.events[-1], time.monotonic())
-            trim_heap()  # the rounds left are freed by now (their cut pending work too): give the pages back
 
     def reconfigure(self, round_: NodeRound) -> None:
         raise LiveError(f"round {round_.number} announced to a static round")  # pragma: no cover - live only
@@ -502,7 +500,7 @@ class LiveTraining(_Rounds):
         self.now = value
         if previous is not None:
             release(previous)  # its holdings are in the new round's state now
-        self.groups.cut_left()  # every member formed this round's group: the old groups' pending work fails, freed
+        self.groups.cut_left()  # every member formed this round's group: the old groups cut and let go, memory back
         return round_
 
     def _commit_in_flight(self, start: Start) -> None:
@@ -647,21 +645,6 @@ def release(state: RoundState) -> None:
     if state.copies is not None:
         state.copies.abandon()
     release_optimizer(state.opt)
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    return getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None under another C library
-
-
-def trim_heap() -> None:
-    """Return the heap's free pages to the system (glibc's ``malloc_trim(0)``; nothing under another C library).
-    Each round change frees one set of buffers and allocates another; glibc serves allocations below its dynamic
-    mmap threshold (up to 32 MB) from its heaps and keeps what they free there, fragmented: a world-of-one loop at
-    25.5M parameters grew ~115 MB per round change (735 -> 2348 MB over 14), flat with this (~20 ms a call)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def _rewrappable(opt: Any) -> bool:

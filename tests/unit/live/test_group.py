@@ -114,7 +114,7 @@ def test_the_round_watch_fires_once_at_the_announcement_and_not_after_close(tmp_
     assert not quiet.fired and len(calls) == 1  # closed first: never fires
 
 
-def test_one_process_forms_a_fresh_default_group_per_round_and_keeps_the_old_ones() -> None:
+def test_one_process_forms_a_fresh_default_group_per_round_and_keeps_the_old_ones_until_cut() -> None:
     port = free_port()
     groups = RoundGroups()
     specs = [GroupSpec("gloo", 0, 1, "127.0.0.1", port, True, f"r{n}/", None, timedelta(seconds=30)) for n in (0, 1)]
@@ -127,6 +127,9 @@ def test_one_process_forms_a_fresh_default_group_per_round_and_keeps_the_old_one
     assert len(groups._stores) == 1  # the store this process hosts is reused, not created again on the same port
     groups.abandon()
     assert not dist.is_initialized() and groups.abandoned == [first, second]
+    assert groups.sockets == {} and len(groups._left) == 2  # gloo: each left with the connections it opened
+    groups.cut_left()
+    assert groups.abandoned == [] and groups._left == []  # let go (on a thread of their own)
 
 
 class Leave(Exception):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elasticzero.live.loop import _malloc_trim, trim_heap
+from elasticzero.live.group import _malloc_trim, trim_heap
 
 MB = 2**20
 

@@ -11,16 +11,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
 
 import pytest
+from c10d_nodes import in_thread, node_process
 from torch.distributed import TCPStore
-from torch.distributed.elastic.rendezvous import RendezvousInfo
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 
@@ -33,22 +30,6 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(120)]
 #: the heartbeat timeout is long on purpose: a round that forms without the killed node forms because of the drop
 PEER_TIMEOUT_S = 60
 RUN_ID = "ask-test"
-NODE = f"""
-import sys, time
-from datetime import timedelta
-from torch.distributed import TCPStore
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
-store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30))
-handler = DynamicRendezvousHandler.from_backend(
-    "{RUN_ID}", store, C10dRendezvousBackend(store, "{RUN_ID}"), 1, 2,
-    timeout=RendezvousTimeout(last_call=timedelta(seconds=2)),
-    keep_alive_interval=1, keep_alive_max_attempt={PEER_TIMEOUT_S},
-)
-handler.next_rendezvous()
-print(repr(handler._this_node), flush=True)
-time.sleep(600)
-"""
 
 
 def plan(port: int) -> PeerPlan:
@@ -69,20 +50,6 @@ def handler_on(port: int) -> DynamicRendezvousHandler:
     )  # fmt: skip
 
 
-def in_thread(call: Callable[[], RendezvousInfo]) -> Callable[[], RendezvousInfo]:
-    """Start ``call`` on a thread; the returned function waits for its result."""
-    out: list[Any] = []
-    thread = threading.Thread(target=lambda: out.append(call()), daemon=True)
-    thread.start()
-
-    def result() -> RendezvousInfo:
-        thread.join(timeout=60)
-        assert out, "the rendezvous did not complete"
-        return out[0]
-
-    return result
-
-
 def read(watch: PeerWatch) -> None:
     """One tick's read of the state and the round's asks, waited for (a c10d watch waits for its read)."""
     watch.check()
@@ -95,12 +62,8 @@ def suspicion_facts(watch: PeerWatch, reported: bool) -> Facts:
 
 @pytest.fixture
 def killed_node(store: TCPStore) -> Iterator[subprocess.Popen[str]]:
-    proc = subprocess.Popen([sys.executable, "-c", NODE, str(store.port)], stdout=subprocess.PIPE, text=True)
-    try:
+    with node_process(store.port, RUN_ID, 2, 2, PEER_TIMEOUT_S) as proc:
         yield proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_an_asked_live_node_answers_and_nobody_is_dropped(store: TCPStore) -> None:

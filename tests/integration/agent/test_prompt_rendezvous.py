@@ -12,15 +12,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
 
 import pytest
+from c10d_nodes import in_thread, node_process
 from torch.distributed import TCPStore
-from torch.distributed.elastic.rendezvous import RendezvousInfo
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 
@@ -34,22 +31,6 @@ RUN_ID = "prompt-test"
 #: waiting out this last call would take the test past its own timeout's half: a round formed before it formed early
 LAST_CALL_S = 60
 PEER_TIMEOUT_S = 60  # the heartbeat never drops the killed node here: the ask's drop does
-NODE = f"""
-import sys, time
-from datetime import timedelta
-from torch.distributed import TCPStore
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
-store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30))
-handler = DynamicRendezvousHandler.from_backend(
-    "{RUN_ID}", store, C10dRendezvousBackend(store, "{RUN_ID}"), 1, 3,
-    timeout=RendezvousTimeout(last_call=timedelta(seconds={LAST_CALL_S})),
-    keep_alive_interval=1, keep_alive_max_attempt={PEER_TIMEOUT_S},
-)
-handler.next_rendezvous()
-print(repr(handler._this_node), flush=True)
-time.sleep(600)
-"""
 
 
 @pytest.fixture
@@ -68,37 +49,10 @@ def prompt_handler(port: int, last_call_s: float = LAST_CALL_S) -> DynamicRendez
     return handler
 
 
-def in_thread(call: Callable[[], RendezvousInfo]) -> Callable[[], RendezvousInfo]:
-    """Start ``call`` on a thread; the returned function waits for its result."""
-    out: list[Any] = []
-
-    def run() -> None:
-        try:
-            out.append(call())
-        except BaseException as exc:  # handed to the test's thread
-            out.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-
-    def result() -> RendezvousInfo:
-        thread.join(timeout=LAST_CALL_S / 2)
-        assert out, f"the rendezvous did not complete within {LAST_CALL_S / 2:.0f} s: it waited out the last call"
-        if isinstance(out[0], BaseException):
-            raise out[0]
-        return out[0]
-
-    return result
-
-
 @pytest.fixture
 def killed_node(store: TCPStore) -> Iterator[subprocess.Popen[str]]:
-    proc = subprocess.Popen([sys.executable, "-c", NODE, str(store.port)], stdout=subprocess.PIPE, text=True)
-    try:
+    with node_process(store.port, RUN_ID, 3, LAST_CALL_S, PEER_TIMEOUT_S) as proc:
         yield proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def watch(handler: DynamicRendezvousHandler, port: int) -> PeerWatch:
@@ -123,8 +77,8 @@ def test_after_a_crash_the_survivors_form_the_next_round_without_waiting_out_the
     expect(a, watch_a.alive((dead,)))
     expect(b, watch_b.alive((dead,)))
     assert watch_a.alive((dead,)) == {watch_a.this_node, watch_b.this_node}
-    got_b = in_thread(b.next_rendezvous)
-    again = in_thread(a.next_rendezvous)()
+    got_b = in_thread(b.next_rendezvous, LAST_CALL_S / 2)
+    again = in_thread(a.next_rendezvous, LAST_CALL_S / 2)()
     assert (again.world_size, got_b().world_size) == (2, 2)
     assert {again.rank, b._get_world()[0]} == {0, 1}
     assert all(h._op_executor.expected is None for h in (a, b))  # one join's expectation, spent

@@ -6,8 +6,9 @@ world, committed steps lost, and what the in-memory copies cost.
     .venv/bin/python bench/live_recovery_bench.py --size bench --reps 3 --copy-rounds 3
     .venv/bin/python bench/live_recovery_bench.py --size bench --seq-len 32 --global-batch 4 --micro-batch 2 --reps 10
 
-**The jobs.** ``examples/train_gpt.py`` (ZeRO-2, gloo, ``--size tiny`` or ``bench`` — the example's byte-level
-vocabulary makes the bench GPT 25.5M parameters there, 29.5M in copies_bench's 4096 vocabulary; through its test driver
+**The jobs.** ``examples/train_gpt.py`` (ZeRO-2, gloo, ``--size tiny``, ``bench`` or ``large`` — the example's
+byte-level vocabulary makes the bench GPT 25.5M parameters there (29.5M in copies_bench's 4096 vocabulary), the large
+one 85.5M; through its test driver
 ``tests/integration/elastic/train_driver.py``, which records every step) under two ``elasticzero-run --nnodes 1:2
 --rdzv-backend c10d`` agents on this machine, each a "node" with one worker, the agents' default rendezvous settings.
 Two paths: ``restart`` (today's agents: a membership change restarts the workers from the newest checkpoint, every
@@ -90,7 +91,7 @@ RUN = Path(sys.executable).with_name("elasticzero-run")
 DRIVER = REPO / "tests" / "integration" / "elastic" / "train_driver.py"
 PATHS = ("restart", "live")
 EVENTS = ("kill", "freeze", "join")
-SIZES = ("tiny", "bench")
+SIZES = ("tiny", "bench", "large")
 #: the store's agent and the victims' local addresses (all loopback): the c10d rendezvous sorts the nodes by address
 #: (then pid: with pids alone a pid wrap-around would swap the ranks at random), so the victim's worker is rank 0 or 1
 STORE_ADDR, VICTIM_ADDR = "127.0.0.2", {0: "127.0.0.1", 1: "127.0.0.3"}
@@ -493,7 +494,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=2, help="events of each kind per path, over all blocks (default 2)")
     p.add_argument("--events", default="kill,freeze,join", help=f"of {', '.join(EVENTS)} (default all)")
     p.add_argument("--paths", default="restart,live", help="the paths to run, of restart, live (default both)")
-    p.add_argument("--size", default="tiny", help=f"the job's GPT, {' or '.join(SIZES)} (default tiny)")
+    p.add_argument("--size", default="tiny", help=f"the job's GPT, {', '.join(SIZES)} (default tiny)")
     p.add_argument("--seq-len", type=int, default=128, help="the job's sequence length (default 128)")
     p.add_argument("--save-every", type=int, default=5, help="checkpoint interval K, both paths (default 5)")
     p.add_argument("--global-batch", type=int, default=0, help="sequences per step (default: the config's, 16)")
@@ -522,7 +523,7 @@ def checks(args: argparse.Namespace) -> list[tuple[bool, str]]:
         (not set(args.events) <= set(EVENTS), f"--events {','.join(args.events)}: choose from {', '.join(EVENTS)}"),
         (args.victim_rank not in VICTIMS, f"--victim-rank {args.victim_rank}: give 0, 1 or alternate"),
         (not set(args.paths) <= set(PATHS), f"--paths {','.join(args.paths)}: give restart, live or both"),
-        (args.size not in SIZES, f"--size {args.size}: choose {' or '.join(SIZES)}"),
+        (args.size not in SIZES, f"--size {args.size}: choose one of {', '.join(SIZES)}"),
         (
             min(args.global_batch, args.micro_batch) < 0
             or bool(args.global_batch) != bool(args.micro_batch)

@@ -185,6 +185,7 @@ class RoundGroups:
         self.sockets: dict[int, str] = {}
         #: the groups left since the last :meth:`cut_left` whose connections were recorded (gloo), with them
         self._left: list[tuple[Any, dict[int, str]]] = []
+        self._cut: list[Any] = []  #: the groups cut and not yet let go (:meth:`let_go`)
 
     def form(self, spec: GroupSpec, *, aborted: bool = False, check: Check = lambda: None) -> Any:
         """Leave the current group (``aborted``: a :class:`RoundWatch` already aborted it), form ``spec``'s once
@@ -222,24 +223,30 @@ class RoundGroups:
                 dist.destroy_process_group(pg)
 
     def cut_left(self) -> int:
-        """Shut down the connections of every group left since the last call (gloo; :func:`cut`), then let go of
-        those groups; how many connections. Call it once every member of the current round formed its group — none
-        of them uses an older one any more.
+        """Shut down the connections of every group left since the last call (gloo; :func:`cut`); how many. Call it
+        once every member of the current round formed its group — none of them uses an older one any more — and
+        :meth:`let_go` of them later.
 
         gloo cannot abort an operation (its ``abort`` and ``shutdown`` leave a pending one pending): a collective or
         transfer left pending in an abandoned group — its peer lost, or left for the new round — would hold its
         tensors (the old round's buffers) and its waiting thread until the group's timeout (minutes). Shut down, its
-        connections fail it at once, as a dead peer's would. The group itself is then dropped on a thread of its own
-        (:func:`_let_go`): a gloo group kept holds its threads and their heaps — ~325 MB per round change at 25.5M
-        parameters, measured over 12 round changes of two live ranks — and its destructor joins its threads, which a
-        pending operation the cut did not reach would keep waiting: then only that thread waits."""
+        connections fail it at once, as a dead peer's would."""
         left, self._left = self._left, []
         done = sum(cut(sockets) for _, sockets in left)
-        groups = [pg for pg, _ in left]
-        left.clear()  # the groups' only references here are in ``groups``, which the thread empties
-        self.abandoned = [pg for pg in self.abandoned if not any(pg is g for g in groups)]
-        _let_go(groups)
+        self._cut += [pg for pg, _ in left]
+        left.clear()
         return done
+
+    def let_go(self) -> None:
+        """Drop the groups cut so far, on a thread of their own (:func:`_let_go`). A gloo group kept holds its threads
+        and their heaps — ~325 MB per round change at 25.5M parameters, measured over 12 round changes of two live
+        ranks; its destructor joins those threads (50-100 ms with the interpreter's lock held, which is why the live
+        loop calls this after the new round's first step, not in the round change), and a pending operation the cut
+        did not reach would keep it waiting: then only that thread waits."""
+        groups, self._cut = self._cut, []
+        self.abandoned = [pg for pg in self.abandoned if not any(pg is g for g in groups)]
+        if groups:
+            _let_go(groups)  # the groups' only references here were in ``groups``, which the thread empties
 
     def ready(self, spec: GroupSpec) -> bool:
         """Say this member is ready to switch to ``spec``'s round, and whether every member is (see the module); never

@@ -313,6 +313,10 @@ class _Rounds:
         now.step += 1
         if self.events and self.events[-1].first_step_at is None:
             self.events[-1] = _first_step(self.events[-1], time.monotonic())
+            self._after_first_step()
+
+    def _after_first_step(self) -> None:
+        """After the first step of a round entered in this process (a live round change): nothing here."""
 
     def reconfigure(self, round_: NodeRound) -> None:
         raise LiveError(f"round {round_.number} announced to a static round")  # pragma: no cover - live only
@@ -469,6 +473,11 @@ class LiveTraining(_Rounds):
     def watch(self) -> RoundWatch | None:
         return self.now.watch
 
+    def _after_first_step(self) -> None:
+        """The groups of the rounds left, cut when this one settled, let go (:meth:`RoundGroups.let_go`): off the
+        round change's path, their destructors hold the interpreter's lock for tens of milliseconds."""
+        self.groups.let_go()
+
     def reconfigure(self, round_: NodeRound) -> None:
         """Leave the old round for ``round_`` in this process (see the module)."""
         left_at = time.monotonic()
@@ -500,7 +509,7 @@ class LiveTraining(_Rounds):
         self.now = value
         if previous is not None:
             release(previous)  # its holdings are in the new round's state now
-        self.groups.cut_left()  # every member formed this round's group: the old groups cut and let go, memory back
+        self.groups.cut_left()  # every member formed this round's group: the old groups' pending work fails, freed
         return round_
 
     def _commit_in_flight(self, start: Start) -> None:

@@ -129,7 +129,9 @@ def test_one_process_forms_a_fresh_default_group_per_round_and_keeps_the_old_one
     assert not dist.is_initialized() and groups.abandoned == [first, second]
     assert groups.sockets == {} and len(groups._left) == 2  # gloo: each left with the connections it opened
     groups.cut_left()
-    assert groups.abandoned == [] and groups._left == []  # let go (on a thread of their own)
+    assert len(groups.abandoned) == 2 and groups._left == []  # cut, still referenced
+    groups.let_go()
+    assert groups.abandoned == []  # let go (on a thread of their own)
 
 
 class Leave(Exception):

@@ -127,7 +127,7 @@ def test_a_world_of_one_enters_a_second_round_in_the_same_process(tmp_path: Path
         assert [(e.round.number, e.step) for e in live.events] == [(1, 2)]
         assert [s for s, _ in live.record] == [0, 1, 2] and live.sampler.consumed == 36
         assert live.opt is not old_opt and live.groups.current is dist.group.WORLD
-        assert live.groups.abandoned == []  # round 0's gloo group left, cut once round 1 settled, and let go
+        assert live.groups.abandoned == []  # round 0's gloo group: cut once round 1 settled, let go after its 1st step
         carried = seen[2]  # what the new optimizer, built afresh, started round 1 from
         assert all(torch.equal(carried[k], v) for k, v in end_of_round0.items())
     finally:

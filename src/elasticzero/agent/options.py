@@ -29,7 +29,8 @@ RDZV_DEFAULTS = {
 
 #: with ``--live-recovery`` the last call is 1 s: there a node that misses a round costs one more hand-off (the
 #: workers' own part is ~0.15 s), not a restart of every worker, so the round closes sooner and a loss is trained
-#: past within the 5 s goal at the default 4 s peer timeout (docs/agent.md, "Live recovery"). --rdzv-conf wins.
+#: past within the 5 s goal at the default 4 s peer timeout (docs/agent.md, "Live recovery"). --rdzv-conf wins. A
+#: hand-off's re-formation does not wait it out once every node expected is in (agent/prompt.py).
 LIVE_RDZV_DEFAULTS = {**RDZV_DEFAULTS, "last_call_timeout": "1"}
 
 IDENTITY_FLAGS = ("--node-rank", "--node-rank-env", "--node-host", "--node-host-env")

@@ -234,7 +234,6 @@ class RoundGroups:
         left, self._left = self._left, []
         done = sum(cut(sockets) for _, sockets in left)
         self._cut += [pg for pg, _ in left]
-        left.clear()
         return done
 
     def let_go(self) -> None:

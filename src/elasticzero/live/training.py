@@ -234,8 +234,14 @@ class Training:
             self.device, self._own_group = init_distributed(), True
         return StaticTraining(self._build, sampler=self._sampler, group=dist.group.WORLD, resume=self._resume)
 
+    @property
+    def keeps_model(self) -> bool:
+        """Whether the build takes the model to keep (``build(group, device, model=None)``): a live survivor's model is
+        handed back to it."""
+        return takes_model(self.user_build)
+
     def _live(self) -> LiveTraining:
-        rebuild = self._build if takes_model(self.user_build) else None  # the survivors keep their model
+        rebuild = self._build if self.keeps_model else None  # the survivors keep their model
         options = {"rebuild": rebuild, **self.live_options}
         return LiveTraining.from_agent(self._build, sampler=self._sampler, env=self.env, resume=self._resume, **options)
 
@@ -243,7 +249,7 @@ class Training:
         """One round's kit: the user's model and pieces on ``group`` (on ``kept``, a survivor's model, where given),
         the round's checkpointer (a new round claims the directory: a stale rank of an old one — a frozen node
         resumed — can no longer write it)."""
-        model, pieces = self.user_build(group, self.device, kept) if kept is not None else self._fresh(group)
+        model, pieces = self.user_build(group, self.device, *((kept,) if self.keeps_model else ()))
         if self.live:
             self._check_live(pieces)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -254,12 +260,6 @@ class Training:
             # which a background write may use while the steps' collectives run on the default group
             ckpt = Checkpointer(directory, process_group=group if self.live else None, **options)
         return Kit(model, pieces.wrap(model), pieces, world, rank, ckpt)
-
-    def _fresh(self, group: Any) -> tuple[torch.nn.Module, Any]:
-        """The user's build of a new model (``model=None`` where it takes one)."""
-        if takes_model(self.user_build):
-            return self.user_build(group, self.device, None)
-        return self.user_build(group, self.device)
 
     def _phase(self, phase: str, step: int) -> None:
         for hook in self.hooks:

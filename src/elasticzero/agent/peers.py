@@ -78,7 +78,7 @@ class PeerWatch:
     def __init__(self, handler: Any, plan: PeerPlan, store: Any = None, monitor_interval_s: float = 0.1) -> None:
         self._handler = handler
         self.plan = plan
-        read_period = None if plan.store_in_agent is not None else READ_PERIOD_S  # c10d reads every tick
+        read_period = state_read_period_s(plan, monitor_interval_s)
         self.ask_timeout_s = ask_timeout_s(monitor_interval_s, read_period)  #: how long this node's asks wait
         self._store = store  #: the rendezvous round's store, where asks and answers live (None: no asks)
         self._asked_at: float | None = None  #: when this node asked (monotonic)

@@ -53,8 +53,9 @@ def answer_key(node: str) -> str:
 
 def ask_timeout_s(monitor_interval_s: float, read_period_s: float | None) -> float:
     """How long an ask waits for answers: :data:`ASK_READS` monitor ticks, at least :data:`ETCD_ASK_READS` of the
-    agents' state reads where they read less often than they tick (etcd: ``read_period_s``; c10d reads every tick:
-    None), and never less than :data:`ASK_TIMEOUT_S` (the default 0.1 s tick: 0.5 s with c10d, 1 s with etcd)."""
+    agents' state reads where they read less often than they tick (etcd: ``read_period_s``; c10d reads every tick,
+    which the ticks already cover; None: no reads of their own), and never less than :data:`ASK_TIMEOUT_S` (the
+    default 0.1 s tick: 0.5 s with c10d, 1 s with etcd)."""
     return max(ASK_TIMEOUT_S, ASK_READS * monitor_interval_s, ETCD_ASK_READS * (read_period_s or 0.0))
 
 

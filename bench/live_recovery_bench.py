@@ -348,8 +348,23 @@ def live_parts(kind: str, t: float, t_first: float, first: list[dict[str, Any]],
     if entered:
         left, ready = max(e["left"] for e in entered), max(e["ready"] for e in entered)
         parts |= {"  left old group": left - t_round, "  group+reshard": ready - left, "  first step": t_first - ready}
+    parts |= entry_parts(first)
     if kind == "join":
         parts["  new worker created"] = max(r["started"] for r in first) - t_round
+    return parts
+
+
+#: the phases of a round's entry (the driver's ``entry``: :attr:`elasticzero.live.loop.RoundState.entry`)
+PHASES = ("group", "build", "reshard", "agree", "copies")
+
+
+def entry_parts(first: list[dict[str, Any]]) -> dict[str, float]:
+    """group+reshard split into the entry's phases: the survivors' (their slowest), and a joiner's where one entered."""
+    parts: dict[str, float] = {}
+    for who, entries in (("", [r["entry"] for r in first if "entered" in r and "entry" in r]),
+                         ("joiner ", [r["entry"] for r in first if "entered" not in r and "entry" in r])):  # fmt: skip
+        for phase in PHASES if entries else ():
+            parts[f"    {who}{phase}"] = max(e.get(phase, 0.0) for e in entries)
     return parts
 
 

@@ -63,21 +63,21 @@ def training(args: argparse.Namespace, hooks: Sequence[Hooks] = ()) -> Training:
     data = (stdlib_corpus(args.cache_dir, split, max_bytes=args.corpus_bytes) for split in ("train", "eval"))
     train, held_out = (ByteCorpus(d, args.seq_len) for d in data)
 
-    def build(
-        group: dist.ProcessGroup, device: torch.device, model: torch.nn.Module | None = None
-    ) -> tuple[torch.nn.Module, Any]:
+    def make_model(device: torch.device) -> torch.nn.Module:  # a live joiner's is made while its peers train on
+        torch.manual_seed(args.seed)  # the same initial weights on every rank
+        return GPT(config_for(args.size, vocab_size=256, block_size=args.seq_len)).to(device)
+
+    def build(group: dist.ProcessGroup, device: torch.device, model: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
         cfg = load_config(args.config, overrides=overrides(args), world_size=dist.get_world_size(group))
-        if model is None:  # not a live survivor keeping its model across a round change
-            torch.manual_seed(args.seed)  # the same initial weights on every rank
-            model = GPT(config_for(args.size, vocab_size=256, block_size=args.seq_len)).to(device)
-        return model, build_pieces(model, cfg, process_group=group)
+        return model, build_pieces(model, cfg, process_group=group)  # a live survivor's model is its own, kept
 
     def loss(net: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return lm_loss(net(batch[0]), batch[1])
 
-    return Training(build, loss, train, steps=args.steps, seed=args.seed, checkpoint_dir=args.checkpoint_dir,
-                    save_every=args.save_every, async_save=args.async_save, eval_dataset=held_out,
-                    eval_every=args.eval_every, num_workers=args.workers, hooks=hooks)  # fmt: skip
+    return Training(build, loss, train, steps=args.steps, seed=args.seed, make_model=make_model,
+                    checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, async_save=args.async_save,
+                    eval_dataset=held_out, eval_every=args.eval_every, num_workers=args.workers,
+                    hooks=hooks)  # fmt: skip
 
 
 def describe(args: argparse.Namespace, t: Training) -> str:

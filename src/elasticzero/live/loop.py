@@ -49,6 +49,7 @@ training object of both is :class:`elasticzero.live.Training` (:mod:`.training`)
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import re
 import time
@@ -223,6 +224,8 @@ class RoundState:
     copies: BuddyCopies | None
     sampler: ElasticSampler
     step: int
+    #: the entry's seconds per phase (``group``, ``build``, ``reshard``, ``agree``, ``copies``): its cost split
+    entry: dict[str, float] = field(default_factory=dict)
 
 
 class _Rounds:
@@ -410,6 +413,10 @@ class LiveTraining(_Rounds):
             a survivor keeps its model across a round change (the reshard overwrites its parameters). Used where the
             old optimizer allows it (:meth:`ZeroOptimizer.rewrappable`: stages 1/2 at fp32 parameters); else, and
             without ``rebuild``, ``build`` makes the round afresh.
+        prepare: ``prepare()``, run once before the first round's group is formed (after :func:`warm_up`): what a
+            process can make before it has a group — its model (:class:`~elasticzero.live.training.Training`'s
+            ``make_model``). A joining process says it is ready to its running peers when that formation starts;
+            until then they train on at the old world, so what runs here costs them nothing.
         replicate, node_shift, overlap, early: the buddy copies (:class:`BuddyCopies`'s ``enabled``, ``node_shift``,
             ``overlap``, ``early``; a config's ``zero.copies``): without copies a lost node's state is lost, and its
             loss falls back to the disk checkpoint (``ReshardFallback``).
@@ -431,6 +438,7 @@ class LiveTraining(_Rounds):
         resume: Callable[[Any, ElasticSampler], int] | None = None,
         start_step: int = 0,
         rebuild: Callable[[Any, Any], Any] | None = None,
+        prepare: Callable[[], None] | None = None,
         replicate: bool = True,
         node_shift: int = 1,
         overlap: bool = True,
@@ -442,6 +450,9 @@ class LiveTraining(_Rounds):
         self.local_rank, self.where = local_rank, where or Placement("cpu", "gloo", alone=False)
         self.poll_s, self.failure_grace_s, self.group_timeout = poll_s, failure_grace_s, group_timeout
         self.groups = RoundGroups()  # every round's group, the abandoned ones kept
+        warm_up()  # before this process says it is ready (its first group's formation): a joiner's peers train on
+        if prepare is not None:
+            prepare()
         self._enter_until_settled(first, Holdings(), Start(start_step, sampler), None)
 
     @classmethod
@@ -530,24 +541,34 @@ class LiveTraining(_Rounds):
             old.watch.close()
             aborted = old.watch.fired  # NCCL: the watch aborted the old group (final now)
         spec = group_spec(round_, self.local_rank, self.where, self.group_timeout)
+        clock = Phases()
         group = self.groups.form(spec, aborted=aborted, check=bound.check)  # leavable until all members arrived
+        clock.mark("group")
         watch = self._watch(round_, group)
         try:
-            return self._fill(round_, bound, holdings, start, group, watch)
+            return self._fill(round_, bound, holdings, start, group, watch, clock)
         except BaseException:
             if watch is not None:  # the entry is thrown away whole: its watch must not abort a later round's group
                 watch.close()
             raise
 
     def _fill(
-        self, round_: NodeRound, bound: BoundedWait, holdings: Holdings, start: Start, group: Any, watch: Any
+        self,
+        round_: NodeRound,
+        bound: BoundedWait,
+        holdings: Holdings,
+        start: Start,
+        group: Any,
+        watch: Any,
+        clock: Phases,
     ) -> tuple[RoundState, bool]:
         """Build at ``group``'s world, fill it from ``holdings`` (or the disk: ``resume``), re-cut the sampler. The
         build and the load are bounded like the step's waits (their collectives: the engine's broadcast of the
         module, DCP's load): a member frozen there leaves them for the agent's next round."""
         built = bound.call(lambda: self._make(group), peer_failure)
+        clock.mark("build")
         try:
-            return self._fill_built(round_, bound, holdings, start, group, watch, built)
+            return self._fill_built(round_, bound, holdings, start, watch, built, clock)
         except BaseException:
             release_optimizer(optimizer_of(built))  # the entry is thrown away: its model and optimizer with it
             raise
@@ -573,14 +594,15 @@ class LiveTraining(_Rounds):
         bound: BoundedWait,
         holdings: Holdings,
         start: Start,
-        group: Any,
         watch: Any,
         built: Any,
+        clock: Phases,
     ) -> tuple[RoundState, bool]:
         """:meth:`_fill` once ``built`` exists (see there)."""
         opt = optimizer_of(built)
         opt.communicator = Communicator(opt.process_group, owner=type(opt).__name__, waiter=bound)
         plan = reshard_from(opt, holdings)
+        clock.mark("reshard")
         mine: Position = None
         if holdings.owner is not None:
             mine = (start.step, _sampler(start).state_dict(), start.carried)
@@ -594,8 +616,10 @@ class LiveTraining(_Rounds):
             carry(built, at)
         caught_up = holdings.owner is not None and caught_up_with(at.step, start.step)
         sampler = recut(template, at.position, at.behind, opt.rank, opt.world_size)
+        clock.mark("agree")
         copies = self._make_copies(opt, at.step, bound, getattr(built, "copies_config", None))
-        return RoundState(round_, bound, watch, built, opt, copies, sampler, at.step), caught_up
+        clock.mark("copies")
+        return RoundState(round_, bound, watch, built, opt, copies, sampler, at.step, clock.seconds()), caught_up
 
     def _watch(self, round_: NodeRound, group: Any) -> RoundWatch | None:
         """Under NCCL (:func:`aborts_on_announce`), a watch that aborts ``group`` once a newer round is announced and
@@ -630,6 +654,35 @@ class LiveTraining(_Rounds):
         return BuddyCopies(
             opt, nodes=nodes, step=step, waiter=bound, enabled=on, node_shift=shift, overlap=overlap, early=early
         )
+
+
+def warm_up() -> None:
+    """Before a live process's first round: pay once what would otherwise land on a round change's path.
+
+    - torch's first optimizer imports its compiler stack (``Optimizer.__init__``: 0.7 s on this project's 2-core
+      test machine). A joining process says it is ready when its first formation starts, and its running peers then
+      wait for its build: paid here, they train on meanwhile.
+    - every object alive now (the interpreter's, torch's and the script's: ~300k) is moved out of the cyclic
+      collector's sight (``gc.freeze``): the let-go after a round change collects the old round's cycles with a full
+      collection, which held the interpreter's lock 0.12 s beside the new round's first step scanning them; frozen,
+      it scans the rounds' objects alone. Nothing made from here on (models, optimizers, groups) is frozen."""
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    gc.freeze()
+
+
+class Phases:
+    """The seconds an entry spends in each phase, marked as each ends (:attr:`RoundState.entry`)."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+        self.spent: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.spent[phase], self.last = now - self.last, now
+
+    def seconds(self) -> dict[str, float]:
+        return dict(self.spent)
 
 
 @dataclass(frozen=True)

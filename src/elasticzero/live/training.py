@@ -2,17 +2,18 @@
 
 ::
 
-    def build(group, device, model=None):            # the model and its engine pieces on a round's group
+    def make_model(device):                          # a fresh model (a live survivor keeps its own instead)
+        return GPT(...).to(device)
+
+    def build(group, device, model):                 # its engine pieces on a round's group
         cfg = load_config("job.yaml", world_size=dist.get_world_size(group))
-        if model is None:                            # else a live survivor's model, handed back: kept
-            model = GPT(...).to(device)
         return model, build_pieces(model, cfg, process_group=group)
 
     def loss(net, batch):                            # one micro-batch's loss (the batch already on the device)
         x, y = batch
         return lm_loss(net(x), y)
 
-    with Training(build, loss, train_set, steps=1000, checkpoint_dir="ckpt", save_every=50) as training:
+    with Training(build, loss, train_set, steps=1000, make_model=make_model, checkpoint_dir="ckpt") as training:
         for done in training:                        # every committed step once (and every evaluation)
             if training.rank == 0 and done.loss is not None:
                 print(done.step, done.loss)
@@ -174,6 +175,10 @@ class Training:
             the end.
         num_workers: ``DataLoader`` worker processes per rank (memory is pinned on CUDA).
         hooks: :class:`Hooks`.
+        make_model: ``make_model(device) -> model``: where given, the model every build is handed where it makes one
+            (the build must take ``model``); a process's first model is made before its first round's group is
+            formed — a node joining a live job makes it while the running members train on at the old world (they
+            switch when its formation starts), not while they wait for it.
         env: the environment to read (default ``os.environ``).
         leave_process: on a clean end of a live job, leave the process at once (``os._exit(0)``: threads stuck in
             abandoned groups would hold the interpreter's exit); False for a caller that goes on (tests).
@@ -198,6 +203,7 @@ class Training:
         eval_batches: int = 2,
         num_workers: int = 0,
         hooks: Sequence[Hooks] = (),
+        make_model: Callable[[torch.device], torch.nn.Module] | None = None,
         env: Mapping[str, str] | None = None,
         leave_process: bool = True,
         live_options: Mapping[str, Any] | None = None,
@@ -216,6 +222,11 @@ class Training:
         self._stream: tuple[RoundState | None, Iterator[Any]] = (None, iter(()))
         self._own_group = False
         self._last: tuple[float, list[tuple[int, int]]] | None = None  # the step in flight's loss and samples
+        self.make_model = make_model
+        self._prepared: torch.nn.Module | None = None  # made before the first round's group (make_model)
+        if make_model is not None and not takes_model(build):
+            raise UsageError("Training(make_model=...): the build must take the model it makes: "
+                             "def build(group, device, model)")  # fmt: skip
         if self.live and async_save:
             raise UsageError("async_save (--async-save): not under --live-recovery (its saves are synchronous and "
                              "bounded); drop it")  # fmt: skip
@@ -242,14 +253,15 @@ class Training:
 
     def _live(self) -> LiveTraining:
         rebuild = self._build if self.keeps_model else None  # the survivors keep their model
-        options = {"rebuild": rebuild, **self.live_options}
+        options = {"rebuild": rebuild, "prepare": self._prepare, **self.live_options}
         return LiveTraining.from_agent(self._build, sampler=self._sampler, env=self.env, resume=self._resume, **options)
 
     def _build(self, group: Any, kept: torch.nn.Module | None = None) -> Kit:
         """One round's kit: the user's model and pieces on ``group`` (on ``kept``, a survivor's model, where given),
         the round's checkpointer (a new round claims the directory: a stale rank of an old one — a frozen node
         resumed — can no longer write it)."""
-        model, pieces = self.user_build(group, self.device, *((kept,) if self.keeps_model else ()))
+        model = kept if kept is not None else self._take_prepared()
+        model, pieces = self.user_build(group, self.device, *((model,) if self.keeps_model else ()))
         if self.live:
             self._check_live(pieces)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -260,6 +272,20 @@ class Training:
             # which a background write may use while the steps' collectives run on the default group
             ckpt = Checkpointer(directory, process_group=group if self.live else None, **options)
         return Kit(model, pieces.wrap(model), pieces, world, rank, ckpt)
+
+    def _prepare(self) -> None:
+        """Before the first round's group (:class:`LiveTraining`'s ``prepare``): the model, where ``make_model`` is
+        given — a joiner makes it while its running peers train on."""
+        self._prepared = self._new_model()
+
+    def _new_model(self) -> torch.nn.Module | None:
+        """A model of ``make_model``'s (None without it: the build makes its own)."""
+        return self.make_model(self.device) if self.make_model is not None else None
+
+    def _take_prepared(self) -> torch.nn.Module | None:
+        """The model made before the first round's group, once; afterwards a new one (an entry thrown away took it)."""
+        model, self._prepared = self._prepared, None
+        return model if model is not None else self._new_model()
 
     def _phase(self, phase: str, step: int) -> None:
         for hook in self.hooks:

@@ -72,6 +72,7 @@ class Driven(Hooks):
         self.attempt, self.loaded, self.reported = 0, 0.0, 0
         self.cut = False  # --cut-at done in this process
         self.rounds_seen = -1  # live rounds entered (training.events) written to <record>.rounds (-1: not the first)
+        self.entry_reported: object = None  # the live round whose entry split was recorded last
 
     def started(self, training: Training) -> None:
         self.loaded = time.time()
@@ -150,7 +151,7 @@ class Driven(Hooks):
         fields = {"step": done.step, "rank": training.rank, "world": training.world, "pid": os.getpid()}
         fields |= {"attempt": self.attempt, "resumed": training.resumed, "started": self.started_at}
         fields |= {"load_s": training.load_s, "loaded": self.loaded, "time": time.time()}
-        fields |= {"samples": [list(s) for s in done.samples], **self.entered(training)}
+        fields |= {"samples": [list(s) for s in done.samples], **self.entered(training), **self.entry(training)}
         with self.args.record_samples.open("a") as fh:
             fh.write(json.dumps(fields) + "\n")
 
@@ -163,6 +164,15 @@ class Driven(Hooks):
         self.reported, event = len(events), events[-1]
         wall = time.time() - time.monotonic()
         return {"entered": {"round": event.round.number, "left": event.left_at + wall, "ready": event.ready_at + wall}}
+
+    def entry(self, training: Training) -> dict[str, Any]:
+        """On the first step committed in each live round (the first one too): ``{"entry": {phase: seconds}}``, the
+        round's entry split (:attr:`RoundState.entry <elasticzero.live.loop.RoundState.entry>`)."""
+        now = training.rounds.now
+        if not training.live or now is self.entry_reported:
+            return {}
+        self.entry_reported = now
+        return {"entry": now.entry}
 
 
 def round_store_port() -> int:

@@ -31,3 +31,17 @@ def test_a_communicator_with_a_waiter_waits_through_it(group: None) -> None:
     local = comm.all_gather(torch.empty(2), torch.ones(2), async_op=True)
     assert local is not None and local.done and len(waited) == 2  # done when issued: nothing to wait for
     comm.close()
+
+
+def test_an_object_all_gather_runs_inside_the_waiter(group: None) -> None:
+    """``all_gather_object`` blocks in torch (no work to wait on): with a waiter it runs inside it, so a live round's
+    bound leaves it when a member froze before it arrived (the reshard's agreement; tests/integration/live's
+    ``JOINSTOP``)."""
+    ran: list[str] = []
+
+    def waiter(wait: Callable[[], None]) -> None:
+        ran.append("waiter")
+        wait()
+
+    assert Communicator(waiter=waiter).all_gather_object({"step": 3}) == [{"step": 3}] and ran == ["waiter"]
+    assert Communicator().all_gather_object(7) == [7]  # no waiter: run here

@@ -375,3 +375,34 @@ def test_a_build_that_takes_a_model_parameter_keeps_the_model() -> None:
 
     assert takes_model(keeps) and not takes_model(builds)
     assert not takes_model(print)  # a builtin without a signature Python can read: the two-argument form
+
+
+def test_make_model_makes_a_live_process_s_first_model_before_its_group_and_hands_it_to_the_build(
+    train_gpt: Any, tmp_path: Path, cpu_machine: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``make_model`` runs before the first round's group is formed (a joiner makes its model while its running peers
+    train on: they switch once its formation starts) and the build is handed that model; a build that does not take
+    a model is refused with it, before anything is formed."""
+    path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
+    write_round(path, NodeRound(0, 1, ((0, 0),), store, "r0/"))
+    monkeypatch.setenv(ROUND_FILE_ENV, path)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    training = job(train_gpt, tmp_path, "--steps", "1")
+    made: list[tuple[torch.nn.Module, bool]] = []
+    make = training.make_model
+    assert make is not None  # the example's
+
+    def recording(device: torch.device) -> torch.nn.Module:
+        made.append((make(device), dist.is_initialized()))
+        return made[-1][0]
+
+    training.make_model = recording
+    try:
+        with training:
+            assert [formed for _, formed in made] == [False]  # once, before any group
+            assert training.model is made[0][0]
+    finally:
+        if hasattr(training, "rounds"):
+            training.rounds.groups.abandon()  # type: ignore[attr-defined]
+    with pytest.raises(UsageError, match=r"^Training\(make_model=\.\.\.\): the build must take the model"):
+        Training(lambda group, device: None, training.loss, [], steps=1, make_model=make)  # type: ignore[arg-type]

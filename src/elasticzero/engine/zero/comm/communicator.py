@@ -170,9 +170,19 @@ class Communicator:
 
     def all_gather_object(self, obj: Any, *, tag: str = "reshard") -> list[Any]:
         """Every rank's picklable ``obj``, in group-rank order (small metadata: a reshard's census). Counted as a
-        call of ``all_gather_object`` (its bytes are the pickles', not counted)."""
+        call of ``all_gather_object`` (its bytes are the pickles', not counted). Blocking; with a ``waiter`` it runs
+        inside it, bounded like every wait of this communicator (a live round's: a member frozen before it arrives
+        is left for the next round — unbounded, the reshard's agreement waited for it for good)."""
         out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
+        group = self.group
+
+        def gather() -> None:
+            dist.all_gather_object(out, obj, group=group)
+
+        if self.waiter is not None:
+            self.waiter(gather)
+        else:
+            gather()
         self.stats.calls[("all_gather_object", tag)] += 1
         return out
 

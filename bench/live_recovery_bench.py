@@ -47,7 +47,11 @@ worker's process start time) and the bench's own instants:
 
 - a join's pause: the survivors' longest interval between two consecutive steps they committed, from their last step
   before the join to the first step of the new world, in their median step time before the join (live: they train
-  on at the old world until the joiner's worker is ready, so this is the switch's own cost).
+  on at the old world until the joiner's worker is ready); and the switch's own step: each survivor's last step at
+  the old world to its first at the new one. The two differ on this one machine: the joiner's cold start (its
+  interpreter, ``import torch``) takes cores from the survivors' steps before the switch.
+- the entry's phases (the driver's ``entry``, :attr:`elasticzero.live.loop.RoundState.entry`): group, build, reshard,
+  agree, copies — the survivors' slowest and, for a join, the joiner's.
 
 Summary per path and event: median [min, max], side by side, and the restart / live ratio of the medians; then issue
 31's goal for each kind against the live path's median: a kill <= 2 s to the first step at the new world, a freeze <=
@@ -311,6 +315,7 @@ def analyse(
         row["step_s"] = step_time(lines, new_world, t, t_next)
         if kind == "join":
             row["pause_x"] = join_pause(lines, t, t_prev, t_first)
+            row["switch_x"] = switch_pause(lines, t, t_prev, t_first)
         hand = [m for _, w, m in rounds if w == new_world and m > t]
         if path == "restart":
             row["parts"] = restart_parts(t, t_first, first)
@@ -326,6 +331,19 @@ def join_pause(lines: list[dict[str, Any]], t: float, t_prev: float, t_first: fl
     before = step_time(lines, 1, t_prev, t)
     mine = sorted(r["time"] for r in lines if r["started"] < t and r["time"] <= t_first)
     spans = [b - a for a, b in itertools.pairwise(mine) if b > t]
+    return max(spans) / before if spans and before else None
+
+
+def switch_pause(lines: list[dict[str, Any]], t: float, t_prev: float, t_first: float) -> float | None:
+    """The switch's own interval: each survivor's last step at the old world to its first at the new one (the
+    longest over the survivors), in their median step time before the join. Apart from :func:`join_pause` because on
+    one machine the joiner's cold start (its interpreter, ``import torch``) takes cores from the survivors' steps before
+    the switch — a joiner on a node of its own does not."""
+    before = step_time(lines, 1, t_prev, t)
+    spans = []
+    for pid in {r["pid"] for r in lines if r["started"] < t and t_prev <= r["time"] <= t_first}:
+        mine = sorted((r["time"], r["world"]) for r in lines if r["pid"] == pid and t_prev <= r["time"] <= t_first)
+        spans += [b - a for (a, _), (b, w) in itertools.pairwise(mine) if b > t and w == 2][:1]
     return max(spans) / before if spans and before else None
 
 
@@ -399,6 +417,7 @@ def report(rows: dict[str, list[dict[str, Any]]], kinds: list[str], peer_timeout
         lines += [("committed steps lost", lambda r: r["lost"]), ("step time, new world", lambda r: r["step_s"])]
         if kind == "join":
             lines.append(("longest step / step (x)", _pause_x))
+            lines.append(("switch step / step (x)", lambda r: r.get("switch_x")))
         for name, get in lines:
             values = {p: [v for r in sel[p] if (v := get(r)) is not None] for p in PATHS}
             print(f"{name:32s}" + "".join(f" | {_stats(values[p]):>26s}" for p in PATHS) + _ratio(values))
@@ -430,7 +449,9 @@ def goal_line(kind: str, live: list[dict[str, Any]], peer_timeout_s: float) -> s
     if not got:
         return f"goal <= {goal:g}{what}: no live events"
     median = statistics.median(got)
-    return f"goal <= {goal:g}{what}, live median {median:.2f}: {'met' if median <= goal else 'NOT met'}"
+    switch = [x for r in live if (x := r.get("switch_x")) is not None] if kind == "join" else []
+    aside = f" (the switch's own step: {statistics.median(switch):.2f}x)" if switch else ""
+    return f"goal <= {goal:g}{what}, live median {median:.2f}: {'met' if median <= goal else 'NOT met'}{aside}"
 
 
 def by_victim(sel: dict[str, list[dict[str, Any]]]) -> None:

@@ -665,8 +665,10 @@ def warm_up() -> None:
     - every object alive now (the interpreter's, torch's and the script's: ~300k) is moved out of the cyclic
       collector's sight (``gc.freeze``): the let-go after a round change collects the old round's cycles with a full
       collection, which held the interpreter's lock 0.12 s beside the new round's first step scanning them; frozen,
-      it scans the rounds' objects alone. Nothing made from here on (models, optimizers, groups) is frozen."""
+      it scans the rounds' objects alone. Nothing made from here on (models, optimizers, groups) is frozen, nor
+      anything already garbage (collected first)."""
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    gc.collect()
     gc.freeze()
 
 

@@ -6,6 +6,7 @@ same member — a fresh default group in the same process, the state carried ove
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from elasticzero.live.loop import (
     local_rank_of,
     recut,
     resume_point,
+    warm_up,
 )
 from elasticzero.live.reshard import Fallback, ReshardPlan
 from elasticzero.rounds import ROUND_FILE_ENV, NodeRound, StoreAddress, write_round
@@ -232,3 +234,25 @@ def test_every_copies_option_reaches_each_rounds_replicator(
     finally:
         live.close()
         live.groups.abandon()
+
+
+def test_warm_up_pays_the_first_optimizer_s_imports_and_freezes_the_start_up_objects() -> None:
+    """What a joiner pays before it says ready (its running peers train on meanwhile): torch's first optimizer's
+    imports (its compiler stack: ``Optimizer.__init__`` imports ``torch._dynamo`` once), and the objects alive then
+    moved out of the collector's sight, so the let-go's full collection after a round change scans the rounds' own;
+    garbage is collected first, not frozen."""
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    alive, dropped = Cycle(), Cycle()
+    collected = weakref.ref(dropped)
+    del dropped
+    try:
+        warm_up()
+        assert "torch._dynamo" in sys.modules  # a fact of torch's, checked here: the import is the cost paid
+        assert gc.get_freeze_count() > 0 and collected() is None  # the garbage cycle was collected, not frozen
+        assert not any(o is alive for o in gc.get_objects())  # frozen: out of the collector's generations
+    finally:
+        gc.unfreeze()

@@ -51,7 +51,7 @@ worker's process start time) and the bench's own instants:
   the old world to its first at the new one. The two differ on this one machine: the joiner's cold start (its
   interpreter, ``import torch``) takes cores from the survivors' steps before the switch.
 - the entry's phases (the driver's ``entry``, :attr:`elasticzero.live.loop.RoundState.entry`): group, build, reshard,
-  agree, copies — the survivors' slowest and, for a join, the joiner's.
+  agree, copies — the survivors' slowest and a fresh process's (in its first round: a joiner).
 
 Summary per path and event: median [min, max], side by side, and the restart / live ratio of the medians; then issue
 31's goal for each kind against the live path's median: a kill <= 2 s to the first step at the new world, a freeze <=
@@ -377,10 +377,11 @@ PHASES = ("group", "build", "reshard", "agree", "copies")
 
 
 def entry_parts(first: list[dict[str, Any]]) -> dict[str, float]:
-    """group+reshard split into the entry's phases: the survivors' (their slowest), and a joiner's where one entered."""
+    """group+reshard split into the entry's phases: the survivors' (their slowest), and a fresh process's (in its
+    first round: a joiner) where one entered."""
     parts: dict[str, float] = {}
     for who, entries in (("", [r["entry"] for r in first if "entered" in r and "entry" in r]),
-                         ("joiner ", [r["entry"] for r in first if "entered" not in r and "entry" in r])):  # fmt: skip
+                         ("fresh ", [r["entry"] for r in first if "entered" not in r and "entry" in r])):  # fmt: skip
         for phase in PHASES if entries else ():
             parts[f"    {who}{phase}"] = max(e.get(phase, 0.0) for e in entries)
     return parts

@@ -72,7 +72,7 @@ class Driven(Hooks):
         self.attempt, self.loaded, self.reported = 0, 0.0, 0
         self.cut = False  # --cut-at done in this process
         self.rounds_seen = -1  # live rounds entered (training.events) written to <record>.rounds (-1: not the first)
-        self.entry_reported: object = None  # the live round whose entry split was recorded last
+        self.entry_reported: int | None = None  # the number of the live round whose entry split was recorded last
 
     def started(self, training: Training) -> None:
         self.loaded = time.time()
@@ -168,10 +168,10 @@ class Driven(Hooks):
     def entry(self, training: Training) -> dict[str, Any]:
         """On the first step committed in each live round (the first one too): ``{"entry": {phase: seconds}}``, the
         round's entry split (:attr:`RoundState.entry <elasticzero.live.loop.RoundState.entry>`)."""
-        now = training.rounds.now
-        if not training.live or now is self.entry_reported:
+        now = training.rounds.now  # its number kept, not the round: a reference would keep a left round's model,
+        if not training.live or now.round is None or now.round.number == self.entry_reported:  # optimizer, copies
             return {}
-        self.entry_reported = now
+        self.entry_reported = now.round.number
         return {"entry": now.entry}
 
 

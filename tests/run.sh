@@ -72,6 +72,12 @@ NUMERICAL=(
   tests/integration/checkpoint/test_ckpt_deepspeed_import.py tests/integration/hf/test_hf_models.py
   tests/integration/hf/test_hf_checkpointing.py
 )
+# ... less the ZeRO equality's 3-rank run: it was 2/3 of a rerun's CPU (world3 86 s, world2 28 s of a 241 s rerun under
+# `default`: three ranks on two cores, every collective waits for a descheduled peer), and what a kernel set changes —
+# the rounding of the same fp32 math, measured against float64 in the same run (ez_numerics) — its 2-rank run
+# exercises on the same model, the same scenarios and the same bound (its odd sizes shard unevenly at 2 ranks too);
+# the 3-rank layout is checked by the main run
+NUMERICAL_DESELECT="not world3"
 # torch reports back an ATEN_CPU_CAPABILITY this CPU lacks on some CPUs (avx512 on an AVX2-only EPYC, then SIGILL in the
 # first vectorised kernel): a capability counts only if the CPU has its instructions (the flags torch's own check asks
 # for) and a vectorised kernel runs under it
@@ -118,7 +124,7 @@ numerical_reruns() {
     # one session, no xdist: in the side stream the CPU is the bound, and two xdist workers collect the tree twice
     # (the unit suite: 59 s of CPU on two workers, 47 s on one); a --basetemp of its own beside the main stream (below)
     ATEN_CPU_CAPABILITY=$cap "$VENV/bin/python" -m pytest -q -p no:cacheprovider ${side_tmp:+--basetemp "$side_tmp/$cap"} \
-      "${NUMERICAL_UNIT[@]}" "${NUMERICAL[@]}"
+      -k "$NUMERICAL_DESELECT" "${NUMERICAL_UNIT[@]}" "${NUMERICAL[@]}"
     pytest_rc $?
     crc=$?
     echo "tests/run.sh: numerical tests under ATEN_CPU_CAPABILITY=$cap: $([ "$crc" = 0 ] && echo passed || echo "FAILED (exit $crc)") in $(($(date +%s) - t))s"

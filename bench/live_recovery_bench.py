@@ -21,9 +21,10 @@ alternate the paths (restart, live, live, restart, ...) so a drift of the shared
 
 - ``kill`` — a random 1..K steps after the world of 2 formed (K = ``--save-every``), plus a random fraction of a
   step, the non-store node's agent and its worker are SIGKILLed together (a machine dying). ``--victim-rank`` says
-  whether that node's worker is rank 1 (default) or rank 0 of the world of 2 (``alternate``: 1, 0, 1, ...): the
-  c10d rendezvous orders the nodes by address, then pid, so every agent gets a loopback ``--local-addr`` that puts
-  it there (with pids alone a pid wrap-around swaps the ranks at random);
+  whether that node's worker is rank 1 (default) or rank 0 of the world of 2 (``alternate``: 1, 0, 1, ... within
+  each kind of loss, so that kills and freezes lose each rank alike): the c10d rendezvous orders the nodes by
+  address, then pid, so every agent gets a loopback ``--local-addr`` that puts it there (with pids alone a pid
+  wrap-around swaps the ranks at random);
 - ``freeze`` — the same node's agent and worker SIGSTOPped together (a hung machine: nothing exits, no socket closes).
   Once the survivor has trained at world 1 the frozen processes are SIGKILLed (the bench's cleanup, after the
   measurement; they are not resumed);
@@ -199,11 +200,15 @@ class Job:
 
     def start_agent(self) -> None:
         """The store's agent, or the next victim: its address puts its worker at the rank ``--victim-rank`` says."""
-        addr = STORE_ADDR if not self.agents else VICTIM_ADDR[victim_rank(self.args.victim_rank, len(self.victims))]
+        addr = STORE_ADDR if not self.agents else VICTIM_ADDR[self.next_victim()]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "ELASTICZERO_JOB_ID": self.job_id}
         with (self.tmp / f"agent{len(self.agents)}.log").open("wb") as log:
             argv = self.argv(addr)
             self.agents.append(subprocess.Popen(argv, stdout=log, stderr=log, env=env, start_new_session=True))
+
+    def next_victim(self) -> int:
+        """The rank of the node the next loss takes (see :func:`victim_rank`)."""
+        return victim_rank(self.args.victim_rank, len(self.victims), len(self.args.losses))
 
     def start(self) -> None:
         """Two agents (the first hosts the c10d store); the first event waits for the world of 2 to train."""
@@ -228,7 +233,7 @@ class Job:
         time.sleep(self.rng.random() * (step_time(self.record.poll(), 2, world2_since) or 0.0))
         victim = self.agents[-1]
         tree = descendants([victim.pid])
-        self.victims.append(victim_rank(self.args.victim_rank, len(self.victims)))
+        self.victims.append(self.next_victim())
         t = time.time()
         self.events.append((kind, t))
         if kind == "kill":
@@ -387,9 +392,10 @@ def entry_parts(first: list[dict[str, Any]]) -> dict[str, float]:
     return parts
 
 
-def victim_rank(choice: str, loss: int) -> int:
-    """The rank of the node lost at the job's ``loss``-th loss: ``--victim-rank`` 0, 1, or alternating from 1."""
-    return int(choice) if choice != "alternate" else 1 - loss % 2
+def victim_rank(choice: str, loss: int, kinds: int) -> int:
+    """The rank of the node lost at the job's ``loss``-th loss: ``--victim-rank`` 0, 1, or alternating from 1 within
+    each kind of loss (the job loses ``kinds`` kinds in turn, so rep by rep: every kind loses each rank alike)."""
+    return int(choice) if choice != "alternate" else 1 - (loss // kinds) % 2
 
 
 def recorded_twice(lines: list[dict[str, Any]]) -> int:

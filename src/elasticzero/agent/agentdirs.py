@@ -1,10 +1,13 @@
 """Per-agent scratch folders on the node: one rule for their names, and the sweep of those a dead agent left.
 
-An agent keeps its workers' progress records (``progress``) and, under ``--live-recovery``, its round file
-(``round``) in ``$TMPDIR/elasticzero-<kind>-<job id>-<agent pid>`` (else ``/tmp``), and removes them when it ends. A
-SIGKILLed agent cannot: :func:`stale` picks, among a folder listing, the ones of a job whose agent is no longer
-running (pure), :func:`sweep` removes them — run by ``elasticzero-run --kill-job`` after it stopped the job's
-processes, and by every agent when it starts (a node's agent killed earlier in the same job).
+An agent keeps its workers' progress records (``progress``), under ``--live-recovery`` its round file (``round``)
+and, without ``--log-dir``, its workers' logs and error files (``logs``; torch's default there is a
+``torchelastic_*`` folder that nothing ever removes) in ``$TMPDIR/elasticzero-<kind>-<job id>-<agent pid>`` (else
+``/tmp``), and removes them when it ends — the logs folder only where it holds no file (:func:`remove_if_empty`: what
+a worker wrote, a failure's error file, stays for the user). A SIGKILLed agent cannot: :func:`stale` picks, among a
+folder listing, the ones of a job whose agent is no longer running (pure), :func:`sweep` removes them — run by
+``elasticzero-run --kill-job`` after it stopped the job's processes, and by every agent when it starts (a node's
+agent killed earlier in the same job).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import os
 import shutil
 from collections.abc import Callable, Iterable, Mapping
 
-KINDS = ("progress", "round")
+KINDS = ("progress", "round", "logs")
+KEPT_IF_WRITTEN = ("logs",)  #: kinds removed only where they hold no file
 
 
 def scratch_root(environ: Mapping[str, str]) -> str:
@@ -39,16 +43,36 @@ def stale(names: Iterable[str], job_id: str, alive: Callable[[int], bool]) -> li
 
 
 def sweep(environ: Mapping[str, str], job_id: str, alive: Callable[[int], bool] | None = None) -> int:
-    """Remove the folders :func:`stale` finds under the scratch root; returns how many."""
+    """Remove the folders :func:`stale` finds under the scratch root (a logs folder only where it holds no file);
+    returns how many are gone."""
     root = scratch_root(environ)
     try:
         names = os.listdir(root)
     except OSError:
         return 0
-    gone = stale(names, job_id, alive or _running)
-    for name in gone:
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    return len(gone)
+    return sum(_remove(os.path.join(root, name)) for name in stale(names, job_id, alive or _running))
+
+
+def _remove(path: str) -> bool:
+    """Remove an agent's folder as its kind says (:data:`KEPT_IF_WRITTEN`); returns whether it is gone."""
+    if os.path.basename(path).startswith(tuple(f"elasticzero-{kind}-" for kind in KEPT_IF_WRITTEN)):
+        return remove_if_empty(path)
+    shutil.rmtree(path, ignore_errors=True)
+    return True
+
+
+def remove_if_empty(path: str) -> bool:
+    """Remove the folder ``path`` if no file lies anywhere under it (its empty subfolders go with it); returns whether
+    it is gone. A folder with a file is left whole."""
+    for _, _, files in os.walk(path):
+        if files:
+            return False
+    for sub, _, _ in os.walk(path, topdown=False):  # the subfolders before the folder that holds them
+        try:
+            os.rmdir(sub)
+        except OSError:  # written meanwhile, or gone: left as it is
+            return False
+    return not os.path.exists(path)
 
 
 def _running(pid: int) -> bool:

@@ -25,7 +25,7 @@ from torch.distributed.run import run_script_path
 from torch.numa.binding import AffinityMode, NumaOptions
 
 from elasticzero.agent.agent import ElasticZeroAgent, PeerFailedError
-from elasticzero.agent.agentdirs import sweep
+from elasticzero.agent.agentdirs import remove_if_empty, sweep
 from elasticzero.agent.peers import bound_store_calls, state_read_period_s
 from elasticzero.agent.plan import AgentPlan, LogsPlan, RendezvousPlan
 from elasticzero.agent.prompt import make_prompt
@@ -181,6 +181,8 @@ def launch(plan: AgentPlan, stop_signals: StopSignals | None = None) -> tuple[Ru
         raise
     finally:
         agent.remove_health_file()
+        if plan.workers.logs.owned:
+            remove_if_empty(plan.workers.logs.log_dir)  # what a worker wrote there stays for the user
         if close_rendezvous:
             spec.rdzv_handler.shutdown()
         if failed:  # this node may host the store: stay until the others saw the failure (bounded)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from elasticzero.agent.agentdirs import agent_dir
 from elasticzero.agent.binding import SHIM_STUB, node_env, split_cores, worker_env
 from elasticzero.agent.collective import CollectivePlan, collective_plan
 from elasticzero.agent.handoff import LivePlan, live_plan
@@ -95,10 +96,13 @@ class LogsPlan:
     """The ``LogsSpecs`` to build (``--logs-specs`` names a ``torchrun.logs_specs`` entry point)."""
 
     specs: str | None
-    log_dir: str | None
+    log_dir: str
     redirects: str
     tee: str
     local_ranks_filter: frozenset[int] | None
+    #: ``log_dir`` is the agent's own folder (no ``--log-dir``: :mod:`~elasticzero.agent.agentdirs`), removed when
+    #: the agent ends where it holds no file
+    owned: bool = False
 
 
 @dataclass(frozen=True)
@@ -424,10 +428,18 @@ def _workers(
         duplicate_stdout_filters=tuple(args.duplicate_stdout_filters),
         duplicate_stderr_filters=tuple(args.duplicate_stderr_filters),
         log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
-        logs=LogsPlan(args.logs_specs, args.log_dir, args.redirects, args.tee, _ranks_filter(args.local_ranks_filter)),
+        logs=_logs(args, environ, job_id, facts.pid),
         hang=hang_plan(args.hang_timeout, environ, job_id, facts.pid),
         live=live,
     )
+
+
+def _logs(args: argparse.Namespace, environ: Mapping[str, str], job_id: str, agent_pid: int) -> LogsPlan:
+    """``--log-dir``, else the agent's own logs folder (torch's default, a ``torchelastic_*`` folder, is never
+    removed: one per agent start)."""
+    owned = not args.log_dir
+    log_dir = agent_dir(environ, "logs", job_id, agent_pid) if owned else args.log_dir
+    return LogsPlan(args.logs_specs, log_dir, args.redirects, args.tee, _ranks_filter(args.local_ranks_filter), owned)
 
 
 def _peers(args: argparse.Namespace, backend: str, endpoint: str, user_conf: Mapping[str, str]) -> PeerPlan | None:

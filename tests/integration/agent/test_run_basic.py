@@ -46,11 +46,16 @@ def test_two_agents_form_one_world(cluster: Cluster) -> None:
     ranks following it) is asserted by test_failure_propagation's success case, which runs that job anyway."""
     endpoint = f"127.0.0.1:{free_port()}"
     table = json.dumps([["127.0.0.1", [0]], ["localhost", [1]]])
+    scratch = cluster.tmp / "scratch"  # the agents' $TMPDIR: what they leave there is seen below
+    scratch.mkdir()
     for node_rank in (0, 1):
         argv = cluster.argv(endpoint, "2", node_table=table, identity=["--node-rank", str(node_rank)], backend="c10d")
-        cluster.start(argv)
+        cluster.start(argv, env={"TMPDIR": str(scratch)})
     for a in cluster.agents:
         assert a.proc.wait(timeout=150) == 0, a.output()
+    # no --log-dir: their logs folders (elasticzero-logs-<job>-<pid>, not torch's torchelastic_*) held no file and went
+    # with the agents, as their progress records did
+    assert sorted(p.name for p in scratch.iterdir()) == []
     reports = cluster.reports()
     assert sorted(r["rank"] for r in reports) == [0, 1]
     assert all(r["world_size"] == 2 and r["sum"] == 3.0 for r in reports)

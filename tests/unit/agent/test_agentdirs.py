@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from elasticzero.agent.agentdirs import agent_dir, stale, sweep
+from elasticzero.agent.agentdirs import agent_dir, remove_if_empty, stale, sweep
 from elasticzero.agent.handoff import live_plan
 from elasticzero.agent.liveness import PeerPlan
 from elasticzero.agent.progress import hang_plan
@@ -48,3 +48,25 @@ def test_sweep_removes_the_dead_agents_folders_and_keeps_the_rest(tmp_path: Path
     assert sweep(env, "job1") == 1
     assert not dead.exists() and mine.exists() and other.exists()
     assert sweep({"TMPDIR": str(tmp_path / "missing")}, "job1") == 0
+
+
+def test_a_dead_agents_logs_folder_goes_only_where_it_holds_no_file(tmp_path: Path) -> None:
+    env = {"TMPDIR": str(tmp_path)}
+    empty = Path(agent_dir(env, "logs", "job1", 999_999_998))  # a clean run's: the run's folder, nothing in it
+    (empty / "job1" / "deeper").mkdir(parents=True)
+    written = Path(agent_dir(env, "logs", "job1", 999_999_999))  # a failed worker's error file: the user's to read
+    (written / "job1").mkdir(parents=True)
+    (written / "job1" / "rank0.attempt0.error.json").write_text("{}")
+    assert stale(os.listdir(tmp_path), "job1", alive=lambda pid: False) == [empty.name, written.name]
+    assert sweep(env, "job1") == 1
+    assert not empty.exists()
+    assert (written / "job1" / "rank0.attempt0.error.json").read_text() == "{}"
+
+
+def test_remove_if_empty(tmp_path: Path) -> None:
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    assert remove_if_empty(str(tmp_path / "a")) and not (tmp_path / "a").exists()
+    (tmp_path / "c" / "d").mkdir(parents=True)
+    (tmp_path / "c" / "d" / "f").write_text("x")
+    assert not remove_if_empty(str(tmp_path / "c")) and (tmp_path / "c" / "d" / "f").exists()
+    assert remove_if_empty(str(tmp_path / "missing"))  # gone already

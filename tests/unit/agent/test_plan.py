@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from elasticzero import torchcompat
+from elasticzero.agent.agentdirs import agent_dir
 from elasticzero.agent.binding import AGENT_PID_ENV, CPUS_ENV, JOB_ID_ENV, SHIM_STUB
 from elasticzero.agent.cli import build_parser, main
 from elasticzero.agent.nodetable import HostFacts
@@ -152,6 +153,16 @@ def test_without_table_defaults_like_torchrun() -> None:
     p = plan(parse())
     assert (p.node_rank, p.node, p.workers.nproc_per_node, p.workers.devices) == (None, None, 1, None)
     assert (p.rdzv.min_nodes, p.rdzv.max_nodes) == (1, 1)
+
+
+def test_logs_go_to_the_agents_own_folder_unless_log_dir_names_one() -> None:
+    """Without ``--log-dir``: ``$TMPDIR/elasticzero-logs-<job>-<agent pid>``, removed when the agent ends where it
+    holds no file (torch's default, a ``torchelastic_*`` folder, is left behind by every agent start)."""
+    p = plan(parse("--rdzv-id", "j1"), {"TMPDIR": "/scratch"})
+    own = p.workers.logs
+    assert (own.log_dir, own.owned) == (agent_dir({"TMPDIR": "/scratch"}, "logs", p.job_id, facts().pid), True)
+    given = plan(parse("--rdzv-id", "j1", "--log-dir", "/var/log/job")).workers.logs
+    assert (given.log_dir, given.owned) == ("/var/log/job", False)
 
 
 def test_pet_env_fallback() -> None:

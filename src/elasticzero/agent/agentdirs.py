@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from collections.abc import Callable, Iterable, Mapping
+
+from elasticzero.errors import UsageError
 
 KINDS = ("progress", "round", "logs")
 KEPT_IF_WRITTEN = ("logs",)  #: kinds removed only where they hold no file
@@ -28,6 +31,19 @@ def scratch_root(environ: Mapping[str, str]) -> str:
 def agent_dir(environ: Mapping[str, str], kind: str, job_id: str, agent_pid: int) -> str:
     """The folder of ``kind`` of the agent ``agent_pid`` of job ``job_id``."""
     return os.path.join(scratch_root(environ), f"elasticzero-{kind}-{job_id}-{agent_pid}")
+
+
+def make_private(path: str) -> None:
+    """Create the agent's folder ``path`` for its user alone (0700: logs can hold what a job prints), or take the one
+    this user made there earlier (the same agent running again as a new node); anything else at ``path`` — another
+    user's folder, a link — is refused."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            fix = "remove it, or give --log-dir"
+            raise UsageError(f"{path} exists and is not a folder of this user's: {fix}") from None
 
 
 def stale(names: Iterable[str], job_id: str, alive: Callable[[int], bool]) -> list[str]:

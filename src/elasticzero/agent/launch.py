@@ -25,7 +25,7 @@ from torch.distributed.run import run_script_path
 from torch.numa.binding import AffinityMode, NumaOptions
 
 from elasticzero.agent.agent import ElasticZeroAgent, PeerFailedError
-from elasticzero.agent.agentdirs import remove_if_empty, sweep
+from elasticzero.agent.agentdirs import make_private, remove_if_empty, sweep
 from elasticzero.agent.peers import bound_store_calls, state_read_period_s
 from elasticzero.agent.plan import AgentPlan, LogsPlan, RendezvousPlan
 from elasticzero.agent.prompt import make_prompt
@@ -48,7 +48,10 @@ def logs_specs_class(name: str | None) -> type[LogsSpecs]:
 
 
 def build_logs_specs(logs: LogsPlan) -> LogsSpecs:
-    """The ``LogsSpecs`` object (torch's ``DefaultLogsSpecs`` may create a log directory here)."""
+    """The ``LogsSpecs`` object (torch's ``DefaultLogsSpecs`` creates a ``--log-dir`` that does not exist; the agent's
+    own folder is made here first, for its user alone)."""
+    if logs.owned:
+        make_private(logs.log_dir)
     return logs_specs_class(logs.specs)(
         log_dir=logs.log_dir,
         redirects=Std.from_str(logs.redirects),

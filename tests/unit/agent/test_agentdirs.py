@@ -4,12 +4,16 @@ then a real folder tree)."""
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
-from elasticzero.agent.agentdirs import agent_dir, remove_if_empty, stale, sweep
+import pytest
+
+from elasticzero.agent.agentdirs import agent_dir, make_private, remove_if_empty, stale, sweep
 from elasticzero.agent.handoff import live_plan
 from elasticzero.agent.liveness import PeerPlan
 from elasticzero.agent.progress import hang_plan
+from elasticzero.errors import UsageError
 
 
 def test_both_kinds_of_folder_follow_one_rule() -> None:
@@ -70,3 +74,15 @@ def test_remove_if_empty(tmp_path: Path) -> None:
     (tmp_path / "c" / "d" / "f").write_text("x")
     assert not remove_if_empty(str(tmp_path / "c")) and (tmp_path / "c" / "d" / "f").exists()
     assert remove_if_empty(str(tmp_path / "missing"))  # gone already
+
+
+def test_the_agents_logs_folder_is_its_users_alone(tmp_path: Path) -> None:
+    own = tmp_path / "elasticzero-logs-job1-42"
+    make_private(str(own))
+    assert stat.S_IMODE(own.stat().st_mode) == 0o700  # what a job prints is not for every user of the node
+    make_private(str(own))  # the same agent again (a rejoin): its own folder is taken as it is
+    (tmp_path / "elsewhere").mkdir()
+    link = tmp_path / "elasticzero-logs-job1-43"
+    link.symlink_to(tmp_path / "elsewhere")  # put there by someone else, ahead of the agent
+    with pytest.raises(UsageError, match=r"elasticzero-logs-job1-43 exists and is not a folder of this user's"):
+        make_private(str(link))

@@ -3,7 +3,8 @@
 An agent keeps its workers' progress records (``progress``), under ``--live-recovery`` its round file (``round``)
 and, without ``--log-dir``, its workers' logs and error files (``logs``; torch's default there is a
 ``torchelastic_*`` folder that nothing ever removes) in ``$TMPDIR/elasticzero-<kind>-<job id>-<agent pid>`` (else
-``/tmp``), and removes them when it ends — the logs folder only where it holds no file (:func:`remove_if_empty`: what
+``/tmp``), each made for its user alone (:func:`make_private`: 0700; a link or another user's folder at the path is
+refused — the agent empties and writes them), and removes them when it ends — the logs folder only where it holds no file (:func:`remove_if_empty`: what
 a worker wrote, a failure's error file, stays for the user). A SIGKILLed agent cannot: :func:`stale` picks, among a
 folder listing, the ones of a job whose agent is no longer running (pure), :func:`sweep` removes them — run by
 ``elasticzero-run --kill-job`` after it stopped the job's processes, and by every agent when it starts (a node's
@@ -33,16 +34,17 @@ def agent_dir(environ: Mapping[str, str], kind: str, job_id: str, agent_pid: int
     return os.path.join(scratch_root(environ), f"elasticzero-{kind}-{job_id}-{agent_pid}")
 
 
-def make_private(path: str) -> None:
+def make_private(path: str, fix: str = "remove it") -> None:
     """Create the agent's folder ``path`` for its user alone (0700: logs can hold what a job prints), or take the one
     this user made there earlier (the same agent running again as a new node); anything else at ``path`` — another
-    user's folder, a link — is refused."""
+    user's folder, a link (the agent empties and writes its folders: a link would have it do so elsewhere) — is
+    refused, the error ending with ``fix``."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # the scratch root ($TMPDIR): the user's
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         st = os.lstat(path)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-            fix = "remove it, or give --log-dir"
             raise UsageError(f"{path} exists and is not a folder of this user's: {fix}") from None
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from elasticzero.agent.agentdirs import agent_dir
+from elasticzero.agent.agentdirs import agent_dir, make_private
 from elasticzero.agent.liveness import PeerPlan
 from elasticzero.agent.options import DYNAMIC_BACKENDS
 from elasticzero.errors import UsageError
@@ -131,7 +131,7 @@ class RoundKeeper:
         """Agree on the round number with the other agents of the round, then write this node's round file."""
         number = self._agree(store, facts.group_rank, facts.group_world_size)
         round_ = node_round(number, facts)
-        os.makedirs(self.plan.round_dir, mode=0o700, exist_ok=True)
+        make_private(self.plan.round_dir)  # the workers read their round here: this user's folder, not a link
         write_round(self.plan.round_file, round_)
         self.last = number
         return round_

@@ -20,7 +20,9 @@ import time
 import psutil
 from torch.distributed.elastic.agent.server.api import WorkerGroup
 
+from elasticzero.agent.agentdirs import make_private
 from elasticzero.agent.progress import Hang, HangPlan, Observed, Watch, observe, stopping, timeout_source, verdict
+from elasticzero.errors import UsageError
 from elasticzero.progress import STACKS_SIGNAL, ProgressRecord, read_record
 
 logger = logging.getLogger(__name__)
@@ -43,10 +45,10 @@ class HangWatch:
         if self.plan.progress_dir is None:
             return
         try:
-            os.makedirs(self.plan.progress_dir, mode=0o700, exist_ok=True)
+            make_private(self.plan.progress_dir)  # a link there would have the loop below empty its target
             for name in os.listdir(self.plan.progress_dir):
                 os.unlink(os.path.join(self.plan.progress_dir, name))
-        except OSError as exc:  # the workers then report nothing: no hang detection, training unaffected
+        except (OSError, UsageError) as exc:  # the workers then report nothing: no hang detection, training unaffected
             print(f"elasticzero-run: no progress records ({exc}); hang detection is off", file=sys.stderr, flush=True)
 
     def check(self, group: WorkerGroup) -> Hang | None:

@@ -51,7 +51,7 @@ def build_logs_specs(logs: LogsPlan) -> LogsSpecs:
     """The ``LogsSpecs`` object (torch's ``DefaultLogsSpecs`` creates a ``--log-dir`` that does not exist; the agent's
     own folder is made here first, for its user alone)."""
     if logs.owned:
-        make_private(logs.log_dir)
+        make_private(logs.log_dir, fix="remove it, or give --log-dir")
     return logs_specs_class(logs.specs)(
         log_dir=logs.log_dir,
         redirects=Std.from_str(logs.redirects),

@@ -11,8 +11,9 @@ import pytest
 
 from elasticzero.agent.agentdirs import agent_dir, make_private, remove_if_empty, stale, sweep
 from elasticzero.agent.handoff import live_plan
+from elasticzero.agent.hang import HangWatch
 from elasticzero.agent.liveness import PeerPlan
-from elasticzero.agent.progress import hang_plan
+from elasticzero.agent.progress import HangPlan, hang_plan
 from elasticzero.errors import UsageError
 
 
@@ -86,3 +87,16 @@ def test_the_agents_logs_folder_is_its_users_alone(tmp_path: Path) -> None:
     link.symlink_to(tmp_path / "elsewhere")  # put there by someone else, ahead of the agent
     with pytest.raises(UsageError, match=r"elasticzero-logs-job1-43 exists and is not a folder of this user's"):
         make_private(str(link))
+
+
+def test_a_link_at_the_progress_folder_empties_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The hang watch empties its progress folder before each round: where a link stands at its path, the watch is
+    off for the run (one line why) and the link's target keeps its files."""
+    target = tmp_path / "someone-elses"
+    target.mkdir()
+    (target / "keep").write_text("x")
+    link = Path(agent_dir({"TMPDIR": str(tmp_path)}, "progress", "job1", 42))
+    link.symlink_to(target)
+    HangWatch(HangPlan(True, None, str(link))).start()
+    assert (target / "keep").read_text() == "x"
+    assert "exists and is not a folder of this user's: remove it" in capsys.readouterr().err

@@ -4,8 +4,9 @@ An agent keeps its workers' progress records (``progress``), under ``--live-reco
 and, without ``--log-dir``, its workers' logs and error files (``logs``; torch's default there is a
 ``torchelastic_*`` folder that nothing ever removes) in ``$TMPDIR/elasticzero-<kind>-<job id>-<agent pid>`` (else
 ``/tmp``), each made for its user alone (:func:`make_private`: 0700; a link or another user's folder at the path is
-refused — the agent empties and writes them), and removes them when it ends — the logs folder only where it holds no file (:func:`remove_if_empty`: what
-a worker wrote, a failure's error file, stays for the user). A SIGKILLed agent cannot: :func:`stale` picks, among a
+refused — the agent empties and writes them), and removes them when it ends — the logs folder only where it holds no
+file (:func:`remove_if_empty`: what a worker wrote, a failure's error file, stays for the user). A SIGKILLed agent
+cannot: :func:`stale` picks, among a
 folder listing, the ones of a job whose agent is no longer running (pure), :func:`sweep` removes them — run by
 ``elasticzero-run --kill-job`` after it stopped the job's processes, and by every agent when it starts (a node's
 agent killed earlier in the same job).

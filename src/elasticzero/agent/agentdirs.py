@@ -6,10 +6,9 @@ and, without ``--log-dir``, its workers' logs and error files (``logs``; torch's
 ``/tmp``), each made for its user alone (:func:`make_private`: 0700; a link or another user's folder at the path is
 refused — the agent empties and writes them), and removes them when it ends — the logs folder only where it holds no
 file (:func:`remove_if_empty`: what a worker wrote, a failure's error file, stays for the user). A SIGKILLed agent
-cannot: :func:`stale` picks, among a
-folder listing, the ones of a job whose agent is no longer running (pure), :func:`sweep` removes them — run by
-``elasticzero-run --kill-job`` after it stopped the job's processes, and by every agent when it starts (a node's
-agent killed earlier in the same job).
+cannot: :func:`stale` picks, among a folder listing, the ones of a job whose agent is no longer running (pure),
+:func:`sweep` removes them — run by ``elasticzero-run --kill-job`` after it stopped the job's processes, and by every
+agent when it starts (a node's agent killed earlier in the same job).
 """
 
 from __future__ import annotations
@@ -30,9 +29,14 @@ def scratch_root(environ: Mapping[str, str]) -> str:
     return environ.get("TMPDIR") or "/tmp"
 
 
+def _head(kind: str) -> str:
+    """The start of the names of ``kind``'s folders (the job's id, a dash and the agent's pid follow)."""
+    return f"elasticzero-{kind}-"
+
+
 def agent_dir(environ: Mapping[str, str], kind: str, job_id: str, agent_pid: int) -> str:
     """The folder of ``kind`` of the agent ``agent_pid`` of job ``job_id``."""
-    return os.path.join(scratch_root(environ), f"elasticzero-{kind}-{job_id}-{agent_pid}")
+    return os.path.join(scratch_root(environ), f"{_head(kind)}{job_id}-{agent_pid}")
 
 
 def make_private(path: str, fix: str = "remove it") -> None:
@@ -54,7 +58,7 @@ def stale(names: Iterable[str], job_id: str, alive: Callable[[int], bool]) -> li
     out = []
     for name in names:
         for kind in KINDS:
-            head = f"elasticzero-{kind}-{job_id}-"
+            head = f"{_head(kind)}{job_id}-"
             pid = name[len(head) :] if name.startswith(head) else ""
             if pid.isdigit() and not alive(int(pid)):
                 out.append(name)
@@ -74,7 +78,7 @@ def sweep(environ: Mapping[str, str], job_id: str, alive: Callable[[int], bool] 
 
 def _remove(path: str) -> bool:
     """Remove an agent's folder as its kind says (:data:`KEPT_IF_WRITTEN`); returns whether it is gone."""
-    if os.path.basename(path).startswith(tuple(f"elasticzero-{kind}-" for kind in KEPT_IF_WRITTEN)):
+    if os.path.basename(path).startswith(tuple(_head(kind) for kind in KEPT_IF_WRITTEN)):
         return remove_if_empty(path)
     shutil.rmtree(path, ignore_errors=True)
     return True

@@ -197,7 +197,8 @@ def reshard_from(opt: ZeroOptimizer, holdings: Holdings) -> ReshardPlan | Fallba
     ``holdings``: what this process holds (:meth:`~elasticzero.live.copies.BuddyCopies.holdings`; a joining
     process passes ``Holdings()``). The held tensors must stay unchanged until this returns: build ``opt`` on a model
     built afresh, or on the old one unwrapped (:meth:`ZeroOptimizer.unwrap`) — the held states of fp32 stages 1/2
-    view the old optimizer's buffers, which the old module's parameters view until then."""
+    view the old optimizer's buffers, which the old module's parameters view until then, and its own state's
+    module entries are the old module's frozen parameters and buffers."""
     reports = opt.communicator.all_gather_object(report_of(holdings), tag="reshard")
     plan = plan_reshard(reports, opt.layout, opt.origin.optimizer)
     if isinstance(plan, Fallback):

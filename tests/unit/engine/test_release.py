@@ -85,6 +85,41 @@ def test_an_unwrapped_module_is_wrapped_again_and_trains_as_a_fresh_copy_of_it(s
     assert all(torch.equal(m, before) for m, before in zip(old.masters, masters, strict=True))
 
 
+class WithState(nn.Module):
+    """A trainable layer, a frozen one and a buffer training changes (BatchNorm's running mean): the module state a
+    ZeRO optimizer's masters do not hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen, self.norm, self.head = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.frozen(x)))
+
+
+@pytest.mark.parametrize("stage", [ZeroStage1, ZeroStage2], ids=lambda s: s.__name__)
+def test_the_state_read_before_unwrap_stays_whatever_the_next_wrap_writes(stage: Any) -> None:
+    """A live survivor reads its state (masters and the module's frozen parameters and buffers), unwraps, and the next
+    wrap broadcasts the module from its group's rank 0 — a joining process's fresh model where that rank is one —
+    before the reshard reads the state. Written over here as that broadcast writes (in place), the state read stays
+    the old round's: the masters and, since the module's own tensors get storage of their own too, its buffers and
+    frozen parameters (before, they were the live tensors: a fresh joiner at rank 0 reset the running mean)."""
+    torch.manual_seed(0)
+    model = WithState()
+    old = first_step(stage, model, torch.randn(4, 8))
+    held = old.sharded_state()
+    before = {k: v.clone() for k, v in held.module.items()}
+    masters = {n: c.tensor.clone() for n, c in held.params.items()}
+    assert set(before) >= {"frozen.weight", "norm.running_mean"} and before["norm.running_mean"].abs().sum() > 0
+    kept = old.unwrap()
+    with torch.no_grad():
+        for t in [*kept.parameters(), *kept.buffers()]:
+            t.data.fill_(7)  # a broadcast from a rank holding other values
+    assert all(torch.equal(held.module[k], v) for k, v in before.items())
+    assert all(torch.equal(held.params[n].tensor, v) for n, v in masters.items())
+
+
 def test_a_module_whose_parameters_are_not_whole_fp32_values_is_not_handed_back() -> None:
     x = torch.randn(4, 8)
     stage3 = first_step(ZeroStage3, fresh_model(), x)

@@ -174,10 +174,12 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
 
     def unwrap(self) -> nn.Module:
         """The module, handed back as a plain model another optimizer can wrap (:meth:`rewrappable`): this optimizer
-        released (:meth:`release`), and every managed parameter given storage of its own holding its current values
-        — the module no longer views this optimizer's flat buffers, which stay exactly as they are (state read from
-        them meanwhile, a live reshard's, is not touched by what the next wrap writes into the parameters: its
-        broadcast of the module). Costs one copy of the parameters; this optimizer is not used again."""
+        released (:meth:`release`), and every tensor of the module given storage of its own holding its current
+        values — the managed parameters no longer view this optimizer's flat buffers, and the frozen parameters and
+        buffers are no longer the tensors :meth:`sharded_state` read as the module's state. What was read meanwhile
+        (a live reshard's held state: the masters, the module's state) stays exactly as it is, whatever the next wrap
+        writes into the module — its broadcast of the module from its group's rank 0, a joining process's fresh
+        values where that rank is one. Costs one copy of the module; this optimizer is not used again."""
         if not self.rewrappable():
             raise UsageError(
                 f"{type(self).__name__}.unwrap(): its parameters are not whole fp32 values (stage 3 frees them, "
@@ -185,9 +187,8 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
             )
         self.release()
         with torch.no_grad():
-            for b in self.buckets:
-                for p in b.params:
-                    p.data = p.detach().clone()
+            for t in [*self.module.parameters(), *self.module.buffers()]:
+                t.data = t.detach().clone()
         return self.module
 
     def release(self) -> None:

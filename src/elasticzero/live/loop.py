@@ -13,8 +13,11 @@
             log_and_checkpoint(live.step)
 
 ``build(group)`` makes the model and its ZeRO optimizer on a process group (called once per round); ``rebuild(group,
-module)``, where given, makes them on a survivor's own model instead (unwrapped from its old optimizer first, whose
-state the reshard reads; the reshard then overwrites the parameters). Every round — the first one too — is entered
+module)``, where given, makes them on a survivor's own model instead: unwrapped from its old optimizer without a copy,
+its parameters still lying flat in that optimizer's buffers, which the new optimizer takes over in place (stages 1/2
+at fp32); what the reshard reads of them — the master shard, the module's buffers — is copied aside first
+(:meth:`Holdings.detached`), and the reshard then writes the new shard's state into them. Every round — the first
+one too — is entered
 the same way, by survivors and fresh processes alike (:meth:`LiveTraining._enter`):
 
 1. the round's group is formed: a fresh default group on the round's store and prefix (:mod:`.group`; the previous
@@ -409,10 +412,11 @@ class LiveTraining(_Rounds):
             built, at ``start_step``.
         start_step: the step a fresh job starts at without ``resume``.
         rebuild: ``rebuild(group, module)``: what ``build`` returns, made on ``module`` — this process's model of the
-            round it leaves, unwrapped from its optimizer (:meth:`ZeroOptimizer.unwrap`) — instead of a fresh model:
-            a survivor keeps its model across a round change (the reshard overwrites its parameters). Used where the
-            old optimizer allows it (:meth:`ZeroOptimizer.rewrappable`: stages 1/2 at fp32 parameters); else, and
-            without ``rebuild``, ``build`` makes the round afresh.
+            round it leaves, unwrapped from its optimizer without a copy (:meth:`ZeroOptimizer.unwrap`), its
+            parameters lying flat in that optimizer's buffers, which a stage-1/2 wrap takes over — instead of a fresh
+            model: a survivor keeps its model and buffers across a round change (the reshard overwrites them). Used
+            where the old optimizer allows it (:meth:`ZeroOptimizer.rewrappable`: stages 1/2 at fp32 parameters);
+            else, and without ``rebuild``, ``build`` makes the round afresh.
         prepare: ``prepare()``, run once before the first round's group is formed (after :func:`warm_up`): what a
             process can make before it has a group — its model (:class:`~elasticzero.live.training.Training`'s
             ``make_model``). A joining process says it is ready to its running peers when that formation starts;
@@ -494,7 +498,10 @@ class LiveTraining(_Rounds):
         left_at = time.monotonic()
         now = self.now
         start = Start(now.step, now.sampler, held_state(now.built))
-        entered = self._enter_until_settled(round_, now.copies.holdings() if now.copies else Holdings(), start, now)
+        holdings = now.copies.holdings() if now.copies else Holdings()
+        if self._keeps(now):  # its model's next wrap writes what its own state views: copied aside (once, every try)
+            holdings = holdings.detached()
+        entered = self._enter_until_settled(round_, holdings, start, now)
         self.events.append(RoundEvent(entered, left_at, time.monotonic(), self.step))
 
     def _enter_until_settled(
@@ -580,13 +587,16 @@ class LiveTraining(_Rounds):
         return self.build(group) if kept is None else self.rebuild(group, kept)  # type: ignore[misc]
 
     def _kept(self) -> Any:
-        """The module a survivor keeps — its settled round's, unwrapped (:meth:`ZeroOptimizer.unwrap`: that round's
-        optimizer released, the parameters off its buffers, which the holdings view) — or None: no ``rebuild``, no
-        settled round (a fresh process), or an optimizer whose module cannot be wrapped again."""
+        """The module a survivor keeps (:meth:`_keeps`) — its settled round's, unwrapped without a copy
+        (:meth:`ZeroOptimizer.unwrap`: that round's optimizer released, the parameters still lying flat in its
+        buffers, which the new wrap takes over; the holdings were detached from them) — or None."""
         old = getattr(self, "now", None)
-        if self.rebuild is None or old is None or not _rewrappable(old.opt):
-            return None
-        return old.opt.unwrap()
+        return old.opt.unwrap(copy=False) if old is not None and self._keeps(old) else None
+
+    def _keeps(self, old: RoundState | None) -> bool:
+        """Whether this process keeps its model of round ``old`` into the next: a ``rebuild``, a settled round (not a
+        fresh process), an optimizer whose module can be wrapped again."""
+        return self.rebuild is not None and old is not None and _rewrappable(old.opt)
 
     def _fill_built(
         self,

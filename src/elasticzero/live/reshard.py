@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -85,6 +85,13 @@ class Holdings:
     owner: int | None = None
     states: Mapping[int, ShardedState] = field(default_factory=dict)
     steps: Mapping[int, int] = field(default_factory=dict)
+
+    def detached(self) -> Holdings:
+        """These holdings with this process's own state detached from its model (:meth:`ShardedState.detached`): for a
+        survivor whose old optimizer hands the model back without a copy, to be wrapped again in place."""
+        if self.owner is None or self.owner not in self.states:
+            return self
+        return replace(self, states={**self.states, self.owner: self.states[self.owner].detached()})
 
 
 @dataclass(frozen=True)
@@ -196,9 +203,10 @@ def reshard_from(opt: ZeroOptimizer, holdings: Holdings) -> ReshardPlan | Fallba
 
     ``holdings``: what this process holds (:meth:`~elasticzero.live.copies.BuddyCopies.holdings`; a joining
     process passes ``Holdings()``). The held tensors must stay unchanged until this returns: build ``opt`` on a model
-    built afresh, or on the old one unwrapped (:meth:`ZeroOptimizer.unwrap`) — the held states of fp32 stages 1/2
-    view the old optimizer's buffers, which the old module's parameters view until then, and its own state's
-    module entries are the old module's frozen parameters and buffers."""
+    built afresh, on the old one unwrapped with a copy (:meth:`ZeroOptimizer.unwrap`), or on the old one unwrapped
+    without one and the holdings :meth:`~Holdings.detached` before — the held states of fp32 stages 1/2 view the old
+    optimizer's buffers, which the old module's parameters view until then, and its own state's module entries are
+    the old module's frozen parameters and buffers."""
     reports = opt.communicator.all_gather_object(report_of(holdings), tag="reshard")
     plan = plan_reshard(reports, opt.layout, opt.origin.optimizer)
     if isinstance(plan, Fallback):

@@ -8,7 +8,9 @@ writes round 1 (a new world, a new prefix) into the files of the round's members
   ``KILL2``), after every rank's shards were gathered and saved (``OUT.<case>.at_k.pt``: the start of the reference
   run), sends itself the signal; the driver sees it die or stop, writes round 1 of the survivors and fences the victim;
 - a join (``JOIN``): two ranks train; at step ``K`` (the state saved as above) they wait in the step for a new round;
-  the driver forks a fresh third process with round 1 in its file and writes round 1 (world 3) into the two others';
+  the driver forks a fresh third process with round 1 in its file and writes round 1 (world 3) into the two others',
+  the joiner first — rank 0, as a returning first host is: the round's build broadcasts the module from the one
+  member whose model is fresh, before the reshard reads what the two hold (their models' buffers, taken over);
 - a joiner lost before it arrives (``JOINLOST``): as ``JOIN``, but the third process never comes (a joiner killed
   while its interpreter starts); the two wait for its arrival in round 1 until the driver writes round 2 (world 2);
 - a joiner frozen in the round's build (``JOINSTOP``): as ``JOIN``, but the fresh process SIGSTOPs itself at the
@@ -60,7 +62,7 @@ from gpt import GPT, config_for
 K, TOTAL = 3, 6  # the change comes at step K; the run ends after TOTAL committed steps
 GLOBAL_BATCH, MICRO, SAMPLES, SEED = 12, 2, 96, 5
 LR, WD = 1e-2, 0.1
-WORLD, VICTIM = 3, 2  # the victim is the last rank: the survivors keep their ranks; a joiner becomes rank 2
+WORLD, VICTIM = 3, 2  # the victim is the last rank: the survivors keep their ranks; a joiner is node 2
 # (ZeRO stage, event, precision)
 LIVE = [(2, "KILL", "fp32"), (2, "STOP", "fp32"), (1, "STOP", "fp32"), (3, "KILL", "fp32"), (2, "KILL", "bf16")]
 JOIN = (2, "JOIN", "fp32")  # 2 -> 3: a fresh process gets its shards from its peers
@@ -304,7 +306,7 @@ def run_case(case: tuple[int, str, str], out: Path) -> None:
     if sig == "JOIN":
         wait_files([Path(f"{out}.waiting{r}") for r in first], pids)
         survivors = [*first, VICTIM]
-        write_rounds(out, 1, survivors, store)  # the joiner's file too: it starts in round 1, as rank 2
+        write_rounds(out, 1, [VICTIM, *first], store)  # the joiner's file too: it starts in round 1, as rank 0
         pids.append(fork_rank(VICTIM, out, case))
     if sig == "JOINLOST":  # round 1 names a joiner that never comes; the agents' next round drops it
         wait_files([Path(f"{out}.waiting{r}") for r in first], pids)

@@ -179,7 +179,9 @@ def test_live_loop(runs: Path, stage: int, sig: str, precision: str) -> None:
 
 
 def test_a_fresh_process_joins_with_its_shards_from_its_peers(runs: Path) -> None:
-    """Two ranks train; at step K a fresh process joins (round 1, world 3). The two keep their processes and go
+    """Two ranks train; at step K a fresh process joins (round 1, world 3) as rank 0 — the round's build broadcasts
+    its fresh module into the two's, whose buffers they hand over while the reshard reads their state (copied aside
+    first). The two keep their processes and go
     through one reconfiguration; the joiner (no checkpoint exists anywhere) starts at step K with the step and the
     sampler position from its peers and its shards resharded to it; the run ends where plain torch does."""
     stage, sig, precision = JOIN

@@ -13,7 +13,10 @@ import torch
 from torch import nn
 
 from elasticzero import ZeroStage1, ZeroStage2, ZeroStage3
+from elasticzero.engine.zero.flat import FlatBucket, lying_flat, new_flat
+from elasticzero.engine.zero.layout import ZeroLayout
 from elasticzero.errors import UsageError
+from elasticzero.live.reshard import Holdings
 
 STAGES = [ZeroStage1, ZeroStage2, ZeroStage3]
 pytestmark = pytest.mark.usefixtures("group")
@@ -128,3 +131,84 @@ def test_a_module_whose_parameters_are_not_whole_fp32_values_is_not_handed_back(
     for opt in (stage3, bf16):
         with pytest.raises(UsageError, match=r"unwrap\(\): .* build a fresh model instead"):
             opt.unwrap()
+
+
+def storages(model: nn.Module) -> list[int]:
+    return [p.untyped_storage().data_ptr() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stage", [ZeroStage1, ZeroStage2], ids=lambda s: s.__name__)
+def test_a_module_handed_back_without_a_copy_is_wrapped_again_in_its_own_buffers(stage: Any) -> None:
+    """``unwrap(copy=False)``: the next wrap takes over the buffers the parameters lie flat in — the same storage, no
+    value changed — and trains exactly as a fresh copy of the module (bitwise). What was read of the old optimizer
+    before is the caller's to detach: ``sharded_state().detached()`` keeps the masters and module state read, the
+    moments stay the released optimizer's (never written again)."""
+    x = torch.randn(4, 8)
+    model = fresh_model()
+    old = first_step(stage, model, x)
+    held = old.sharded_state().detached()
+    read = {n: c.tensor.clone() for n, c in held.params.items()}
+    before, values = storages(model), [p.detach().clone() for p in model.parameters()]
+    kept = old.unwrap(copy=False)
+    assert kept is model and storages(model) == before  # nothing copied
+    copy = fresh_model()
+    copy.load_state_dict(model.state_dict())
+    new = first_step(stage, model, x)
+    first_step(stage, copy, x)
+    assert storages(model) == before and all(new.master_views_params(i) for i in range(len(new.masters)))
+    for (name, p), q in zip(model.named_parameters(), copy.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert not all(torch.equal(p, v) for p, v in zip(model.parameters(), values, strict=True))  # it stepped in place
+    assert all(torch.equal(held.params[n].tensor, v) for n, v in read.items())  # the detached masters stayed
+
+
+def test_parameters_that_do_not_lie_as_a_bucket_wants_are_copied_into_a_new_buffer() -> None:
+    """A rewrap with smaller buckets (every parameter its own): the old buffer holds other buckets' parameters too,
+    so none is taken over — zeroing a bucket's padding there would write its neighbour — and the values are kept."""
+    model = fresh_model()
+    old = first_step(ZeroStage2, model, torch.randn(4, 8))
+    values = [p.detach().clone() for p in model.parameters()]
+    before = storages(model)
+    ZeroStage2(old.unwrap(copy=False), torch.optim.AdamW, lr=1e-2, bucket_bytes=1)
+    assert all(a != b for a, b in zip(storages(model), before, strict=True))
+    assert all(torch.equal(p, v) for p, v in zip(model.parameters(), values, strict=True))
+
+
+@pytest.mark.parametrize(("world", "kept"), [(2, True), (3, True), (4, True), (5, False)])
+def test_a_buffer_made_at_one_rank_is_taken_over_up_to_three_ranks_and_more_where_the_padding_fits(
+    world: int, kept: bool
+) -> None:
+    """A buffer the engine makes has room for its bucket's padding at any world up to 2 * world + 1 (2 * world
+    elements more), beyond that where the padding happens to fit: 7 elements made at one rank (room 2: 9) hold the
+    layout of 2 (8), 3 (9) and 4 (8) ranks, not of 5 (10)."""
+    shapes = [("a", (3,)), ("b", (2, 2))]
+    made = new_flat(FlatBucket(ZeroLayout.of([shapes], 1).buckets[0], [], 0), torch.float32, torch.device("cpu"))
+    params = [nn.Parameter(made[0:3]), nn.Parameter(made[3:7].view(2, 2))]
+    bucket = FlatBucket(ZeroLayout.of([shapes], world).buckets[0], params, 0)
+    found = lying_flat(bucket, {made.untyped_storage().data_ptr(): 2})
+    assert (found is not None) == kept
+    if found is not None:
+        assert found.numel() == bucket.padded_numel and found.data_ptr() == made.data_ptr()
+    assert lying_flat(bucket, {made.untyped_storage().data_ptr(): 3}) is None  # a third tensor views it
+
+
+def test_holdings_detach_only_the_own_state_from_the_model_and_share_the_rest() -> None:
+    """``Holdings.detached()`` (a live survivor before its model is handed back without a copy): its own state's
+    masters and module tensors are copies — equal, in storage of their own — its optimizer state still the released
+    optimizer's (the new wrap never writes it), a ward's copy the same object; a fresh process's holdings unchanged."""
+    model = WithState()
+    opt = first_step(ZeroStage2, model, torch.randn(4, 8))
+    own, ward = opt.sharded_state(), opt.sharded_state()
+    held = Holdings(0, {0: own, 1: ward}, {0: 1, 1: 1})
+    out = held.detached()
+    mine = out.states[0]
+    assert out.states[1] is ward and out.owner == 0 and out.steps == held.steps
+    for name, chunk in own.params.items():
+        assert torch.equal(mine.params[name].tensor, chunk.tensor)
+        assert mine.params[name].tensor.data_ptr() != chunk.tensor.data_ptr()
+    for key, t in own.module.items():
+        assert torch.equal(mine.module[key], t) and mine.module[key].data_ptr() != t.data_ptr()
+    for name, by_key in own.optim_state.items():
+        assert all(mine.optim_state[name][k].tensor.data_ptr() == c.tensor.data_ptr() for k, c in by_key.items())
+    fresh = Holdings()
+    assert fresh.detached() is fresh

@@ -172,23 +172,31 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
         compute copies, which a fresh wrap would take for the model's own)."""
         return self.keeps_whole_params and self.policy.param_dtype == torch.float32
 
-    def unwrap(self) -> nn.Module:
-        """The module, handed back as a plain model another optimizer can wrap (:meth:`rewrappable`): this optimizer
-        released (:meth:`release`), and every tensor of the module given storage of its own holding its current
-        values — the managed parameters no longer view this optimizer's flat buffers, and the frozen parameters and
-        buffers are no longer the tensors :meth:`sharded_state` read as the module's state. What was read meanwhile
-        (a live reshard's held state: the masters, the module's state) stays exactly as it is, whatever the next wrap
-        writes into the module — its broadcast of the module from its group's rank 0, a joining process's fresh
-        values where that rank is one. Costs one copy of the module; this optimizer is not used again."""
+    def unwrap(self, *, copy: bool = True) -> nn.Module:
+        """The module, handed back as a plain model another optimizer can wrap (:meth:`rewrappable`); this optimizer
+        released (:meth:`release`) and not used again.
+
+        ``copy=True``: every tensor of the module is given storage of its own holding its current values — the
+        managed parameters no longer view this optimizer's flat buffers, and the frozen parameters and buffers are no
+        longer the tensors :meth:`sharded_state` read as the module's state. What was read meanwhile stays exactly as
+        it is, whatever the next wrap writes into the module (its broadcast of the module from its group's rank 0).
+        Costs one copy of the module.
+
+        ``copy=False``: the module stays as it is, its parameters lying flat in this optimizer's buffers, which the
+        next stage-1/2 wrap of it takes over in place (:func:`~.flat.lying_flat`: no copy, no new memory, at any world
+        up to twice and one more than this one). The masters and the module's state read from this optimizer are
+        then written by that wrap — its broadcast, a load into it: detach what must outlive it first (a live
+        survivor's held state, :meth:`ShardedState.detached <.sharded.ShardedState.detached>`)."""
         if not self.rewrappable():
             raise UsageError(
                 f"{type(self).__name__}.unwrap(): its parameters are not whole fp32 values (stage 3 frees them, "
                 "bf16/fp16 hold compute copies): build a fresh model instead"
             )
         self.release()
-        with torch.no_grad():
-            for t in [*self.module.parameters(), *self.module.buffers()]:
-                t.data = t.detach().clone()
+        if copy:
+            with torch.no_grad():
+                for t in [*self.module.parameters(), *self.module.buffers()]:
+                    t.data = t.detach().clone()
         return self.module
 
     def release(self) -> None:

@@ -8,7 +8,8 @@ per key, in registration order); a stage passes its bucketing to the base as a :
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -170,6 +171,37 @@ def flatten_into(bucket: FlatBucket, out: torch.Tensor, tensors: Sequence[torch.
         for t, off in zip(src, bucket.offsets, strict=True):
             out[off : off + t.numel()].copy_(t.reshape(-1))
         out[bucket.numel :].zero_()
+
+
+def storage_users(module: nn.Module) -> Counter[int]:
+    """How many of ``module``'s parameters and buffers view each storage (by its address; empty tensors left out)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return Counter(t.untyped_storage().data_ptr() for t in tensors if t.numel())
+
+
+def lying_flat(bucket: FlatBucket, users: Mapping[int, int]) -> torch.Tensor | None:
+    """The buffer ``bucket``'s parameters already lie in as the bucket lays them out — its first ``padded_numel``
+    elements — or None. They do when every one is a contiguous view of one storage at its offset in the bucket from
+    the storage's first element, nothing else of the module views that storage (``users``: :func:`storage_users`),
+    and the storage has room for the bucket's padding: a module another stage-1/2 optimizer handed back without a
+    copy (:meth:`~elasticzero.engine.zero.base.ZeroOptimizer.unwrap`, ``copy=False``) is wrapped again in place."""
+    first = bucket.params[0]
+    storage = first.untyped_storage()
+    if users.get(storage.data_ptr()) != len(bucket.params) or storage.nbytes() < bucket.padded_numel * first.itemsize:
+        return None
+    for p, off in zip(bucket.params, bucket.offsets, strict=True):
+        same = p.untyped_storage().data_ptr() == storage.data_ptr() and p.dtype == first.dtype
+        if not (same and p.is_contiguous() and p.storage_offset() == off):
+            return None
+    return torch.as_strided(first.detach(), (bucket.padded_numel,), (1,), 0)
+
+
+def new_flat(bucket: FlatBucket, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A buffer of ``bucket.padded_numel`` elements whose storage has room for any world up to twice and one more
+    than this one's padding (``2 * world_size`` elements more): a later wrap at such a world takes it over in place
+    (:func:`lying_flat`)."""
+    room = 2 * bucket.world_size
+    return torch.empty(bucket.padded_numel + room, dtype=dtype, device=device)[: bucket.padded_numel]
 
 
 def view_params_into(bucket: FlatBucket, flat: torch.Tensor) -> None:

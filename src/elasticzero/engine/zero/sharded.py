@@ -21,6 +21,7 @@ a bucket of a new layout takes them from its first parameter.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +105,16 @@ class ShardedState:
         aliases = dict(record.get("aliases") or [])
         groups = tuple(optim["param_groups"].values())
         return cls(layout, origin, aliases, sd["params"], optim["state"], scalars, groups, sd["module"])
+
+    def detached(self) -> ShardedState:
+        """This state with the masters' chunks and the module's tensors copied, the optimizer state's chunks still
+        views: what outlives the wrap of a module whose optimizer handed it back without a copy
+        (:meth:`ZeroOptimizer.unwrap <.base.ZeroOptimizer.unwrap>`, ``copy=False``) — that wrap writes the buffer
+        the masters view and the module's tensors, never the released optimizer's state. Costs a copy of the
+        master shard (one rank's share of the parameters) and of the module's frozen parameters and buffers."""
+        params = {n: FlatChunk(c.tensor.clone(), c.offset, c.numel) for n, c in self.params.items()}
+        module = {k: v.clone() for k, v in self.module.items()}
+        return dataclasses.replace(self, params=params, module=module)
 
     def state_dict(self) -> dict[str, Any]:
         """The tree a checkpoint stores (see the module's docstring)."""

@@ -14,7 +14,14 @@ from torch.utils.hooks import RemovableHandle
 
 from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.comm.work import same_memory
-from elasticzero.engine.zero.flat import FlatBucket, flatten_into, view_params_into
+from elasticzero.engine.zero.flat import (
+    FlatBucket,
+    flatten_into,
+    lying_flat,
+    new_flat,
+    storage_users,
+    view_params_into,
+)
 from elasticzero.engine.zero.host import Offloader
 from elasticzero.errors import UsageError
 
@@ -23,11 +30,18 @@ class _ReplicatedParamsZero(ZeroOptimizer):
     """Base of ZeroStage1/ZeroStage2: full parameters on every rank, sharded optimizer state."""
 
     def _materialize(self, bucket: FlatBucket) -> tuple[nn.Parameter, torch.Tensor]:
-        """The master and the compute buffer (``param_dtype``, full size) the module's parameters view."""
+        """The master and the compute buffer (``param_dtype``, full size) the module's parameters view. At fp32 the
+        buffer the parameters already lie flat in, where they do (:func:`~.flat.lying_flat`: a module an optimizer
+        released without a copy, ``unwrap(copy=False)``): no copy, no new memory."""
         lo, hi = bucket.shard_range()
-        fp32 = torch.empty(bucket.padded_numel, dtype=torch.float32, device=self.device)
-        flatten_into(bucket, fp32)
         compute_dtype = self._compute_dtype_of(bucket)
+        kept = lying_flat(bucket, storage_users(self.module)) if compute_dtype == torch.float32 else None
+        if kept is not None:
+            with torch.no_grad():
+                kept[bucket.numel :].zero_()  # its padding at this world
+            return nn.Parameter(kept[lo:hi]), kept
+        fp32 = new_flat(bucket, torch.float32, self.device)
+        flatten_into(bucket, fp32)
         if compute_dtype == torch.float32:
             compute, master = fp32, nn.Parameter(fp32[lo:hi])
         else:

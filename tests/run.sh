@@ -76,7 +76,8 @@ NUMERICAL=(
 # `default`: three ranks on two cores, every collective waits for a descheduled peer), and what a kernel set changes —
 # the rounding of the same fp32 math, measured against float64 in the same run (ez_numerics) — its 2-rank run
 # exercises on the same model, the same scenarios and the same bound (its odd sizes shard unevenly at 2 ranks too);
-# the 3-rank layout is checked by the main run
+# the 3-rank layout is checked by the main run. Likewise the ring collectives' 3-rank run (9 s of a rerun): the ring
+# adds in another order than gloo only across ranks, and its 2-rank run takes the same kernels
 NUMERICAL_DESELECT="not world3"
 # torch reports back an ATEN_CPU_CAPABILITY this CPU lacks on some CPUs (avx512 on an AVX2-only EPYC, then SIGILL in the
 # first vectorised kernel): a capability counts only if the CPU has its instructions (the flags torch's own check asks

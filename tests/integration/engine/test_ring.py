@@ -16,7 +16,7 @@ def _run(world: int, out: Path) -> list[dict[str, Any]]:
     return run_ranks(WORKER, world, out)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"world{w}")  # tests/run.sh reruns deselect world3
 def test_ring_matches_gloo(world: int, tmp_path: Path) -> None:
     for r, res in enumerate(_run(world, tmp_path / "ring")):
         assert res.pop("used_ring") is True, (r, res)

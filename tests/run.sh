@@ -3,9 +3,9 @@
 # brings up the real-part test bed (namespace hosts with sshd, pdsh, OpenMPI, MPICH, Slurm; etcd servers are
 # started by the tests), runs ruff and the unit tests, then two streams side by side: the main one runs the
 # integration tests that use the test bed, the agents' peers or a bound of wall time one at a time; the side one, in a
-# cpu cgroup of low weight, runs mypy, the other integration tests (SIDE below), the numerical tests again under every
-# other CPU kernel set torch supports here (ATEN_CPU_CAPABILITY), then unit tests and a smoke on every other
-# supported torch version (tests/torch_range.sh); and tears the test bed down again.
+# cpu cgroup of low weight, runs mypy, then the other integration tests (SIDE below) and beside them the numerical tests
+# again under every other CPU kernel set torch supports here (ATEN_CPU_CAPABILITY), then unit tests and a smoke on
+# every other supported torch version (tests/torch_range.sh); and tears the test bed down again.
 #   bash tests/run.sh [pytest args…]          (pytest args replace the main run's default: the unit tests on 2
 #                                              xdist workers, then the integration tests; EZ_KEEP_TESTBED=1 leaves
 #                                              the test bed up; EZ_SKIP_TORCH_RANGE=1 skips the torch versions other
@@ -201,20 +201,34 @@ remove_cgroup() {
 # (mypy re-checks a module whose file's hash changed and takes a moved file of the same hash as it is)
 mypy_src() { "$VENV/bin/mypy" --cache-dir "${EZ_TORCH_CACHE:-/var/cache/elasticzero-ci}/mypy" src; }
 
-# side_stream → 0 when the side integration tests, the numerical reruns and the torch range all pass
-side_stream() {
-  local t t0 irc rc=0
-  t0=$(date +%s)
-  mypy_src || rc=1
+# side_tests → 0 when the side integration tests pass
+side_tests() {
+  local t irc
   t=$(date +%s)
   # a --basetemp of its own: two pytest sessions numbering and pruning /tmp/pytest-of-root at once is a race
   "$VENV/bin/python" -m pytest -q -p no:cacheprovider --basetemp "$side_tmp/side" --durations=10 "${SIDE[@]}"
   pytest_rc $?
   irc=$?
   echo "tests/run.sh: side integration tests: $([ "$irc" = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t))s"
-  [ "$irc" = 0 ] || rc=1
-  numerical_reruns || rc=1
-  torch_range_stage || rc=1
+  return "$irc"
+}
+
+# side_stream → 0 when the side integration tests, the numerical reruns and the torch range all pass. The reruns and
+# then the torch range run beside the side tests (their output after the side tests'): the side stream's processes
+# mostly wait on their subprocesses, and one after the other they left CPU idle that the cgroup's low weight would
+# have let them take — in a fresh-clone run of session 26 the streams kept the 2 cores 88 % busy, the side stream
+# ending 233 s after the main one (side tests 943 s, reruns 364 s, range 189 s, in a row). Nothing of either times
+# itself (see SIDE): sharing the side stream's CPU only makes them slower.
+side_stream() {
+  local t0 rc=0 beside_log beside_pid
+  t0=$(date +%s)
+  mypy_src || rc=1
+  beside_log=$(mktemp /tmp/elasticzero-beside.XXXXXX)
+  ( brc=0; numerical_reruns || brc=1; torch_range_stage || brc=1; exit "$brc" ) >"$beside_log" 2>&1 &
+  beside_pid=$!
+  side_tests || rc=1
+  wait "$beside_pid" || rc=1
+  cat "$beside_log" && rm -f "$beside_log"
   children_cpu
   echo "tests/run.sh: side stream (mypy, side integration tests, numerical reruns, torch range):" \
     "$([ "$rc" = 0 ] && echo passed || echo FAILED) in $(($(date +%s) - t0))s, ${children_cpu_s}s of CPU"

@@ -114,8 +114,11 @@ def test_memory_matches_zero_paper(report: Report, stage: int) -> None:
     n = report["world"]
     expected = {1: 4 + 4 + 8 / n, 2: 4 + 4 / n + 8 / n, 3: 16 / n}[stage]  # fp32 AdamW bytes per param
     mem = report[f"s{stage}_memory"]
-    # the tiny model's padding and AdamW's per-tensor `step` scalars add a few percent; ≈0 at 30M params
-    assert expected <= mem["bytes_per_param"] <= expected * 1.10
+    # the tiny model's padding and AdamW's per-tensor `step` scalars add a few percent; ≈0 at 30M params. Stages
+    # 1/2 hold their parameters' buffers with 2 * world fp32 elements to spare per bucket (flat.new_flat: a live
+    # survivor's next wrap at up to 2 * world + 1 ranks takes them over): 8 * world bytes a bucket, ≈0 at 30M too
+    room = 8 * n * report[f"s{stage}_nbuckets"] / report[f"s{stage}_psi"] if stage in (1, 2) else 0.0
+    assert expected <= mem["bytes_per_param"] <= expected * 1.10 + room
     assert mem["frozen"] == 13 * 13 * 4 + 13 * 4
 
 

@@ -553,7 +553,9 @@ class LiveTraining(_Rounds):
         clock.mark("group")
         watch = self._watch(round_, group)
         try:
-            return self._fill(round_, bound, holdings, start, group, watch, clock)
+            # in place on the first try only: a try interrupted may leave a collective of its build (the module's
+            # broadcast) to land in the buffers it took over, so a later try copies the model off them
+            return self._fill(round_, bound, holdings, start, group, watch, clock, in_place=old is not None)
         except BaseException:
             if watch is not None:  # the entry is thrown away whole: its watch must not abort a later round's group
                 watch.close()
@@ -568,11 +570,14 @@ class LiveTraining(_Rounds):
         group: Any,
         watch: Any,
         clock: Phases,
+        *,
+        in_place: bool,
     ) -> tuple[RoundState, bool]:
-        """Build at ``group``'s world, fill it from ``holdings`` (or the disk: ``resume``), re-cut the sampler. The
-        build and the load are bounded like the step's waits (their collectives: the engine's broadcast of the
-        module, DCP's load): a member frozen there leaves them for the agent's next round."""
-        built = bound.call(lambda: self._make(group), peer_failure)
+        """Build at ``group``'s world (a kept model's buffers taken over where ``in_place``: :meth:`_kept`), fill it
+        from ``holdings`` (or the disk: ``resume``), re-cut the sampler. The build and the load are bounded like the
+        step's waits (their collectives: the engine's broadcast of the module, DCP's load): a member frozen there
+        leaves them for the agent's next round."""
+        built = bound.call(lambda: self._make(group, in_place), peer_failure)
         clock.mark("build")
         try:
             return self._fill_built(round_, bound, holdings, start, watch, built, clock)
@@ -580,18 +585,23 @@ class LiveTraining(_Rounds):
             release_optimizer(optimizer_of(built))  # the entry is thrown away: its model and optimizer with it
             raise
 
-    def _make(self, group: Any) -> Any:
+    def _make(self, group: Any, in_place: bool) -> Any:
         """The round's ``build``: on this process's model of the round it leaves where it keeps it (:meth:`_kept`),
         else afresh."""
-        kept = self._kept()
+        kept = self._kept(in_place)
         return self.build(group) if kept is None else self.rebuild(group, kept)  # type: ignore[misc]
 
-    def _kept(self) -> Any:
-        """The module a survivor keeps (:meth:`_keeps`) — its settled round's, unwrapped without a copy
-        (:meth:`ZeroOptimizer.unwrap`: that round's optimizer released, the parameters still lying flat in its
-        buffers, which the new wrap takes over; the holdings were detached from them) — or None."""
+    def _kept(self, in_place: bool) -> Any:
+        """The module a survivor keeps (:meth:`_keeps`) — its settled round's, unwrapped (:meth:`ZeroOptimizer.unwrap`:
+        that round's optimizer released) — or None. Without a copy where ``in_place`` and every master of the old
+        optimizer views the parameters' buffers (not offloaded: a push of the host's step may still be on its way
+        there): the parameters stay in those buffers, which the new wrap takes over (the holdings were detached from
+        them); else with one."""
         old = getattr(self, "now", None)
-        return old.opt.unwrap(copy=False) if old is not None and self._keeps(old) else None
+        if old is None or not self._keeps(old):
+            return None
+        views = all(old.opt.master_views_params(i) for i in range(len(old.opt.masters)))
+        return old.opt.unwrap(copy=not (in_place and views))
 
     def _keeps(self, old: RoundState | None) -> bool:
         """Whether this process keeps its model of round ``old`` into the next: a ``rebuild``, a settled round (not a

@@ -23,7 +23,7 @@ pieces coincide.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -87,11 +87,13 @@ class Holdings:
     steps: Mapping[int, int] = field(default_factory=dict)
 
     def detached(self) -> Holdings:
-        """These holdings with this process's own state detached from its model (:meth:`ShardedState.detached`): for a
-        survivor whose old optimizer hands the model back without a copy, to be wrapped again in place."""
-        if self.owner is None or self.owner not in self.states:
-            return self
-        return replace(self, states={**self.states, self.owner: self.states[self.owner].detached()})
+        """These holdings detached from this process's model (:meth:`ShardedState.detached`): its own state's masters
+        and every state's module entries (its own and its wards' copies all name the live module's frozen parameters
+        and buffers: copied once) — for a survivor whose old optimizer hands the model back without a copy, to be
+        wrapped again in place."""
+        memo: dict[Hashable, torch.Tensor] = {}
+        states = {r: st.detached(masters=r == self.owner, memo=memo) for r, st in self.states.items()}
+        return replace(self, states=states)
 
 
 @dataclass(frozen=True)

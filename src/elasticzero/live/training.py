@@ -59,7 +59,7 @@ from elasticzero.data.sampler import ElasticSampler
 from elasticzero.device import Facts, init_distributed, placement
 from elasticzero.engine.accumulation import GradAccumulation
 from elasticzero.errors import UsageError
-from elasticzero.live.loop import Attempt, LiveTraining, RoundState, StaticTraining, _Rounds
+from elasticzero.live.loop import Attempt, LiveTraining, RoundState, StaticTraining, _Rounds, release_optimizer
 from elasticzero.progress import heartbeat
 from elasticzero.rounds import ROUND_FILE_ENV
 
@@ -262,6 +262,15 @@ class Training:
         resumed — can no longer write it)."""
         model = kept if kept is not None else self._take_prepared()
         model, pieces = self.user_build(group, self.device, *((model,) if self.keeps_model else ()))
+        try:
+            return self._kit(group, model, pieces)
+        except BaseException:  # the optimizer's hooks off the model: a later try wraps it again
+            release_optimizer(pieces.optimizer)
+            raise
+
+    def _kit(self, group: Any, model: torch.nn.Module, pieces: Any) -> Kit:
+        """The kit of what the user's build made: checked for a live round, with the round's checkpointer (a
+        collective: it claims the directory)."""
         if self.live:
             self._check_live(pieces)
         rank, world = dist.get_rank(group), dist.get_world_size(group)

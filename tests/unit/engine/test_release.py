@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from elasticzero import ZeroStage1, ZeroStage2, ZeroStage3
-from elasticzero.engine.zero.flat import FlatBucket, lying_flat, new_flat
+from elasticzero.engine.zero.flat import FlatBucket, lying_flat, mark_flat, new_flat
 from elasticzero.engine.zero.layout import ZeroLayout
 from elasticzero.errors import UsageError
 from elasticzero.live.reshard import Holdings
@@ -184,6 +184,7 @@ def test_a_buffer_made_at_one_rank_is_taken_over_up_to_three_ranks_and_more_wher
     shapes = [("a", (3,)), ("b", (2, 2))]
     made = new_flat(FlatBucket(ZeroLayout.of([shapes], 1).buckets[0], [], 0), torch.float32, torch.device("cpu"))
     params = [nn.Parameter(made[0:3]), nn.Parameter(made[3:7].view(2, 2))]
+    mark_flat(FlatBucket(ZeroLayout.of([shapes], 1).buckets[0], params, 0), made)  # laid in by a wrap at one rank
     bucket = FlatBucket(ZeroLayout.of([shapes], world).buckets[0], params, 0)
     found = lying_flat(bucket, {made.untyped_storage().data_ptr(): 2})
     assert (found is not None) == kept
@@ -192,23 +193,46 @@ def test_a_buffer_made_at_one_rank_is_taken_over_up_to_three_ranks_and_more_wher
     assert lying_flat(bucket, {made.untyped_storage().data_ptr(): 3}) is None  # a third tensor views it
 
 
-def test_holdings_detach_only_the_own_state_from_the_model_and_share_the_rest() -> None:
+def test_holdings_are_detached_from_the_model_where_they_view_it() -> None:
     """``Holdings.detached()`` (a live survivor before its model is handed back without a copy): its own state's
-    masters and module tensors are copies — equal, in storage of their own — its optimizer state still the released
-    optimizer's (the new wrap never writes it), a ward's copy the same object; a fresh process's holdings unchanged."""
+    masters, and every state's module entries — its own and a ward's copy's name the live module's frozen parameters
+    and buffers (BuddyCopies: the module's state is the live one's) — are copies, equal, one per tensor; its optimizer
+    state and a ward's masters are the same tensors (nothing writes them). Written over afterwards as the next
+    wrap's broadcast writes the module, every held value stays."""
     model = WithState()
     opt = first_step(ZeroStage2, model, torch.randn(4, 8))
-    own, ward = opt.sharded_state(), opt.sharded_state()
+    own, ward = opt.sharded_state(), opt.sharded_state()  # the ward's masters stand in for a host copy's
     held = Holdings(0, {0: own, 1: ward}, {0: 1, 1: 1})
+    before = {k: v.clone() for k, v in own.module.items()}
     out = held.detached()
-    mine = out.states[0]
-    assert out.states[1] is ward and out.owner == 0 and out.steps == held.steps
+    mine, theirs = out.states[0], out.states[1]
+    assert out.owner == 0 and out.steps == held.steps
     for name, chunk in own.params.items():
         assert torch.equal(mine.params[name].tensor, chunk.tensor)
         assert mine.params[name].tensor.data_ptr() != chunk.tensor.data_ptr()
+        assert theirs.params[name].tensor is ward.params[name].tensor
     for key, t in own.module.items():
         assert torch.equal(mine.module[key], t) and mine.module[key].data_ptr() != t.data_ptr()
+        assert theirs.module[key] is mine.module[key]  # the same live tensor: copied once
     for name, by_key in own.optim_state.items():
         assert all(mine.optim_state[name][k].tensor.data_ptr() == c.tensor.data_ptr() for k, c in by_key.items())
-    fresh = Holdings()
-    assert fresh.detached() is fresh
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.data.fill_(7)
+    assert all(torch.equal(s.module[k], v) for s in (mine, theirs) for k, v in before.items())
+    assert Holdings().detached() == Holdings()
+
+
+def test_a_first_wrap_never_takes_over_a_users_storage() -> None:
+    """Only a buffer an optimizer of this engine laid the parameters in is taken over (``mark_flat``): a model's own
+    parameters that happen to fit a bucket — here each its own bucket, its own storage, no padding at one rank — are
+    copied as before (a user's alias of them keeps its values), and a parameter viewing part of a larger tensor is
+    never one whose padding a wrap would zero (the tensor's next element)."""
+    model = fresh_model()
+    before = storages(model)
+    ZeroStage2(model, torch.optim.AdamW, lr=1e-2, bucket_bytes=1)
+    assert all(a != b for a, b in zip(storages(model), before, strict=True))
+    big = torch.arange(9.0)
+    part = nn.Parameter(big[:7])
+    bucket = FlatBucket(ZeroLayout.of([[("w", (7,))]], 2).buckets[0], [part], 0)  # padded to 8 at two ranks
+    assert lying_flat(bucket, {big.untyped_storage().data_ptr(): 1}) is None

@@ -186,6 +186,38 @@ def test_a_newer_round_during_the_entry_starts_it_over_with_that_round(tmp_path:
         live.groups.abandon()
 
 
+def test_a_survivor_keeps_its_buffers_on_a_first_try_and_copies_the_model_off_them_on_a_retry(
+    tmp_path: Path, cpu_machine: None
+) -> None:
+    """``rebuild``: the kept model comes back in the old optimizer's buffers on the entry's first try (the new wrap
+    takes them over: the same storage), and copied off them on a try after an interrupted one (that try's build may
+    have left a collective to land in them); the job trains on from the same state either way."""
+    path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
+    write_round(path, NodeRound(0, 1, ((0, 0),), store, "r0/"))
+    second = NodeRound(2, 1, ((0, 0),), store, "r2/")
+    handed: list[list[int]] = []
+
+    def rebuild(group: Any, module: torch.nn.Module) -> ZeroStage2:
+        handed.append([p.untyped_storage().data_ptr() for p in module.parameters()])
+        if len(handed) == 1:  # entering round 1: round 2 arrives meanwhile
+            write_round(path, second)
+            raise Reconfigure(second)
+        return ZeroStage2(module, torch.optim.AdamW, lr=0.01, process_group=group)
+
+    data = torch.randn(48, 4, generator=torch.Generator().manual_seed(1))
+    live = LiveTraining.from_agent(build, sampler=sampler(0, 1), env={ROUND_FILE_ENV: path}, rebuild=rebuild)
+    try:
+        train(live, 1, data, [])
+        laid = [p.untyped_storage().data_ptr() for p in live.model.parameters()]
+        write_round(path, NodeRound(1, 1, ((0, 0),), store, "r1/"))
+        train(live, 2, data, [])
+        assert [(e.round.number, e.step) for e in live.events] == [(2, 1)] and [s for s, _ in live.record] == [0, 1]
+        assert handed[0] == laid and not set(handed[1]) & set(laid)
+    finally:
+        live.close()
+        live.groups.abandon()
+
+
 def test_the_copies_options_reach_the_replicator_and_committed_says_which_attempts_counted(
     tmp_path: Path, cpu_machine: None
 ) -> None:

@@ -406,3 +406,22 @@ def test_make_model_makes_a_live_process_s_first_model_before_its_group_and_hand
             training.rounds.groups.abandon()  # type: ignore[attr-defined]
     with pytest.raises(UsageError, match=r"^Training\(make_model=\.\.\.\): the build must take the model"):
         Training(lambda group, device: None, training.loss, [], steps=1, make_model=make)  # type: ignore[arg-type]
+
+
+def test_a_build_whose_kit_fails_releases_its_optimizer(tmp_path: Path, world_of_one: None) -> None:
+    """What the user's build returned is released when the kit around it fails (the checkpointer's claim of its
+    directory, a collective in a live round): its optimizer's hooks come off the model, which a later try wraps
+    again — left on, they would take that try's gradients too."""
+    (tmp_path / "taken").write_text("a file where the checkpoint directory should be")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+
+    def build(group: Any, device: torch.device) -> tuple[torch.nn.Module, Any]:
+        from elasticzero.config import build_pieces
+
+        cfg = {"train_batch_size": 1, "zero": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}
+        return model, build_pieces(model, cfg, process_group=group)
+
+    training = Training(build, lambda net, batch: net(batch).sum(), [], steps=1, checkpoint_dir=tmp_path / "taken")
+    with pytest.raises(FileExistsError):
+        training._build(dist.group.WORLD)
+    assert not model._forward_pre_hooks  # the optimizer's hook on the forward: off

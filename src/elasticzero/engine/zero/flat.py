@@ -179,19 +179,33 @@ def storage_users(module: nn.Module) -> Counter[int]:
     return Counter(t.untyped_storage().data_ptr() for t in tensors if t.numel())
 
 
+#: The attribute a stage-1/2 optimizer sets on every parameter it lays into an fp32 buffer it made (:func:`mark_flat`):
+#: that buffer's storage address. A later wrap takes a buffer over only where each parameter still views the buffer it
+#: was laid in (:func:`lying_flat`) — never a user's own storage that happens to fit (a parameter viewing part of a
+#: larger tensor: zeroing the bucket's padding would write that tensor).
+FLAT_MARK = "_elasticzero_flat"
+
+
+def mark_flat(bucket: FlatBucket, flat: torch.Tensor) -> None:
+    """Mark ``bucket``'s parameters as laid into ``flat``, a buffer this engine made (:data:`FLAT_MARK`)."""
+    for p in bucket.params:
+        setattr(p, FLAT_MARK, flat.untyped_storage().data_ptr())
+
+
 def lying_flat(bucket: FlatBucket, users: Mapping[int, int]) -> torch.Tensor | None:
     """The buffer ``bucket``'s parameters already lie in as the bucket lays them out — its first ``padded_numel``
-    elements — or None. They do when every one is a contiguous view of one storage at its offset in the bucket from
-    the storage's first element, nothing else of the module views that storage (``users``: :func:`storage_users`),
-    and the storage has room for the bucket's padding: a module another stage-1/2 optimizer handed back without a
-    copy (:meth:`~elasticzero.engine.zero.base.ZeroOptimizer.unwrap`, ``copy=False``) is wrapped again in place."""
+    elements — or None. They do when every one is still in the buffer an optimizer of this engine laid it in
+    (:data:`FLAT_MARK`), a contiguous view of that storage at its offset in the bucket from the storage's first
+    element, nothing else of the module views that storage (``users``: :func:`storage_users`), and the storage has
+    room for the bucket's padding: a module another stage-1/2 optimizer handed back without a copy
+    (:meth:`~elasticzero.engine.zero.base.ZeroOptimizer.unwrap`, ``copy=False``) is wrapped again in place."""
     first = bucket.params[0]
     storage = first.untyped_storage()
     if users.get(storage.data_ptr()) != len(bucket.params) or storage.nbytes() < bucket.padded_numel * first.itemsize:
         return None
     for p, off in zip(bucket.params, bucket.offsets, strict=True):
-        same = p.untyped_storage().data_ptr() == storage.data_ptr() and p.dtype == first.dtype
-        if not (same and p.is_contiguous() and p.storage_offset() == off):
+        same = p.untyped_storage().data_ptr() == storage.data_ptr() == getattr(p, FLAT_MARK, None)
+        if not (same and p.dtype == first.dtype and p.is_contiguous() and p.storage_offset() == off):
             return None
     return torch.as_strided(first.detach(), (bucket.padded_numel,), (1,), 0)
 

@@ -22,7 +22,7 @@ a bucket of a new layout takes them from its first parameter.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,14 +106,21 @@ class ShardedState:
         groups = tuple(optim["param_groups"].values())
         return cls(layout, origin, aliases, sd["params"], optim["state"], scalars, groups, sd["module"])
 
-    def detached(self) -> ShardedState:
+    def detached(self, *, masters: bool = True, memo: dict[Hashable, torch.Tensor] | None = None) -> ShardedState:
         """This state with the masters' chunks and the module's tensors copied, the optimizer state's chunks still
         views: what outlives the wrap of a module whose optimizer handed it back without a copy
         (:meth:`ZeroOptimizer.unwrap <.base.ZeroOptimizer.unwrap>`, ``copy=False``) — that wrap writes the buffer
         the masters view and the module's tensors, never the released optimizer's state. Costs a copy of the
-        master shard (one rank's share of the parameters) and of the module's frozen parameters and buffers."""
+        master shard (one rank's share of the parameters) and of the module's frozen parameters and buffers.
+
+        ``masters=False``: the module's tensors only (a buddy copy's state: its masters are host copies of their own,
+        its module entries the live module's). ``memo``: the copies made so far, by the memory copied — shared by the
+        states that name the same module tensors (one copy each)."""
+        memo = {} if memo is None else memo
+        module = {k: _copied(v, memo) for k, v in self.module.items()}
+        if not masters:
+            return dataclasses.replace(self, module=module)
         params = {n: FlatChunk(c.tensor.clone(), c.offset, c.numel) for n, c in self.params.items()}
-        module = {k: v.clone() for k, v in self.module.items()}
         return dataclasses.replace(self, params=params, module=module)
 
     def state_dict(self) -> dict[str, Any]:
@@ -126,6 +133,14 @@ class ShardedState:
             "optim": {"state": self.optim_state, "scalars": scalars, "param_groups": groups},
             "layout": layout_record(self.layout, self.origin, self.aliases),
         }
+
+
+def _copied(t: torch.Tensor, memo: dict[Hashable, torch.Tensor]) -> torch.Tensor:
+    """A copy of ``t``, made once per memory viewed (``memo``: views of the same elements share it)."""
+    key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+    if key not in memo:
+        memo[key] = t.clone()
+    return memo[key]
 
 
 def layout_record(layout: ZeroLayout, origin: Origin, aliases: Mapping[str, str]) -> dict[str, Any]:

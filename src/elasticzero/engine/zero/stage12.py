@@ -18,6 +18,7 @@ from elasticzero.engine.zero.flat import (
     FlatBucket,
     flatten_into,
     lying_flat,
+    mark_flat,
     new_flat,
     storage_users,
     view_params_into,
@@ -48,6 +49,8 @@ class _ReplicatedParamsZero(ZeroOptimizer):
             master = nn.Parameter(fp32[lo:hi].clone())
             compute = fp32.to(compute_dtype)
         view_params_into(bucket, compute)
+        if compute is fp32:
+            mark_flat(bucket, compute)  # a later wrap may take it over (lying_flat)
         return master, compute
 
     def _reduced_into_kept_buffer(self, bucket: FlatBucket, shard: torch.Tensor) -> None:

@@ -17,8 +17,7 @@ module)``, where given, makes them on a survivor's own model instead: unwrapped 
 its parameters still lying flat in that optimizer's buffers, which the new optimizer takes over in place (stages 1/2
 at fp32); what the reshard reads of them — the master shard, the module's buffers — is copied aside first
 (:meth:`Holdings.detached`), and the reshard then writes the new shard's state into them. Every round — the first
-one too — is entered
-the same way, by survivors and fresh processes alike (:meth:`LiveTraining._enter`):
+one too — is entered the same way, by survivors and fresh processes alike (:meth:`LiveTraining._enter`):
 
 1. the round's group is formed: a fresh default group on the round's store and prefix (:mod:`.group`; the previous
    one, if any, is left and kept referenced);
@@ -499,7 +498,7 @@ class LiveTraining(_Rounds):
         now = self.now
         start = Start(now.step, now.sampler, held_state(now.built))
         holdings = now.copies.holdings() if now.copies else Holdings()
-        if self._keeps(now):  # its model's next wrap writes what its own state views: copied aside (once, every try)
+        if self._keeps_buffers(now):  # the next wrap writes what its held state views: copied aside (once, every try)
             holdings = holdings.detached()
         entered = self._enter_until_settled(round_, holdings, start, now)
         self.events.append(RoundEvent(entered, left_at, time.monotonic(), self.step))
@@ -600,13 +599,18 @@ class LiveTraining(_Rounds):
         old = getattr(self, "now", None)
         if old is None or not self._keeps(old):
             return None
-        views = all(old.opt.master_views_params(i) for i in range(len(old.opt.masters)))
-        return old.opt.unwrap(copy=not (in_place and views))
+        return old.opt.unwrap(copy=not (in_place and self._keeps_buffers(old)))
 
-    def _keeps(self, old: RoundState | None) -> bool:
-        """Whether this process keeps its model of round ``old`` into the next: a ``rebuild``, a settled round (not a
-        fresh process), an optimizer whose module can be wrapped again."""
-        return self.rebuild is not None and old is not None and _rewrappable(old.opt)
+    def _keeps(self, old: RoundState) -> bool:
+        """Whether this process keeps its model of round ``old`` (a settled round) into the next: a ``rebuild``, an
+        optimizer whose module can be wrapped again."""
+        return self.rebuild is not None and _rewrappable(old.opt)
+
+    def _keeps_buffers(self, old: RoundState) -> bool:
+        """Whether it keeps the model's buffers too, on an entry's first try (:meth:`_kept`): every master of the old
+        optimizer views them (not offloaded)."""
+        opt = old.opt
+        return self._keeps(old) and all(opt.master_views_params(i) for i in range(len(opt.masters)))
 
     def _fill_built(
         self,

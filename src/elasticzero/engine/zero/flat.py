@@ -188,8 +188,9 @@ FLAT_MARK = "_elasticzero_flat"
 
 def mark_flat(bucket: FlatBucket, flat: torch.Tensor) -> None:
     """Mark ``bucket``'s parameters as laid into ``flat``, a buffer this engine made (:data:`FLAT_MARK`)."""
+    address = flat.untyped_storage().data_ptr()
     for p in bucket.params:
-        setattr(p, FLAT_MARK, flat.untyped_storage().data_ptr())
+        setattr(p, FLAT_MARK, address)
 
 
 def lying_flat(bucket: FlatBucket, users: Mapping[int, int]) -> torch.Tensor | None:

@@ -22,7 +22,13 @@ The steps of one round:
    — a member of the old round as soon as it read the new one, a fresh process (a joiner's worker) once it started
    and reached the round's formation — and a member of the old round goes on training there until every member's
    key is set: a join pauses nobody while the joiner's interpreter, torch and script start;
-5. **arrive** (each member, on the same store): it sets its :func:`arrival_key` and waits for every member's before
+5. **switch** (a join): where every member of the old round is in the new one (:func:`joins_only`, over the ready
+   keys' values: each says which round's member set it, :func:`ready_value`), nobody needs to leave a step: the first
+   member that finds every key set proposes the first step boundary no member can have passed
+   (:func:`switch_proposal`) and compare-sets it under :data:`SWITCH_KEY`; every member adopts what is there and
+   leaves at the start of that step (:func:`switches`). Any other round (a member lost: a step with it never
+   completes) is switched to at once;
+6. **arrive** (each member, on the same store): it sets its :func:`arrival_key` and waits for every member's before
    it forms the round's default group.
 """
 
@@ -75,6 +81,49 @@ def round_prefix(number: int) -> str:
 def ready_key(rank: int) -> str:
     """ready: the key a member sets under the round's prefix once it can switch to the round."""
     return f"ready/{rank}"
+
+
+#: ready: what a fresh process (no round settled in it: a joiner's worker) sets under its :func:`ready_key`
+NEW_MEMBER = "new"
+#: switch: the key (under the new round's prefix) of the step the old round's members switch at
+SWITCH_KEY = "switch_at"
+
+
+def ready_value(settled: tuple[int, int] | None) -> str:
+    """ready: what a member sets under its :func:`ready_key`: ``"NUMBER:RANK"`` — the round it trains in and its rank
+    there — or :data:`NEW_MEMBER` when it trains in none yet."""
+    return NEW_MEMBER if settled is None else f"{settled[0]}:{settled[1]}"
+
+
+def joins_only(values: Sequence[str], number: int, world_size: int) -> bool:
+    """switch: whether the ready keys' ``values`` (:func:`ready_value`, one per member of the new round) name every
+    rank of round ``number`` (of ``world_size``) exactly once and nobody else but fresh processes — a join, or the same
+    members again: the old round's steps can still complete, so the switch can wait for a step boundary."""
+    old = sorted(v for v in values if v != NEW_MEMBER)
+    return old == sorted(ready_value((number, r)) for r in range(world_size))
+
+
+#: switch: where a member is when it proposes — between two steps, idle (a hold, a bounded wait outside a step);
+#: entering a step (its attempt's check, before anything of it ran); inside a step
+WHERES = ("idle", "enter", "step")
+
+
+def switch_proposal(where: str, step: int, world_size: int, end: int | None = None) -> int:
+    """switch: the step a member at ``step`` (its step in flight) of a round of ``world_size`` proposes to switch at —
+    the first boundary no member can have passed, so no member leaves a step it began (members are at most one step
+    apart: a step completes only with every member's part). Idle: ``step`` (at once: a member held between steps holds
+    the others too); entering ``step``: the next one (a peer may be inside ``step``); inside it: two on (a peer may
+    have begun the next), one alone. Never past ``end - 1`` (the job's last step: the old members would end without
+    the joiner)."""
+    ahead = {"idle": 0, "enter": 1, "step": 1 if world_size == 1 else 2}[where]
+    at = step + ahead
+    return at if end is None else min(at, end - 1)
+
+
+def switches(step: int, switch_at: int) -> bool:
+    """switch: whether a member with ``step`` in flight (or next) leaves for the new round: at ``switch_at`` or past
+    it (a member inside ``switch_at`` when it learns it leaves that step at once)."""
+    return step >= switch_at
 
 
 def arrival_key(rank: int) -> str:

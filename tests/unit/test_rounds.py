@@ -19,12 +19,16 @@ from elasticzero.rounds import (
     StoreAddress,
     arrival_key,
     decide_node,
+    joins_only,
     last_round_key,
     last_round_value,
     next_round_number,
     parse_last,
     parse_node_round,
+    ready_value,
     round_prefix,
+    switch_proposal,
+    switches,
     write_round,
 )
 
@@ -122,3 +126,31 @@ def test_the_file_reads_what_the_agent_writes(tmp_path: Path) -> None:
     write_round(path, NodeRound(1, 1, ((0, 0),), STORE, "r1/"))
     assert source.poll(0) == NodeRound(1, 1, ((0, 0),), STORE, "r1/")
     assert [p.name for p in tmp_path.iterdir()] == ["round.json"]  # written whole, renamed into place
+
+
+# -- ready, switch: a join waits for a step boundary -----------------------------------------------------------------
+def test_a_join_is_every_old_member_and_fresh_processes_only() -> None:
+    old = [ready_value((4, r)) for r in range(3)]
+    assert old == ["4:0", "4:1", "4:2"] and ready_value(None) == "new"
+    assert joins_only(["new", *old], 4, 3) and joins_only(old[::-1], 4, 3)  # a join; the same members again
+    assert not joins_only(["new", *old[:2]], 4, 3)  # old rank 2 lost, a fresh process in its place
+    assert not joins_only(["3:2", *old[:2]], 4, 3)  # a process of another round (an entry left for this one)
+    assert not joins_only([*old, "4:2"], 4, 3) and not joins_only(old, 4, 2)
+
+
+@pytest.mark.parametrize(
+    ("where", "world", "end", "at"),
+    [
+        ("idle", 2, None, 7),  # between steps, waiting: at once (a held member holds everyone)
+        ("enter", 2, None, 8),  # entering step 7: a peer may be inside it
+        ("step", 2, None, 9),  # inside step 7: a peer may have begun step 8
+        ("step", 1, None, 8),  # alone: nobody is ahead
+        ("step", 2, 9, 8),  # never past the job's last step (the old members would end without the joiner)
+        ("enter", 2, 8, 7),
+    ],
+)
+def test_the_switch_step_is_the_first_boundary_nobody_can_have_passed(
+    where: str, world: int, end: int | None, at: int
+) -> None:
+    assert switch_proposal(where, 7, world, end) == at
+    assert switches(at, at) and switches(at + 1, at) and not switches(at - 1, at)

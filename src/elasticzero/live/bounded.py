@@ -87,6 +87,8 @@ class BoundedWait:
         device: the CUDA device the helper thread works on (``torch.cuda.set_device`` there); None: the CPU.
         lost: whether a connection of the round's group closed (None: not asked); asked every ``lost_after_s`` of a
             wait, from the first ``lost_after_s`` on.
+        urgent: the round source after a work failed (default ``poll``): the loop's switches at once there, where
+            ``poll`` may let a join wait for a step boundary — a failed step never reaches one.
     """
 
     def __init__(
@@ -98,8 +100,9 @@ class BoundedWait:
         device: str | None = None,
         lost: Callable[[], bool] | None = None,
         lost_after_s: float = 0.25,
+        urgent: Poll | None = None,
     ) -> None:
-        self.poll = poll
+        self.poll, self.urgent = poll, urgent or poll
         self.poll_s = poll_s
         self.failure_grace_s = failure_grace_s
         self.device = device
@@ -169,7 +172,7 @@ class BoundedWait:
         deadline = time.monotonic() + self.failure_grace_s
         while time.monotonic() < deadline:
             try:
-                self._leave_if(self.poll())
+                self._leave_if(self.urgent())
             except Reconfigure as leave:
                 raise leave from err
             time.sleep(self.poll_s)

@@ -19,7 +19,9 @@ gloo group's connections are cut (below), when it lets the group go.
 Switching is gated (:meth:`RoundGroups.ready`, the round protocol's *ready* step): a member of the old round reads
 the new round, says it is ready under the new round's prefix and keeps training in the old group until every member
 said so — a joiner's worker says so once it started and reached the round's formation. A join then pauses the old
-members for the formation, build and reshard alone, not for the joiner's cold start.
+members for the formation, build and reshard alone, not for the joiner's cold start; and where every old member is in
+the new round the switch waits for the step they agree on (:meth:`RoundGroups.switch_at`, the *switch* step), so none
+leaves a step it began.
 
 The group's connections are watched (gloo): the sockets ``init_process_group`` opened are recorded, and
 :meth:`RoundGroups.lost` says whether one of them closed since — gloo closes a pair's socket when its peer dies, even
@@ -61,7 +63,7 @@ import torch.distributed as dist
 
 from elasticzero.device import Placement
 from elasticzero.live.bounded import LiveError
-from elasticzero.rounds import NodeRound, arrival_key, ready_key
+from elasticzero.rounds import NEW_MEMBER, SWITCH_KEY, NodeRound, arrival_key, ready_key
 
 #: the store's wait bound when the round gives no timeout (torch's TCPStore default)
 _STORE_TIMEOUT = timedelta(minutes=5)
@@ -187,13 +189,15 @@ class RoundGroups:
         self._left: list[tuple[Any, dict[int, str]]] = []
         self._cut: list[Any] = []  #: the groups cut and not yet let go (:meth:`let_go`)
 
-    def form(self, spec: GroupSpec, *, aborted: bool = False, check: Check = lambda: None) -> Any:
+    def form(
+        self, spec: GroupSpec, *, ready: str = NEW_MEMBER, aborted: bool = False, check: Check = lambda: None
+    ) -> Any:
         """Leave the current group (``aborted``: a :class:`RoundWatch` already aborted it), form ``spec``'s once
         every member arrived (``check`` between two polls: it raises to leave, see the module); returns the new
-        default group."""
+        default group. ``ready``: this process's ready value (:func:`~elasticzero.rounds.ready_value`)."""
         self.abandon(aborted=aborted)
         store = dist.PrefixStore(spec.prefix, self._store(spec, check))
-        store.set(ready_key(spec.rank), "1")  # a fresh process: it started (a member of the old round said so already)
+        store.set(ready_key(spec.rank), ready)  # a fresh process: it started (an old round's member said so already)
         arrive(store, spec.rank, spec.world_size, check)
         before = socket_fds()
         dist.init_process_group(store=store, **init_args(spec))
@@ -247,15 +251,28 @@ class RoundGroups:
         if groups:
             _let_go(groups)  # the groups' only references here were in ``groups``, which the thread empties
 
-    def ready(self, spec: GroupSpec) -> bool:
-        """Say this member is ready to switch to ``spec``'s round, and whether every member is (see the module); never
-        waits for a store that is not listening yet (its host, the round's new rank 0, may be a joiner starting)."""
+    def ready(self, spec: GroupSpec, value: str) -> list[str] | None:
+        """Say this member is ready to switch to ``spec``'s round (``value``: :func:`~elasticzero.rounds.ready_value`);
+        once every member is (see the module), every member's value by rank, else None. Never waits for a store that
+        is not listening yet (its host, the round's new rank 0, may be a joiner starting)."""
         store = self._store_now(spec)
         if store is None:
-            return False
+            return None
         prefixed = dist.PrefixStore(spec.prefix, store)
-        prefixed.set(ready_key(spec.rank), "1")
-        return bool(prefixed.check([ready_key(r) for r in range(spec.world_size)]))
+        prefixed.set(ready_key(spec.rank), value)
+        keys = [ready_key(r) for r in range(spec.world_size)]
+        if not prefixed.check(keys):
+            return None
+        return [raw.decode(errors="replace") for raw in prefixed.multi_get(keys)]
+
+    def switch_at(self, spec: GroupSpec, proposal: int | None) -> int | None:
+        """The step the old round's members switch to ``spec``'s round at (:data:`~elasticzero.rounds.SWITCH_KEY`
+        under its prefix): ``proposal`` compare-set unless one is there (the first proposal wins); None without a
+        proposal when none is there yet. Call it once every member is ready (the store listens)."""
+        store = dist.PrefixStore(spec.prefix, self._store_now(spec))
+        if proposal is None:
+            return int(store.get(SWITCH_KEY)) if store.check([SWITCH_KEY]) else None
+        return int(store.compare_set(SWITCH_KEY, "", str(proposal)))
 
     def _store(self, spec: GroupSpec, check: Check) -> Any:
         """The store at ``spec``'s address: the one this process already has there, else a new client (or server,

@@ -75,7 +75,16 @@ from elasticzero.live.copies import BuddyCopies
 from elasticzero.live.group import RoundGroups, RoundWatch, aborts_on_announce, group_spec
 from elasticzero.live.reshard import Fallback, Holdings, ReshardPlan, reshard_from
 from elasticzero.progress import reporter
-from elasticzero.rounds import ROUND_FILE_ENV, NodeRound, RoundError, RoundFile
+from elasticzero.rounds import (
+    ROUND_FILE_ENV,
+    NodeRound,
+    RoundError,
+    RoundFile,
+    joins_only,
+    ready_value,
+    switch_proposal,
+    switches,
+)
 
 
 class ReshardFallback(LiveError):
@@ -239,7 +248,10 @@ class _Rounds:
     def __init__(self) -> None:
         self.record: list[tuple[int, list[int]]] = []  # (step, this rank's samples) of every committed step
         self.events: list[RoundEvent] = []
-        self.in_attempt = False
+        self.in_attempt = False  # inside an attempt's ``with`` (a step)
+        self.entering = False  # in an attempt's check before its step (Attempt.__enter__)
+        #: the step the job ends at (``steps``' total, or the constructor's): a join is never deferred past its last
+        self.end: int | None = None
 
     @property
     def step(self) -> int:
@@ -283,7 +295,9 @@ class _Rounds:
         return micro_batches_of(self.sampler)
 
     def steps(self, total: int) -> Iterator[Attempt]:
-        """Attempts until ``total`` steps are committed (a step left for a new round is attempted again)."""
+        """Attempts until ``total`` steps are committed (a step left for a new round is attempted again); ``total`` is
+        the job's end (:attr:`end`)."""
+        self.end = total
         while self.step < total:
             yield Attempt(self)
 
@@ -423,6 +437,8 @@ class LiveTraining(_Rounds):
         replicate, node_shift, overlap, early: the buddy copies (:class:`BuddyCopies`'s ``enabled``, ``node_shift``,
             ``overlap``, ``early``; a config's ``zero.copies``): without copies a lost node's state is lost, and its
             loss falls back to the disk checkpoint (``ReshardFallback``).
+        end: the step the job ends at (:meth:`steps` sets it to its ``total``): a join is switched to before it
+            (:func:`~elasticzero.rounds.switch_proposal`).
     """
 
     def __init__(
@@ -446,8 +462,11 @@ class LiveTraining(_Rounds):
         node_shift: int = 1,
         overlap: bool = True,
         early: bool = True,
+        end: int | None = None,
     ) -> None:
         super().__init__()
+        self.end = end
+        self._switch: tuple[int, int] | None = None  # (round, step): the switch agreed for a join round
         self.build, self.rebuild, self.rounds, self.nodes, self.resume = build, rebuild, rounds, nodes, resume
         self.replicate, self.node_shift, self.overlap, self.early = replicate, node_shift, overlap, early  # copies
         self.local_rank, self.where = local_rank, where or Placement("cpu", "gloo", alone=False)
@@ -548,7 +567,8 @@ class LiveTraining(_Rounds):
             aborted = old.watch.fired  # NCCL: the watch aborted the old group (final now)
         spec = group_spec(round_, self.local_rank, self.where, self.group_timeout)
         clock = Phases()
-        group = self.groups.form(spec, aborted=aborted, check=bound.check)  # leavable until all members arrived
+        ready = self._ready_value()
+        group = self.groups.form(spec, ready=ready, aborted=aborted, check=bound.check)  # leavable until all arrived
         clock.mark("group")
         watch = self._watch(round_, group)
         try:
@@ -649,24 +669,62 @@ class LiveTraining(_Rounds):
         """Under NCCL (:func:`aborts_on_announce`), a watch that aborts ``group`` once a newer round is announced and
         every member of it is ready (:meth:`_announced`)."""
         if aborts_on_announce(str(dist.get_backend(group))):
-            return RoundWatch(functools.partial(self._announced, round_.number), group.abort, self.poll_s)
+            poll = functools.partial(self._announced, round_.number, propose=False)
+            return RoundWatch(poll, group.abort, self.poll_s)
         return None
 
-    def _announced(self, number: int) -> NodeRound | RoundError | None:
+    def _announced(self, number: int, *, urgent: bool = False, propose: bool = True) -> NodeRound | RoundError | None:
         """The round file's decision for the members of round ``number``: a newer round once every one of its members
         is ready to switch (:meth:`RoundGroups.ready <elasticzero.live.group.RoundGroups.ready>`: meanwhile this
         process trains on in its round — a joiner's worker is starting), at once when it does not name this process
-        (its entry fails with one line) or is no round."""
+        (its entry fails with one line) or is no round. Where every member of round ``number`` — the round this
+        process trains in — is in the new one (:func:`~elasticzero.rounds.joins_only`), from the step the members
+        agree on (:meth:`_switch_at`) unless ``urgent`` (a step's collective failed: it completes nowhere); ``propose``
+        False (the NCCL watch's thread, which does not know where the loop is): only a step already agreed on."""
         found = self.rounds.poll(number)
         if not isinstance(found, NodeRound) or found.rank_of(self.local_rank) is None:
             return found
-        return found if self.groups.ready(group_spec(found, self.local_rank, self.where, self.group_timeout)) else None
+        spec = group_spec(found, self.local_rank, self.where, self.group_timeout)
+        values = self.groups.ready(spec, self._ready_value())
+        if values is None:
+            return None
+        old = self._settled_round()
+        if urgent or old is None or old.number != number or not joins_only(values, number, old.world_size):
+            return found
+        at = self._switch_at(found, spec, propose)
+        return found if at is not None and switches(self.step, at) else None
+
+    def _switch_at(self, found: NodeRound, spec: Any, propose: bool) -> int | None:
+        """The step the members of this process's round switch to ``found`` at (:meth:`RoundGroups.switch_at
+        <elasticzero.live.group.RoundGroups.switch_at>`: this process's proposal, :func:`switch_proposal`, unless
+        one is there), read from the store once per round."""
+        if self._switch is not None and self._switch[0] == found.number:
+            return self._switch[1]
+        where = "step" if self.in_attempt else "enter" if self.entering else "idle"
+        proposal = switch_proposal(where, self.step, self.now.opt.world_size, self.end) if propose else None
+        at = self.groups.switch_at(spec, proposal)
+        if at is not None:
+            self._switch = (found.number, at)
+        return at
+
+    def _settled_round(self) -> NodeRound | None:
+        """The round this process trains in (None before its first is entered)."""
+        now: RoundState | None = getattr(self, "now", None)
+        return now.round if now is not None else None
+
+    def _ready_value(self) -> str:
+        """What this process says when it is ready for a new round (:func:`~elasticzero.rounds.ready_value`): the
+        round it trains in and its rank there, nothing before its first."""
+        old = self._settled_round()
+        rank = old.rank_of(self.local_rank) if old is not None else None
+        return ready_value(None if old is None or rank is None else (old.number, rank))
 
     def _bound(self, round_: NodeRound) -> BoundedWait:
         poll = functools.partial(self._announced, round_.number)
+        urgent = functools.partial(self._announced, round_.number, urgent=True)
         device = self.where.bound_device  # the helper thread's CUDA device (the build runs there)
         grace, lost = self.failure_grace_s, self.groups.lost  # lost: the current group's connections (gloo)
-        return BoundedWait(poll, poll_s=self.poll_s, failure_grace_s=grace, device=device, lost=lost)
+        return BoundedWait(poll, poll_s=self.poll_s, failure_grace_s=grace, device=device, lost=lost, urgent=urgent)
 
     def _make_copies(self, opt: ZeroOptimizer, step: int, bound: BoundedWait, config: Any) -> BuddyCopies:
         """The round's copies: the constructor's settings, or ``config`` (what ``build`` returned says: a config's
@@ -796,10 +854,13 @@ class Attempt:
         self.live.bound.check()
 
     def __enter__(self) -> Attempt:
+        self.live.entering = True
         try:
             self.live.bound.check()  # a round announced between two steps
         except Reconfigure as leave:
             self.live.reconfigure(leave.round)
+        finally:
+            self.live.entering = False
         self.number, self.live.in_attempt = self.live.step, True
         return self
 

@@ -253,7 +253,7 @@ class Training:
 
     def _live(self) -> LiveTraining:
         rebuild = self._build if self.keeps_model else None  # the survivors keep their model
-        options = {"rebuild": rebuild, "prepare": self._prepare, **self.live_options}
+        options = {"rebuild": rebuild, "prepare": self._prepare, "end": self.total, **self.live_options}
         return LiveTraining.from_agent(self._build, sampler=self._sampler, env=self.env, resume=self._resume, **options)
 
     def _build(self, group: Any, kept: torch.nn.Module | None = None) -> Kit:

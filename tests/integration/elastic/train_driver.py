@@ -9,12 +9,13 @@ one), with the example's flags and:
   began, wall clock; live: ``entered`` on a survivor's first step in a round it entered) (docs/elastic-training.md,
   "The sample record");
 - ``--hold-file FILE``: before step N+1 the job waits while FILE exists and holds a number <= N — plain: after step
-  N's checkpoint, collectively (a lost peer fails the job); live: before that checkpoint, each rank polling the round
-  file (a membership change during the hold is taken once every member of the new round is ready: a joiner's worker
-  started). A test holds the job at a known step this way; live, the round a rank starts in and each round it enters
-  later are appended to ``<--record-samples>.rounds`` as it begins its first attempt there (``{"pid", "rank",
-  "world", "round", "step"}``; ``round`` null for the first), so a test can release the hold once the round it waits
-  for is entered;
+  N's checkpoint, collectively (a lost peer fails the job); live: between the steps, before that checkpoint, each rank
+  in a bounded wait (``Training.bounded``): a membership change during the hold is entered there once every member of
+  the new round is ready (a joiner's worker started) — between two steps a round is switched to at once, a join too.
+  A test holds the job at a known step this way; live, the round a rank starts in and each round it enters later are
+  appended to ``<--record-samples>.rounds`` as it begins its first attempt or hold there (``{"pid", "rank", "world",
+  "round", "step"}``; ``round`` null for the first), so a test can release the hold once the round it waits for is
+  entered;
 - ``--hang-at N --hang-rank R``: in an attempt that started from step 0, rank R stops making progress before step N
   (after the hold): it writes the wall-clock instant to ``<--record-samples>.hang`` and sleeps for good, while its
   peers go on into step N's collectives. The hang tests' hung worker;
@@ -78,21 +79,25 @@ class Driven(Hooks):
         self.loaded = time.time()
         if not training.live:
             self.attempt = attempt_id(training.device)
+        self.hold_between_steps(training)
 
-    def before_save(self, training: Training, attempt: Any) -> None:
-        """Live: the hold comes first in the attempt, before the last commit's checkpoint: a round change during it
-        lands between a save step's commit and its save (the join race of issue 21)."""
-        self.note_rounds(training)
+    def hold_between_steps(self, training: Training) -> None:
+        """Live: the hold, between two steps — after a commit, before the next attempt's save of it: a round change
+        during it lands between a save step's commit and its save (the join race of issue 21)."""
         path = self.args.hold_file
         while training.live and path is not None and training.step < training.total:
-            # a new round: leave the hold for it. Checked before the hold is read, so also once after it ends: the
-            # agent writes the round before its hand-off line and a test releases the hold after that line (checked
-            # only while held, the step after the hold could run at the old world: 1 run of test_live_e2e in 10)
-            attempt.check()
+            # a new round: entered here. Checked before the hold is read, so also once after it ends: the agent
+            # writes the round before its hand-off line and a test releases the hold after that line (checked only
+            # while held, the step after the hold could run at the old world: 1 run of test_live_e2e in 10)
+            training.bounded(lambda: time.sleep(0.05))
+            self.note_rounds(training)
             if not held(path, training.step):
                 break
             elasticzero.heartbeat()
-            time.sleep(0.05)
+
+    def before_save(self, training: Training, attempt: Any) -> None:
+        """Live: the rounds entered, and the cut."""
+        self.note_rounds(training)
         self.maybe_cut(training)
 
     def note_rounds(self, training: Training) -> None:
@@ -145,6 +150,11 @@ class Driven(Hooks):
             os.kill(os.getpid(), signal.SIGSTOP)
 
     def after_step(self, training: Training, done: Done) -> None:
+        """The record of the committed step, then (live) the hold."""
+        self.record(training, done)
+        self.hold_between_steps(training)
+
+    def record(self, training: Training, done: Done) -> None:
         """The sample ids this rank trained on in the committed step, one JSON line (O_APPEND keeps lines whole)."""
         if self.args.record_samples is None:
             return

@@ -7,15 +7,19 @@ writes round 1 (a new world, a new prefix) into the files of the round's members
 - a loss (``KILL``/``STOP``; ``KILL2``: two ranks at once): at step ``K`` the victim (rank 2; ranks 1 and 2 in
   ``KILL2``), after every rank's shards were gathered and saved (``OUT.<case>.at_k.pt``: the start of the reference
   run), sends itself the signal; the driver sees it die or stop, writes round 1 of the survivors and fences the victim;
-- a join (``JOIN``): two ranks train; at step ``K`` (the state saved as above) they wait in the step for a new round;
-  the driver forks a fresh third process with round 1 in its file and writes round 1 (world 3) into the two others',
-  the joiner first — rank 0, as a returning first host is: the round's build broadcasts the module from the one
-  member whose model is fresh, before the reshard reads what the two hold (their models' buffers, taken over);
-- a joiner lost before it arrives (``JOINLOST``): as ``JOIN``, but the third process never comes (a joiner killed
-  while its interpreter starts); the two wait for its arrival in round 1 until the driver writes round 2 (world 2);
-- a joiner frozen in the round's build (``JOINSTOP``): as ``JOIN``, but the fresh process SIGSTOPs itself at the
-  start of its ``build``, once round 1's group has formed — the two are then in their own builds, in the engine's
-  broadcast of the module's state, which it never joins; the driver writes round 2 (world 2).
+- a join (``JOIN``): two ranks train; at step ``K`` (the state saved as above) they wait inside the step until the
+  driver says go; meanwhile it forks a fresh third process with round 1 (world 3) in its file — rank 0, as a returning
+  first host is: the round's build broadcasts the module from the one member whose model is fresh, before the reshard
+  reads what the two hold (their models' buffers, taken over) — and once it is ready (its ready key in the store)
+  writes round 1 into the two's files, then says go: the two learn of a ready join inside step ``K`` and finish it,
+  and the next one (the switch step agreed, :func:`~elasticzero.rounds.switch_proposal`: inside a step of a world of
+  two, two steps on), at the old world — no attempt left — and switch at ``K + 2``;
+- a joiner lost before it arrives (``JOINLOST``): the two wait between steps ``K - 1`` and ``K`` (a bounded wait: a
+  round is taken at once there) while round 1 names a third process that never comes (a joiner killed while its
+  interpreter starts); they wait for its ready key, and train on, until the driver writes round 2 (world 2);
+- a joiner frozen in the round's build (``JOINSTOP``): as ``JOINLOST``, but the fresh process comes and SIGSTOPs
+  itself at the start of its ``build``, once round 1's group has formed — the two are then in their own builds, in
+  the engine's broadcast of the module's state, which it never joins; the driver writes round 2 (world 2).
 
 Every round's ``build`` puts a WarmupDecayLR schedule on the optimizer (:class:`Built`: a world-independent piece the
 round change carries from a peer); each step's learning rate is recorded.
@@ -55,7 +59,7 @@ from elasticzero.engine.zero.stage1 import ZeroStage1
 from elasticzero.engine.zero.stage2 import ZeroStage2
 from elasticzero.engine.zero.stage3 import ZeroStage3
 from elasticzero.live import LiveError, LiveTraining
-from elasticzero.rounds import ROUND_FILE_ENV, NodeRound, StoreAddress, write_round
+from elasticzero.rounds import ROUND_FILE_ENV, NodeRound, StoreAddress, ready_key, write_round
 from ez_testing import free_port
 from gpt import GPT, config_for
 
@@ -73,7 +77,8 @@ AFTER_GATE = (2, "GATEKILL", "fp32")  # the victim killed after step K's commit 
 CASES = [*LIVE, JOIN, JOIN_LOST, JOIN_FROZEN, LOSE2, AFTER_GATE]
 JOINS = ("JOIN", "JOINLOST", "JOINSTOP")
 ARRIVAL_S = 1.0  # how long the driver lets the two wait for the lost joiner's arrival before it writes round 2
-WAIT_S = 60  # how long a joined rank waits in step K for round 1 before the case fails
+WAIT_S = 60  # how long a joined rank waits at step K for the driver before the case fails
+JOINED_AT = K + 2  # JOIN: the step the two switch at (learnt inside step K, at a world of two)
 
 
 def victims(sig: str) -> list[int]:
@@ -157,21 +162,33 @@ def round_file(out: Path, rank: int) -> str:
     return f"{out}.round{rank}.json"
 
 
-def at_step_k(attempt: Any, live: LiveTraining, out: Path, sig: str) -> None:
-    """Step K of round 0: every rank's shards saved (collective); the victims signal themselves, or (a join) every
-    rank waits in the step until round 1 is in its file."""
-    at_k = full_state(attempt.opt)
+def save_at_k(live: LiveTraining, out: Path) -> None:
+    """Every rank's shards gathered (collective), saved by rank 0: the state at the start of step K."""
+    at_k = full_state(live.opt)
     if live.rank == 0:
         torch.save(at_k, f"{out}.at_k.pt")
+
+
+def at_step_k(attempt: Any, live: LiveTraining, out: Path, sig: str) -> None:
+    """Inside step K of round 0: the state saved; the victims signal themselves, or (``JOIN``) every rank waits until
+    the driver says go (no ``attempt.check()``: a join takes no step's attempt)."""
+    save_at_k(live, out)
     if live.rank in victims(sig) and sig != "GATEKILL":
         os.kill(os.getpid(), getattr(signal, f"SIG{sig.rstrip('2')}"))
-    if sig in JOINS:
+    if sig == "JOIN":
         Path(f"{out}.waiting{live.rank}").touch()
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            attempt.check()  # leaves with Reconfigure once round 1 is in the file
-            time.sleep(0.01)
-        raise TimeoutError(f"no round 1 within {WAIT_S} s")
+        wait_files([Path(f"{out}.go")], [], WAIT_S)
+
+
+def between_steps(live: LiveTraining, out: Path) -> None:
+    """``JOINLOST``/``JOINSTOP``, before step K of round 0: the state saved, then a bounded wait between the steps
+    until a new round was entered there (``bounded`` says False)."""
+    save_at_k(live, out)
+    Path(f"{out}.waiting{live.rank}").touch()
+    deadline = time.monotonic() + WAIT_S
+    while live.bounded(lambda: time.sleep(0.01)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no new round within {WAIT_S} s")
 
 
 def after_the_gate(attempt: Any, live: LiveTraining) -> None:
@@ -194,13 +211,16 @@ def train(rank: int, out: Path, sig: str, stage: int, precision: str) -> None:
     live = LiveTraining.from_agent(
         build, sampler=sampler_at(0, 1), env=env, nodes=lambda n: list(range(n)), rebuild=build
     )
-    data, reported, lrs, models = tokens(), [], [], set()
+    data, reported, lrs, models, attempts = tokens(), [], [], set(), 0
     for attempt in live.steps(TOTAL):
+        if sig in ("JOINLOST", "JOINSTOP") and live.step == K and live.round.number == 0:
+            between_steps(live, out)
         models.add(id(attempt.model))
         with attempt:
+            attempts += 1
             lr = float(attempt.opt.param_groups[0]["lr"])
             at_k = attempt.step == K and live.round.number == 0
-            if at_k:
+            if at_k and sig not in ("JOINLOST", "JOINSTOP"):
                 at_step_k(attempt, live, out, sig)
             batches = attempt.micro_batches
             for idx in batches:
@@ -219,6 +239,7 @@ def train(rank: int, out: Path, sig: str, stage: int, precision: str) -> None:
     ]
     result = {"pid": os.getpid(), "record": live.record, "events": events, "world": live.opt.world_size}
     result["reported"], result["lrs"], result["models"] = reported, lrs, len(models)
+    result["attempts"] = attempts
     final = live.opt.full_state_dict()  # collective over the last round's group
     if live.rank == 0:
         torch.save(final, f"{out}.final.pt")
@@ -241,6 +262,15 @@ def wait_files(paths: list[Path], pids: list[int], timeout: float = 120) -> None
         if time.monotonic() > deadline:
             kill_all(pids)
             raise TimeoutError(f"waiting for {paths}; the case's ranks were killed")
+        time.sleep(0.01)
+
+
+def wait_keys(store: Any, keys: list[str], pids: list[int], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            kill_all(pids)
+            raise TimeoutError(f"waiting for {keys}; the case's ranks were killed")
         time.sleep(0.01)
 
 
@@ -303,11 +333,14 @@ def run_case(case: tuple[int, str, str], out: Path) -> None:
     lost = victims(sig)
     survivors = [r for r in first if r not in lost]
     codes = dict.fromkeys(range(WORLD), 0)
-    if sig == "JOIN":
+    if sig == "JOIN":  # the joiner first, ready before the two learn of round 1 (both inside step K)
         wait_files([Path(f"{out}.waiting{r}") for r in first], pids)
         survivors = [*first, VICTIM]
-        write_rounds(out, 1, [VICTIM, *first], store)  # the joiner's file too: it starts in round 1, as rank 0
+        write_round(round_file(out, VICTIM), NodeRound(1, 3, ((0, 0),), store, "round1/"))  # as rank 0
         pids.append(fork_rank(VICTIM, out, case))
+        wait_keys(dist.PrefixStore("round1/", server), [ready_key(0)], pids)
+        write_rounds(out, 1, [VICTIM, *first], store)
+        Path(f"{out}.go").touch()
     if sig == "JOINLOST":  # round 1 names a joiner that never comes; the agents' next round drops it
         wait_files([Path(f"{out}.waiting{r}") for r in first], pids)
         write_rounds(out, 1, [*first, VICTIM], store)

@@ -40,6 +40,7 @@ from live_loop_worker import (
     JOIN,
     JOIN_FROZEN,
     JOIN_LOST,
+    JOINED_AT,
     LIVE,
     LOSE2,
     LR,
@@ -179,11 +180,12 @@ def test_live_loop(runs: Path, stage: int, sig: str, precision: str) -> None:
 
 
 def test_a_fresh_process_joins_with_its_shards_from_its_peers(runs: Path) -> None:
-    """Two ranks train; at step K a fresh process joins (round 1, world 3) as rank 0 — the round's build broadcasts
-    its fresh module into the two's, whose buffers they hand over while the reshard reads their state (copied aside
-    first). The two keep their processes and go
-    through one reconfiguration; the joiner (no checkpoint exists anywhere) starts at step K with the step and the
-    sampler position from its peers and its shards resharded to it; the run ends where plain torch does."""
+    """Two ranks train; inside step K they learn that a fresh process is ready to join (round 1, world 3) as rank 0:
+    they finish that step and the next at world 2 — the switch step they agree on, no attempt left — and switch at
+    K + 2. The round's build broadcasts the joiner's fresh module into the two's, whose buffers they hand over while
+    the reshard reads their state (copied aside first). The two keep their processes and go through one
+    reconfiguration; the joiner (no checkpoint exists anywhere) starts at step K + 2 with the step and the sampler
+    position from its peers and its shards resharded to it; the run ends where plain torch does."""
     stage, sig, precision = JOIN
     out = Path(f"{runs}.{case_name(stage, sig, precision)}")
     harness = json.loads(Path(f"{out}.harness.json").read_text())
@@ -193,9 +195,11 @@ def test_a_fresh_process_joins_with_its_shards_from_its_peers(runs: Path) -> Non
     assert [res["pid"] for res in results] == harness["pids"]  # the two kept theirs; the joiner is the new one
     assert [res["world"] for res in results] == [3, 3, 3]
     assert [res["models"] for res in results] == [1, 1, 1]  # the two kept theirs across the join
-    assert [[(e["round"], e["step"]) for e in res["events"]] for res in results] == [[(1, K)], [(1, K)], []]
-    assert [res["lrs"] for res in results] == [[lr_of(s) for s in range(first, TOTAL)] for first in (0, 0, K)]
-    assert record_problems([res["record"] for res in results], [0, 0, K]) == []
+    switched = [[(1, JOINED_AT)], [(1, JOINED_AT)], []]
+    assert [[(e["round"], e["step"]) for e in res["events"]] for res in results] == switched
+    assert [res["attempts"] for res in results] == [TOTAL, TOTAL, TOTAL - JOINED_AT]  # no step left for the join
+    assert [res["lrs"] for res in results] == [[lr_of(s) for s in range(f, TOTAL)] for f in (0, 0, JOINED_AT)]
+    assert record_problems([res["record"] for res in results], [0, 0, JOINED_AT]) == []
     ratio = final_ratio(out, precision, 3)
     assert ratio <= 1, f"final parameters off by {ratio:.3g}x the {precision} rounding scale (ez_numerics rule)"
     _, first = recovery(results[:2], harness)

@@ -179,13 +179,25 @@ def test_a_member_switches_only_once_every_member_said_it_is_ready() -> None:
     joiner = GroupSpec("gloo", 0, 2, "127.0.0.1", port, True, "r5/", None, timedelta(seconds=30))
     groups, host = RoundGroups(), RoundGroups()
     start = time.monotonic()
-    assert not groups.ready(survivor)  # nothing listens there yet
+    assert groups.ready(survivor, "4:0") is None  # nothing listens there yet
     assert time.monotonic() - start < 1.0 and groups._stores == {}
-    assert not host.ready(joiner)  # the joiner serves the store and said it; the survivor has not yet
+    assert host.ready(joiner, "new") is None  # the joiner serves the store and said it; the survivor has not yet
     store = dist.PrefixStore("r5/", host._stores[("127.0.0.1", port)])
     assert store.check(["ready/0"]) and not store.check(["ready/1"])
-    assert groups.ready(survivor)  # says it, and finds the joiner's: both ready
-    assert host.ready(joiner) and store.check(["ready/0", "ready/1"])
+    assert groups.ready(survivor, "4:0") == ["new", "4:0"]  # says it, and finds the joiner's: both ready, by rank
+    assert host.ready(joiner, "new") == ["new", "4:0"] and store.check(["ready/0", "ready/1"])
+
+
+def test_the_first_proposal_of_a_switch_step_is_every_members() -> None:
+    """The round protocol's *switch* step: the first member's proposal is set, a later one adopts it; a member that
+    does not propose (the NCCL watch's thread) reads it, or nothing before it is there."""
+    port = free_port()
+    a = GroupSpec("gloo", 0, 2, "127.0.0.1", port, True, "r6/", None, timedelta(seconds=30))
+    b = GroupSpec("gloo", 1, 2, "127.0.0.1", port, False, "r6/", None, timedelta(seconds=30))
+    host, other = RoundGroups(), RoundGroups()
+    assert host.ready(a, "5:0") is None and other.ready(b, "5:1") == ["5:0", "5:1"]
+    assert host.switch_at(a, None) is None  # nobody proposed yet
+    assert other.switch_at(b, 9) == 9 and host.switch_at(a, 8) == 9 and host.switch_at(a, None) == 9
 
 
 def test_a_closed_socket_of_the_recorded_ones_is_a_lost_connection() -> None:

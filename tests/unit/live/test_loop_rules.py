@@ -137,6 +137,50 @@ def test_a_world_of_one_enters_a_second_round_in_the_same_process(tmp_path: Path
         live.groups.abandon()
 
 
+def test_a_join_is_switched_to_at_the_step_its_members_agree_on(tmp_path: Path, cpu_machine: None) -> None:
+    """The loop's decision for a round every member of its own round is in (:meth:`LiveTraining._announced`): inside
+    a step, round 1 (this process and a fresh one, whose ready key says so) is not taken — the switch step proposed
+    is the first boundary nobody can have passed, alone the next one, set in the round's store for the others; a
+    watch's thread, which proposes nothing, waits for it too; a failed wait (urgent) takes the round at once, and so
+    does everyone from the agreed step on, and an idle member between steps. Round 2, whose other member trained in
+    no round of this job's, is taken at once anywhere: a member was lost or replaced, the step cannot complete."""
+    path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
+    write_round(path, NodeRound(0, 1, ((0, 0),), store, "r0/"))
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the new rounds' store
+    joined = StoreAddress("127.0.0.1", port, False)
+    rounds = {n: NodeRound(n, 2, ((0, 1),), joined, f"r{n}/") for n in (1, 2, 3)}  # this process is rank 1
+    data = torch.randn(48, 4, generator=torch.Generator().manual_seed(1))
+    live = LiveTraining.from_agent(build, sampler=sampler(0, 1), env={ROUND_FILE_ENV: path})
+
+    def announce(n: int, other: str) -> Any:
+        write_round(path, rounds[n])
+        dist.PrefixStore(f"r{n}/", server).set("ready/0", other)
+        return dist.PrefixStore(f"r{n}/", server)
+
+    try:
+        attempt = next(live.steps(10))
+        with attempt:  # step 0
+            announce(2, "0:5")  # not a member of round 0's
+            assert live._announced(0) == rounds[2]
+            r1 = announce(1, "new")
+            assert live._announced(0, propose=False) is None and not r1.check(["switch_at"])
+            assert live._announced(0) is None and r1.get("switch_at") == b"1" and r1.get("ready/1") == b"0:0"
+            assert live._announced(0, propose=False) is None
+            assert live._announced(0, urgent=True) == rounds[1]
+            for idx in attempt.micro_batches:
+                attempt.model(data[idx]).pow(2).mean().backward()
+            attempt.opt.step()
+            attempt.opt.zero_grad()
+        assert attempt.committed and live.step == 1
+        assert live._announced(0) == rounds[1]  # at the agreed step
+        r3 = announce(3, "new")
+        assert live._announced(0) == rounds[3] and r3.get("switch_at") == b"1"  # idle between steps: at once
+    finally:
+        live.close()
+        live.groups.abandon()
+
+
 def test_a_round_left_is_let_go_its_model_and_optimizer_collected(tmp_path: Path, cpu_machine: None) -> None:
     """The old round's optimizer (and its model, masters, state, copies) is released once the new round is entered:
     collected, not kept by its hooks on the old model's parameters for the life of the process."""

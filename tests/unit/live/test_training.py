@@ -288,9 +288,11 @@ def uninterrupted(steps: int) -> list[tuple[int, float, float, int]]:
 
 class Recording(Hooks):
     """Announces round 1 at step ``at`` and records the engine state after every committed step. ``after_gate``: the
-    announcement is seen inside the optimizer step of step ``at`` after its commit gate and update (as a post-gate
-    wait of the stage would see it: the reshard counts the step done, one step past the survivor's committed one);
-    else after step ``at``'s commit, before the next attempt (the reshard at the survivor's step)."""
+    announcement is seen inside the optimizer step of step ``at`` after its commit gate and update, by a wait that
+    failed there (as a post-gate wait of the stage would on a lost peer: the reshard counts the step done, one step
+    past the survivor's committed one); else after step ``at``'s commit, before the next attempt, by a bounded wait
+    between the steps (the reshard at the survivor's step). Round 1 has the same member: a failed wait and one
+    between steps take it at once, where a step would have finished first (the switch step)."""
 
     def __init__(self, path: str, round_: NodeRound, at: int, after_gate: bool) -> None:
         self.path, self.round, self.at, self.after_gate = path, round_, at, after_gate
@@ -303,12 +305,14 @@ class Recording(Hooks):
     def _in_step(self, training: Training) -> None:
         if training.step == self.at:
             write_round(self.path, self.round)
-            training.rounds.bound.check()  # leaves the step with Reconfigure, as its next bounded wait would
+            failed = RuntimeError("a peer's connection closed")  # leaves the step with Reconfigure, as a failed wait
+            training.rounds.bound.after_failure(failed)
 
     def after_step(self, training: Training, done: Any) -> None:
         self.seen.append(engine_state(training))
         if done.step == self.at and not self.after_gate:
             write_round(self.path, self.round)
+            assert not training.bounded(lambda: None)  # between two steps: the round is entered here
 
 
 @pytest.mark.parametrize("after_gate", [False, True], ids=["between-steps", "after-the-gate"])

@@ -67,9 +67,11 @@ def training(args: argparse.Namespace, hooks: Sequence[Hooks] = ()) -> Training:
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         return GPT(config_for(args.size, vocab_size=256, block_size=args.seq_len)).to(device)
 
-    def build(group: dist.ProcessGroup, device: torch.device, model: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
+    def build(
+        group: dist.ProcessGroup, device: torch.device, model: torch.nn.Module, sync_module_states: bool = True
+    ) -> tuple[torch.nn.Module, Any]:  # a live survivor's model is its own, kept; False: the peers' state follows
         cfg = load_config(args.config, overrides=overrides(args), world_size=dist.get_world_size(group))
-        return model, build_pieces(model, cfg, process_group=group)  # a live survivor's model is its own, kept
+        return model, build_pieces(model, cfg, process_group=group, sync_module_states=sync_module_states)
 
     def loss(net: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return lm_loss(net(batch[0]), batch[1])

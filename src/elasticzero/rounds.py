@@ -103,6 +103,13 @@ def joins_only(values: Sequence[str], number: int, world_size: int) -> bool:
     return old == sorted(ready_value((number, r)) for r in range(world_size))
 
 
+def state_follows(values: Sequence[str]) -> bool:
+    """Whether a round's ready keys' ``values`` (:func:`ready_value`, all set) name a member that trains in a round of
+    the job: it holds state, which the round's reshard writes into every member's model whole — so the round's build
+    need not make the members' models alike first (nobody does only in the job's first round, or a restart's)."""
+    return any(v != NEW_MEMBER for v in values)
+
+
 #: switch: where a member is when it proposes — between two steps, idle (a hold, a bounded wait outside a step);
 #: entering a step (its attempt's check, before anything of it ran); inside a step
 WHERES = ("idle", "enter", "step")

@@ -27,6 +27,7 @@ from elasticzero.rounds import (
     parse_node_round,
     ready_value,
     round_prefix,
+    state_follows,
     switch_proposal,
     switches,
     write_round,
@@ -136,6 +137,11 @@ def test_a_join_is_every_old_member_and_fresh_processes_only() -> None:
     assert not joins_only(["new", *old[:2]], 4, 3)  # old rank 2 lost, a fresh process in its place
     assert not joins_only(["3:2", *old[:2]], 4, 3)  # a process of another round (an entry left for this one)
     assert not joins_only([*old, "4:2"], 4, 3) and not joins_only(old, 4, 2)
+
+
+def test_state_follows_where_a_member_trains_in_a_round_of_the_job() -> None:
+    assert state_follows(["new", "4:1"]) and state_follows(["3:0"])  # a survivor holds state: the reshard writes all
+    assert not state_follows(["new", "new"])  # the job's first round, or a restart's: the build makes them alike
 
 
 @pytest.mark.parametrize(

@@ -191,6 +191,7 @@ def build_pieces(
     strict: bool = True,
     auto: AutoValues | None = None,
     param_groups: Sequence[dict[str, Any]] | None = None,
+    sync_module_states: bool = True,
 ) -> EnginePieces:
     """Build optimizer, loss scaler, timers and accumulation helper for ``model`` from ``cfg``.
 
@@ -198,8 +199,11 @@ def build_pieces(
     DeepSpeed; ``overrides``, ``strict`` and ``auto`` — a DeepSpeed config's ``"auto"`` values,
     :class:`~elasticzero.config.auto.AutoValues` — are passed on). ``param_groups``: torch-style groups
     (``{"params": [...], **options}``, every trainable parameter in one) over the config's ``optimizer.params``, e.g.
-    the HF ``Trainer``'s weight decay off for biases and norms; default one group. Stages 1-3 need
-    ``torch.distributed`` initialised; the batch sizes are checked against the real world size.
+    the HF ``Trainer``'s weight decay off for biases and norms; default one group. ``sync_module_states``: stages
+    1-3 broadcast the module's parameters and buffers from group rank 0 at construction (the same start on every
+    rank); False where the caller writes the whole state right after (a live round whose members hold state: its
+    reshard does, :class:`~elasticzero.live.LiveTraining`). Stages 1-3 need ``torch.distributed`` initialised; the
+    batch sizes are checked against the real world size.
     """
     if not isinstance(cfg, EngineConfig):
         if auto is not None and auto.world_size is None:
@@ -227,7 +231,7 @@ def build_pieces(
                 log.warning("zero.%s has no effect at stage 0 (DDP has its own bucket_cap_mb)", key)
     else:
         stage_cls = getattr(importlib.import_module("elasticzero.engine.zero"), f"ZeroStage{cfg.zero.stage}")
-        options = _zero_options(cfg, process_group, policy, timers)
+        options = _zero_options(cfg, process_group, policy, timers, sync_module_states)
         optimizer = stage_cls(model, opt_cls, options=options, param_groups=param_groups, **params)
 
     group = getattr(optimizer, "process_group", None) or process_group
@@ -289,7 +293,9 @@ def _with_plan(cfg: EngineConfig, plan: BatchPlan) -> EngineConfig:
     return cfg
 
 
-def _zero_options(cfg: EngineConfig, process_group: Any, policy: PrecisionPolicy, timers: PhaseTimers) -> ZeroOptions:
+def _zero_options(
+    cfg: EngineConfig, process_group: Any, policy: PrecisionPolicy, timers: PhaseTimers, sync_module_states: bool
+) -> ZeroOptions:
     """The stage's options from ``cfg``: each ``zero.*`` option set there and taken by the stage (a warning names one
     it does not take, :meth:`ZeroOptions.taken_by`), the timers when enabled, ``zero.offload`` when it is on."""
     taken = ZeroOptions.taken_by(cfg.zero.stage)
@@ -302,8 +308,9 @@ def _zero_options(cfg: EngineConfig, process_group: Any, policy: PrecisionPolicy
             log.warning("zero.%s is not used by ZeroStage%d", key, cfg.zero.stage)
     if cfg.zero.offload.optimizer:
         chosen["offload"] = offload_options(cfg.zero.offload)
+    timed = timers if cfg.timers.enabled else None
     return ZeroOptions(
-        process_group=process_group, precision=policy, timers=timers if cfg.timers.enabled else None, **chosen
+        process_group=process_group, precision=policy, timers=timed, sync_module_states=sync_module_states, **chosen
     )
 
 

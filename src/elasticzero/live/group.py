@@ -260,10 +260,13 @@ class RoundGroups:
             return None
         prefixed = dist.PrefixStore(spec.prefix, store)
         prefixed.set(ready_key(spec.rank), value)
-        keys = [ready_key(r) for r in range(spec.world_size)]
-        if not prefixed.check(keys):
-            return None
-        return [raw.decode(errors="replace") for raw in prefixed.multi_get(keys)]
+        return self.ready_values(spec) if prefixed.check([ready_key(r) for r in range(spec.world_size)]) else None
+
+    def ready_values(self, spec: GroupSpec) -> list[str]:
+        """Every member's ready value (:func:`~elasticzero.rounds.ready_value`) by rank, once every key is set (the
+        round's group formed: every member set its key before it arrived)."""
+        store = dist.PrefixStore(spec.prefix, self._store_now(spec))
+        return [raw.decode(errors="replace") for raw in store.multi_get([ready_key(r) for r in range(spec.world_size)])]
 
     def switch_at(self, spec: GroupSpec, proposal: int | None) -> int | None:
         """The step the old round's members switch to ``spec``'s round at (:data:`~elasticzero.rounds.SWITCH_KEY`

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import inspect
 import os
 import re
 import time
@@ -82,6 +83,7 @@ from elasticzero.rounds import (
     RoundFile,
     joins_only,
     ready_value,
+    state_follows,
     switch_proposal,
     switches,
 )
@@ -409,7 +411,10 @@ class LiveTraining(_Rounds):
             the world-independent pieces a round change carries from a peer — with ``count_taken_step()``, a step the
             reshard counted done — as :class:`~elasticzero.config.build.EnginePieces` has them). It runs bounded, on
             the bound's helper thread (:meth:`BoundedWait.call`): torch's per-thread settings of the caller (a default
-            device, grad mode) do not reach it; the CUDA device is set there.
+            device, grad mode) do not reach it; the CUDA device is set there. Where ``build`` (and ``rebuild``) take
+            a keyword ``sync_module_states``, it is False in a round some member holds state in (the ready keys say:
+            :func:`~elasticzero.rounds.state_follows`): the reshard writes every model whole, so the optimizer's
+            broadcast of the module from rank 0 (``ZeroOptions.sync_module_states``) can be left out.
         sampler: the job's :class:`ElasticSampler` at its start position, or ``sampler(built)`` making it from the
             first ``build`` result (the loop re-cuts it for each round's rank and world, and moves it; never iterate
             it). A process joining a running job takes the position from its peers; the settings (samples, global
@@ -569,12 +574,13 @@ class LiveTraining(_Rounds):
         clock = Phases()
         ready = self._ready_value()
         group = self.groups.form(spec, ready=ready, aborted=aborted, check=bound.check)  # leavable until all arrived
+        sync = not state_follows(self.groups.ready_values(spec))  # the same values, so the same answer, everywhere
         clock.mark("group")
         watch = self._watch(round_, group)
         try:
             # in place on the first try only: a try interrupted may leave a collective of its build (the module's
             # broadcast) to land in the buffers it took over, so a later try copies the model off them
-            return self._fill(round_, bound, holdings, start, group, watch, clock, in_place=old is not None)
+            return self._fill(round_, bound, holdings, start, group, watch, clock, in_place=old is not None, sync=sync)
         except BaseException:
             if watch is not None:  # the entry is thrown away whole: its watch must not abort a later round's group
                 watch.close()
@@ -591,12 +597,14 @@ class LiveTraining(_Rounds):
         clock: Phases,
         *,
         in_place: bool,
+        sync: bool,
     ) -> tuple[RoundState, bool]:
-        """Build at ``group``'s world (a kept model's buffers taken over where ``in_place``: :meth:`_kept`), fill it
-        from ``holdings`` (or the disk: ``resume``), re-cut the sampler. The build and the load are bounded like the
-        step's waits (their collectives: the engine's broadcast of the module, DCP's load): a member frozen there
-        leaves them for the agent's next round."""
-        built = bound.call(lambda: self._make(group, in_place), peer_failure)
+        """Build at ``group``'s world (a kept model's buffers taken over where ``in_place``: :meth:`_kept`; the
+        module's broadcast left out unless ``sync``: :meth:`_make`), fill it from ``holdings`` (or the disk:
+        ``resume``), re-cut the sampler. The build and the load are bounded like the step's waits (their
+        collectives: the engine's broadcast of the module, DCP's load): a member frozen there leaves them for the
+        agent's next round."""
+        built = bound.call(lambda: self._make(group, in_place, sync), peer_failure)
         clock.mark("build")
         try:
             return self._fill_built(round_, bound, holdings, start, watch, built, clock)
@@ -604,11 +612,20 @@ class LiveTraining(_Rounds):
             release_optimizer(optimizer_of(built))  # the entry is thrown away: its model and optimizer with it
             raise
 
-    def _make(self, group: Any, in_place: bool) -> Any:
+    def _make(self, group: Any, in_place: bool, sync: bool) -> Any:
         """The round's ``build``: on this process's model of the round it leaves where it keeps it (:meth:`_kept`),
-        else afresh."""
+        else afresh; told ``sync_module_states=False`` where some member holds state (not ``sync``: the reshard
+        writes every member's model whole) and the builds take that keyword (:meth:`_unsynced`)."""
         kept = self._kept(in_place)
-        return self.build(group) if kept is None else self.rebuild(group, kept)  # type: ignore[misc]
+        options = {} if sync or not self._unsynced() else {"sync_module_states": False}
+        return self.build(group, **options) if kept is None else self.rebuild(group, kept, **options)  # type: ignore[misc]
+
+    def _unsynced(self) -> bool:
+        """Whether the builds can leave the module's broadcast out: ``build`` and ``rebuild`` (where given) both take a
+        ``sync_module_states`` keyword — the same on every process, which runs the same script: every member of a
+        round broadcasts, or none."""
+        builds: list[Callable[..., Any]] = [self.build, *([self.rebuild] if self.rebuild is not None else [])]
+        return all(accepts(b, "sync_module_states") for b in builds)
 
     def _kept(self, in_place: bool) -> Any:
         """The module a survivor keeps (:meth:`_keeps`) — its settled round's, unwrapped (:meth:`ZeroOptimizer.unwrap`:
@@ -795,6 +812,14 @@ def release(state: RoundState) -> None:
 
 def _rewrappable(opt: Any) -> bool:
     return bool(getattr(opt, "rewrappable", lambda: False)())
+
+
+def accepts(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` has a parameter ``name`` (False for a callable without a signature: a C builtin)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def release_optimizer(opt: Any) -> None:

@@ -5,9 +5,9 @@
     def make_model(device):                          # a fresh model (a live survivor keeps its own instead)
         return GPT(...).to(device)
 
-    def build(group, device, model):                 # its engine pieces on a round's group
+    def build(group, device, model, sync_module_states=True):  # its engine pieces on a round's group
         cfg = load_config("job.yaml", world_size=dist.get_world_size(group))
-        return model, build_pieces(model, cfg, process_group=group)
+        return model, build_pieces(model, cfg, process_group=group, sync_module_states=sync_module_states)
 
     def loss(net, batch):                            # one micro-batch's loss (the batch already on the device)
         x, y = batch
@@ -40,7 +40,6 @@ then trains. After the last step one more attempt takes what is due at the end (
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import os
 import sys
@@ -59,7 +58,15 @@ from elasticzero.data.sampler import ElasticSampler
 from elasticzero.device import Facts, init_distributed, placement
 from elasticzero.engine.accumulation import GradAccumulation
 from elasticzero.errors import UsageError
-from elasticzero.live.loop import Attempt, LiveTraining, RoundState, StaticTraining, _Rounds, release_optimizer
+from elasticzero.live.loop import (
+    Attempt,
+    LiveTraining,
+    RoundState,
+    StaticTraining,
+    _Rounds,
+    accepts,
+    release_optimizer,
+)
 from elasticzero.progress import heartbeat
 from elasticzero.rounds import ROUND_FILE_ENV
 
@@ -72,11 +79,9 @@ Loss = Callable[[torch.nn.Module, Any], torch.Tensor]
 
 
 def takes_model(build: Callable[..., Any]) -> bool:
-    """Whether ``build`` takes the model to keep (a parameter named ``model``: see :class:`Training`)."""
-    try:
-        return "model" in inspect.signature(build).parameters
-    except (TypeError, ValueError):  # a callable without a signature (a C builtin): the two-argument form
-        return False
+    """Whether ``build`` takes the model to keep (a parameter named ``model``: see :class:`Training`); a callable
+    without a signature (a C builtin) has the two-argument form."""
+    return accepts(build, "model")
 
 
 def due(step: int, every: int, total: int, done: int | None) -> bool:
@@ -164,6 +169,10 @@ class Training:
             a live round change: ``model`` is None where the process makes its first model, else its model of the
             round it leaves (its optimizer released from it; the reshard then overwrites its parameters): build the
             pieces on it instead of a new model (used at stages 1/2 with fp32 parameters; else ``model`` is None).
+            A build that takes a keyword ``sync_module_states`` gets False where a live round's members hold state
+            — the round's reshard writes every member's model whole — and passes it on to
+            :func:`~elasticzero.config.build_pieces` (the engine's broadcast of the module from rank 0, the
+            parameters' bytes again, is left out; a build without it broadcasts on every rank, as before).
         loss: ``loss(net, batch)``, one micro-batch's loss (the batch moved to the device).
         dataset: the training set (a map-style ``Dataset``: the sampler picks indices).
         steps: optimizer steps in total.
@@ -246,6 +255,11 @@ class Training:
         return StaticTraining(self._build, sampler=self._sampler, group=dist.group.WORLD, resume=self._resume)
 
     @property
+    def _build_syncs(self) -> bool:
+        """Whether the user's build takes ``sync_module_states`` (passed to ``build_pieces``: see :class:`Training`)."""
+        return accepts(self.user_build, "sync_module_states")
+
+    @property
     def keeps_model(self) -> bool:
         """Whether the build takes the model to keep (``build(group, device, model=None)``): a live survivor's model is
         handed back to it."""
@@ -256,12 +270,15 @@ class Training:
         options = {"rebuild": rebuild, "prepare": self._prepare, "end": self.total, **self.live_options}
         return LiveTraining.from_agent(self._build, sampler=self._sampler, env=self.env, resume=self._resume, **options)
 
-    def _build(self, group: Any, kept: torch.nn.Module | None = None) -> Kit:
+    def _build(self, group: Any, kept: torch.nn.Module | None = None, sync_module_states: bool = True) -> Kit:
         """One round's kit: the user's model and pieces on ``group`` (on ``kept``, a survivor's model, where given),
         the round's checkpointer (a new round claims the directory: a stale rank of an old one — a frozen node
-        resumed — can no longer write it)."""
+        resumed — can no longer write it). ``sync_module_states`` False (a live round whose reshard writes the
+        models whole) is passed on where the user's build takes it."""
         model = kept if kept is not None else self._take_prepared()
-        model, pieces = self.user_build(group, self.device, *((model,) if self.keeps_model else ()))
+        args = (model,) if self.keeps_model else ()
+        sync = {} if sync_module_states else {"sync_module_states": False}
+        model, pieces = self.user_build(group, self.device, *args, **(sync if self._build_syncs else {}))
         try:
             return self._kit(group, model, pieces)
         except BaseException:  # the optimizer's hooks off the model: a later try wraps it again

@@ -142,17 +142,20 @@ class Built:
 
 
 def builder(stage: int, precision: str, freeze: bool = False) -> Any:
-    """``build(group, module=None)``: a fresh tiny GPT (or ``module``, a survivor's own: LiveTraining's ``rebuild``),
-    its ZeRO optimizer of ``stage`` on ``group`` and the schedule on it (``freeze``: the process SIGSTOPs itself
-    first, its group formed: a node frozen in the round's build)."""
+    """``build(group, module=None, sync_module_states=True)``: a fresh tiny GPT (or ``module``, a survivor's own:
+    LiveTraining's ``rebuild``), its ZeRO optimizer of ``stage`` on ``group`` and the schedule on it (``freeze``: the
+    process SIGSTOPs itself first, its group formed: a node frozen in the round's build). ``sync_module_states``: the
+    loop's False where a member holds state — no broadcast of the module, the reshard writes it whole (a joiner's
+    fresh model is seeded by rank, so anything of it left unwritten would show)."""
 
-    def build(group: Any, module: Any = None) -> Built:
+    def build(group: Any, module: Any = None, sync_module_states: bool = True) -> Built:
         if freeze:
             os.kill(os.getpid(), signal.SIGSTOP)
         if module is None:
-            torch.manual_seed(0)
+            torch.manual_seed(dist.get_rank(group))
             module = GPT(config())
-        opt = STAGES[stage](module, torch.optim.AdamW, lr=LR, weight_decay=WD, precision=precision, process_group=group)
+        options = {"precision": precision, "process_group": group, "sync_module_states": sync_module_states}
+        opt = STAGES[stage](module, torch.optim.AdamW, lr=LR, weight_decay=WD, **options)
         return Built(opt, schedule(opt))
 
     return build

@@ -132,6 +132,15 @@ def _worker(rank: int, port: int, out_dir: str, stages: list[int]) -> None:
                 "reduce_scatters": opt.comm_stats.calls[("reduce_scatter", "grad")],
                 "nbuckets": len(opt.buckets),
             }
+        for sync in (True, False):  # each rank's module filled with its rank: broadcast from rank 0, or left as it is
+            probe = _model()
+            with torch.no_grad():
+                for p in probe.parameters():
+                    p.fill_(float(rank))
+            built = build_pieces(probe, DS_STAGE, overrides=["zero.stage=1"], sync_module_states=sync)
+            values = {v for p in probe.parameters() for v in p.detach().float().flatten().tolist()}
+            results[f"sync={sync}"] = sorted(values)
+            built.optimizer.release()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -181,3 +190,5 @@ def test_ds_config_builds_zero_stages_that_train(tmp_path: Path) -> None:
         torch.testing.assert_close(a["full"], b["full"], rtol=0, atol=0)
     if 1 in stages and 2 in stages:  # same math, different sharding
         torch.testing.assert_close(r0[1]["full"], r0[2]["full"])
+    # sync_module_states: the module's state broadcast from rank 0 at construction (default), or not at all
+    assert [r0["sync=True"], r1["sync=True"], r0["sync=False"], r1["sync=False"]] == [[0.0], [0.0], [0.0], [1.0]]

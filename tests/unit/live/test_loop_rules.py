@@ -181,6 +181,43 @@ def test_a_join_is_switched_to_at_the_step_its_members_agree_on(tmp_path: Path, 
         live.groups.abandon()
 
 
+@pytest.mark.parametrize("rebuild_takes_it", [True, False])
+def test_a_round_whose_members_hold_state_builds_without_the_modules_broadcast(
+    tmp_path: Path, cpu_machine: None, rebuild_takes_it: bool
+) -> None:
+    """Builds that take ``sync_module_states`` get False in a round a member holds state in (round 1: this process
+    trained in round 0, its ready key says so) — the reshard writes the model whole — and nothing in the job's first
+    round (the optimizer broadcasts, the default); where one of ``build`` and ``rebuild`` does not take it, neither
+    is told (every member broadcasts, or none)."""
+    path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
+    write_round(path, NodeRound(0, 1, ((0, 0),), store, "r0/"))
+    told: list[tuple[str, bool | None]] = []
+
+    def fresh(group: Any, sync_module_states: bool | None = None) -> ZeroStage2:
+        told.append(("build", sync_module_states))
+        return build(group)
+
+    def kept(group: Any, module: torch.nn.Module, sync_module_states: bool | None = None) -> ZeroStage2:
+        told.append(("rebuild", sync_module_states))
+        sync = {} if sync_module_states is None else {"sync_module_states": sync_module_states}
+        return ZeroStage2(module, torch.optim.AdamW, lr=0.01, process_group=group, **sync)
+
+    plain = lambda group, module: kept(group, module)  # noqa: E731 - a rebuild without the keyword
+    data = torch.randn(48, 4, generator=torch.Generator().manual_seed(1))
+    env = {ROUND_FILE_ENV: path}
+    live = LiveTraining.from_agent(fresh, sampler=sampler(0, 1), env=env, rebuild=kept if rebuild_takes_it else plain)
+    try:
+        train(live, 1, data, [])
+        write_round(path, NodeRound(1, 1, ((0, 0),), store, "r1/"))
+        train(live, 2, data, [])
+        assert [e.round.number for e in live.events] == [1]
+        assert told == [("build", None), ("rebuild", False if rebuild_takes_it else None)]
+        assert live.opt.options.sync_module_states is not rebuild_takes_it
+    finally:
+        live.close()
+        live.groups.abandon()
+
+
 def test_a_round_left_is_let_go_its_model_and_optimizer_collected(tmp_path: Path, cpu_machine: None) -> None:
     """The old round's optimizer (and its model, masters, state, copies) is released once the new round is entered:
     collected, not kept by its hooks on the old model's parameters for the life of the process."""

@@ -297,8 +297,10 @@ class Recording(Hooks):
     def __init__(self, path: str, round_: NodeRound, at: int, after_gate: bool) -> None:
         self.path, self.round, self.at, self.after_gate = path, round_, at, after_gate
         self.seen = list[tuple[int, float, float, int]]()
+        self.synced: list[bool] = []
 
     def started(self, training: Training) -> None:
+        self.synced = [training.pieces.optimizer.options.sync_module_states]  # the job's first round: broadcast
         if self.after_gate:  # after the copies' own post-step hook (it counts the step in the census)
             training.pieces.optimizer.optim.register_step_post_hook(lambda *_: self._in_step(training))
 
@@ -342,6 +344,8 @@ def test_the_lr_schedule_and_loss_scale_go_on_across_a_live_round_change(
     resumed = at + after_gate  # the step in flight counted done: the round resumed one step on
     assert [(e.round.number, e.step) for e in training.events] == [(1, resumed)]
     assert hook.seen == uninterrupted(steps)  # the same floats: the same schedule formula at the same iterations
+    # the example's build takes sync_module_states: round 1 (this process held state) was built without the broadcast
+    assert hook.synced + [training.pieces.optimizer.options.sync_module_states] == [True, False]
 
 
 @pytest.mark.parametrize("behind", [0, 1], ids=["at-the-source-step", "the-step-in-flight-counted-done"])

@@ -22,12 +22,14 @@ The steps of one round:
    — a member of the old round as soon as it read the new one, a fresh process (a joiner's worker) once it started
    and reached the round's formation — and a member of the old round goes on training there until every member's
    key is set: a join pauses nobody while the joiner's interpreter, torch and script start;
-5. **switch** (a join): where every member of the old round is in the new one (:func:`joins_only`, over the ready
-   keys' values: each says which round's member set it, :func:`ready_value`), nobody needs to leave a step: the first
-   member that finds every key set proposes the first step boundary no member can have passed
-   (:func:`switch_proposal`) and compare-sets it under :data:`SWITCH_KEY`; every member adopts what is there and
-   leaves at the start of that step (:func:`switches`). Any other round (a member lost: a step with it never
-   completes) is switched to at once;
+5. **switch**: the first member that finds every ready key set decides when the old round's members switch and
+   compare-sets it under :data:`SWITCH_KEY`; every member adopts what is there, whatever it reads later (one decision
+   over one snapshot of the keys: members that read them at different moments never part). Where every member of the
+   old round is in the new one (:func:`joins_only`, over the ready keys' values: each says whether its member trains
+   in a round and which, :func:`ready_value`), nobody needs to leave a step: the decision is the first step boundary
+   no member can have passed (:func:`switch_proposal`), and every member leaves at the start of that step
+   (:func:`switches`). Any other round — a member lost (a step with it never completes), or one that already left
+   its round (:data:`HELD`) — is :data:`AT_ONCE`;
 6. **arrive** (each member, on the same store): it sets its :func:`arrival_key` and waits for every member's before
    it forms the round's default group.
 """
@@ -85,14 +87,21 @@ def ready_key(rank: int) -> str:
 
 #: ready: what a fresh process (no round settled in it: a joiner's worker) sets under its :func:`ready_key`
 NEW_MEMBER = "new"
+#: ready: what a process sets once it left the round it trained in (it holds that round's state, trains in none)
+HELD = "held"
+#: switch: the decision of a round that is not a join: every member leaves the old round at once
+AT_ONCE = -1
 #: switch: the key (under the new round's prefix) of the step the old round's members switch at
 SWITCH_KEY = "switch_at"
 
 
-def ready_value(settled: tuple[int, int] | None) -> str:
+def ready_value(settled: tuple[int, int] | None, *, holds: bool = False) -> str:
     """ready: what a member sets under its :func:`ready_key`: ``"NUMBER:RANK"`` — the round it trains in and its rank
-    there — or :data:`NEW_MEMBER` when it trains in none yet."""
-    return NEW_MEMBER if settled is None else f"{settled[0]}:{settled[1]}"
+    there —, :data:`HELD` when it trains in none and ``holds`` state (it left its round), :data:`NEW_MEMBER` when it
+    has neither."""
+    if settled is not None:
+        return f"{settled[0]}:{settled[1]}"
+    return HELD if holds else NEW_MEMBER
 
 
 def joins_only(values: Sequence[str], number: int, world_size: int) -> bool:
@@ -104,9 +113,10 @@ def joins_only(values: Sequence[str], number: int, world_size: int) -> bool:
 
 
 def state_follows(values: Sequence[str]) -> bool:
-    """Whether a round's ready keys' ``values`` (:func:`ready_value`, all set) name a member that trains in a round of
-    the job: it holds state, which the round's reshard writes into every member's model whole — so the round's build
-    need not make the members' models alike first (nobody does only in the job's first round, or a restart's)."""
+    """Whether a round's ready keys' ``values`` (:func:`ready_value`, all set) name a member that holds state (it
+    trains in a round of the job, or left one): the round's reshard writes it into every member's model — parameters,
+    frozen parameters, persistent buffers —, so the round's build need not make the models alike first (nobody holds
+    any only in the job's first round, or a restart's)."""
     return any(v != NEW_MEMBER for v in values)
 
 
@@ -115,13 +125,22 @@ def state_follows(values: Sequence[str]) -> bool:
 WHERES = ("idle", "enter", "step")
 
 
+def switch_decision(values: Sequence[str], number: int, world_size: int, proposal: int) -> int:
+    """switch: what the first member to find every ready key set decides for the members of round ``number``:
+    ``proposal`` (its :func:`switch_proposal`) where the ``values`` are a join (:func:`joins_only`), else
+    :data:`AT_ONCE`."""
+    return proposal if joins_only(values, number, world_size) else AT_ONCE
+
+
 def switch_proposal(where: str, step: int, world_size: int, end: int | None = None) -> int:
     """switch: the step a member at ``step`` (its step in flight) of a round of ``world_size`` proposes to switch at —
     the first boundary no member can have passed, so no member leaves a step it began (members are at most one step
-    apart: a step completes only with every member's part). Idle: ``step`` (at once: a member held between steps holds
-    the others too); entering ``step``: the next one (a peer may be inside ``step``); inside it: two on (a peer may
-    have begun the next), one alone. Never past ``end - 1`` (the job's last step: the old members would end without
-    the joiner)."""
+    apart: a step's host waits on a collective every member takes part in — the copies' commit gate, the loss's
+    reduction). Idle: ``step`` (at once: a member held between steps holds the others too); entering ``step``: the
+    next one (a peer may be inside ``step``); inside it: two on (a peer may have begun the next), one alone. Never past
+    ``end - 1`` (the job's last step: the old members would end without the joiner) — so a member inside the last
+    step leaves it at once, as every switch did before this step existed (a peer past its commit gate counts it done
+    in the reshard)."""
     ahead = {"idle": 0, "enter": 1, "step": 1 if world_size == 1 else 2}[where]
     at = step + ahead
     return at if end is None else min(at, end - 1)
@@ -129,7 +148,7 @@ def switch_proposal(where: str, step: int, world_size: int, end: int | None = No
 
 def switches(step: int, switch_at: int) -> bool:
     """switch: whether a member with ``step`` in flight (or next) leaves for the new round: at ``switch_at`` or past
-    it (a member inside ``switch_at`` when it learns it leaves that step at once)."""
+    it (a member inside ``switch_at`` when it learns it leaves that step at once; :data:`AT_ONCE`: anywhere)."""
     return step >= switch_at
 
 

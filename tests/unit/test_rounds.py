@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from elasticzero.rounds import (
+    AT_ONCE,
     LAST_ROUND_KEY,
     NO_ROUND,
     ROUND_PREFIX,
@@ -28,6 +29,7 @@ from elasticzero.rounds import (
     ready_value,
     round_prefix,
     state_follows,
+    switch_decision,
     switch_proposal,
     switches,
     write_round,
@@ -141,7 +143,15 @@ def test_a_join_is_every_old_member_and_fresh_processes_only() -> None:
 
 def test_state_follows_where_a_member_trains_in_a_round_of_the_job() -> None:
     assert state_follows(["new", "4:1"]) and state_follows(["3:0"])  # a survivor holds state: the reshard writes all
+    assert state_follows(["new", "held"])  # one that left its round holds it too
     assert not state_follows(["new", "new"])  # the job's first round, or a restart's: the build makes them alike
+
+
+def test_a_member_that_left_its_round_is_no_member_of_it_and_a_non_join_switches_at_once() -> None:
+    assert ready_value((4, 1), holds=True) == "4:1" and ready_value(None, holds=True) == "held"
+    assert switch_decision(["4:0", "new", "4:1"], 4, 2, 9) == 9  # a join: the proposal
+    assert switch_decision(["4:0", "held"], 4, 2, 9) == AT_ONCE == -1  # a member left round 4 already
+    assert switch_decision(["4:0", "new"], 4, 2, 9) == AT_ONCE  # old rank 1 lost
 
 
 @pytest.mark.parametrize(

@@ -201,7 +201,7 @@ def build_pieces(
     (``{"params": [...], **options}``, every trainable parameter in one) over the config's ``optimizer.params``, e.g.
     the HF ``Trainer``'s weight decay off for biases and norms; default one group. ``sync_module_states``: stages
     1-3 broadcast the module's parameters and buffers from group rank 0 at construction (the same start on every
-    rank); False where the caller writes the whole state right after (a live round whose members hold state: its
+    rank); False where the caller writes the module's state right after (a live round whose members hold state: its
     reshard does, :class:`~elasticzero.live.LiveTraining`). Stages 1-3 need ``torch.distributed`` initialised; the
     batch sizes are checked against the real world size.
     """

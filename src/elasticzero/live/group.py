@@ -19,9 +19,9 @@ gloo group's connections are cut (below), when it lets the group go.
 Switching is gated (:meth:`RoundGroups.ready`, the round protocol's *ready* step): a member of the old round reads
 the new round, says it is ready under the new round's prefix and keeps training in the old group until every member
 said so — a joiner's worker says so once it started and reached the round's formation. A join then pauses the old
-members for the formation, build and reshard alone, not for the joiner's cold start; and where every old member is in
-the new round the switch waits for the step they agree on (:meth:`RoundGroups.switch_at`, the *switch* step), so none
-leaves a step it began.
+members for the formation, build and reshard alone, not for the joiner's cold start; and when the members switch is
+decided once, by the first to find every key set (:meth:`RoundGroups.switch_at`, the *switch* step): at once, or —
+where every old member is in the new round — at a step boundary they all reach, so none leaves a step it began.
 
 The group's connections are watched (gloo): the sockets ``init_process_group`` opened are recorded, and
 :meth:`RoundGroups.lost` says whether one of them closed since — gloo closes a pair's socket when its peer dies, even
@@ -269,9 +269,10 @@ class RoundGroups:
         return [raw.decode(errors="replace") for raw in store.multi_get([ready_key(r) for r in range(spec.world_size)])]
 
     def switch_at(self, spec: GroupSpec, proposal: int | None) -> int | None:
-        """The step the old round's members switch to ``spec``'s round at (:data:`~elasticzero.rounds.SWITCH_KEY`
-        under its prefix): ``proposal`` compare-set unless one is there (the first proposal wins); None without a
-        proposal when none is there yet. Call it once every member is ready (the store listens)."""
+        """The members' decision of when the old round's members switch to ``spec``'s round
+        (:data:`~elasticzero.rounds.SWITCH_KEY` under its prefix: :data:`~elasticzero.rounds.AT_ONCE` or a step):
+        ``proposal`` compare-set unless one is there (the first wins); None without a proposal when none is there
+        yet. Call it once every member is ready (the store listens)."""
         store = dist.PrefixStore(spec.prefix, self._store_now(spec))
         if proposal is None:
             return int(store.get(SWITCH_KEY)) if store.check([SWITCH_KEY]) else None

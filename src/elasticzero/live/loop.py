@@ -77,13 +77,15 @@ from elasticzero.live.group import RoundGroups, RoundWatch, aborts_on_announce, 
 from elasticzero.live.reshard import Fallback, Holdings, ReshardPlan, reshard_from
 from elasticzero.progress import reporter
 from elasticzero.rounds import (
+    AT_ONCE,
+    NEW_MEMBER,
     ROUND_FILE_ENV,
     NodeRound,
     RoundError,
     RoundFile,
-    joins_only,
     ready_value,
     state_follows,
+    switch_decision,
     switch_proposal,
     switches,
 )
@@ -413,7 +415,7 @@ class LiveTraining(_Rounds):
             the bound's helper thread (:meth:`BoundedWait.call`): torch's per-thread settings of the caller (a default
             device, grad mode) do not reach it; the CUDA device is set there. Where ``build`` (and ``rebuild``) take
             a keyword ``sync_module_states``, it is False in a round some member holds state in (the ready keys say:
-            :func:`~elasticzero.rounds.state_follows`): the reshard writes every model whole, so the optimizer's
+            :func:`~elasticzero.rounds.state_follows`): the reshard writes every model's state, so the optimizer's
             broadcast of the module from rank 0 (``ZeroOptions.sync_module_states``) can be left out.
         sampler: the job's :class:`ElasticSampler` at its start position, or ``sampler(built)`` making it from the
             first ``build`` result (the loop re-cuts it for each round's rank and world, and moves it; never iterate
@@ -471,7 +473,8 @@ class LiveTraining(_Rounds):
     ) -> None:
         super().__init__()
         self.end = end
-        self._switch: tuple[int, int] | None = None  # (round, step): the switch agreed for a join round
+        self._switch: tuple[int, int] | None = None  # (round, decision): the members' switch decision for a round
+        self._leaving = False  # left the round it trained in, entering another (its ready value says so)
         self.build, self.rebuild, self.rounds, self.nodes, self.resume = build, rebuild, rounds, nodes, resume
         self.replicate, self.node_shift, self.overlap, self.early = replicate, node_shift, overlap, early  # copies
         self.local_rank, self.where = local_rank, where or Placement("cpu", "gloo", alone=False)
@@ -480,7 +483,7 @@ class LiveTraining(_Rounds):
         warm_up()  # before this process says it is ready (its first group's formation): a joiner's peers train on
         if prepare is not None:
             prepare()
-        self._enter_until_settled(first, Holdings(), Start(start_step, sampler), None)
+        self._enter_until_settled(first, Holdings(), Start(start_step, sampler), None, NEW_MEMBER)
 
     @classmethod
     def from_agent(
@@ -524,11 +527,13 @@ class LiveTraining(_Rounds):
         holdings = now.copies.holdings() if now.copies else Holdings()
         if self._keeps_buffers(now):  # the next wrap writes what its held state views: copied aside (once, every try)
             holdings = holdings.detached()
-        entered = self._enter_until_settled(round_, holdings, start, now)
+        ready = self._ready_value()  # what it said for round_ while it trained in its round
+        self._leaving = True
+        entered = self._enter_until_settled(round_, holdings, start, now, ready)
         self.events.append(RoundEvent(entered, left_at, time.monotonic(), self.step))
 
     def _enter_until_settled(
-        self, round_: NodeRound, holdings: Holdings, start: Start, old: RoundState | None
+        self, round_: NodeRound, holdings: Holdings, start: Start, old: RoundState | None, ready: str
     ) -> NodeRound:
         """:meth:`_enter` ``round_``; a newer round in the file meanwhile (a second change) starts over with it, from
         the same holdings and the same start (everything the interrupted entry built is thrown away). The entered
@@ -538,16 +543,16 @@ class LiveTraining(_Rounds):
         while True:
             bound = self._bound(round_)  # a failure from here on waits for a round newer than this one
             try:
-                value, caught_up = self._enter(round_, bound, holdings, start, old)
+                value, caught_up = self._enter(round_, bound, holdings, start, old, ready)
                 break
             except Reconfigure as again:
                 round_ = again.round
             except RuntimeError as err:  # a member lost meanwhile: its sockets closed, the agent's round is expected
                 round_ = self._round_after(err, bound)
-            old = None  # the old group was left by the interrupted entry
+            old, ready = None, self._ready_value()  # the old group was left by the interrupted entry
         if caught_up:
             self._commit_in_flight(start)
-        self.now = value
+        self.now, self._leaving = value, False
         if previous is not None:
             release(previous)  # its holdings are in the new round's state now
         self.groups.cut_left()  # every member formed this round's group: the old groups' pending work fails, freed
@@ -560,19 +565,25 @@ class LiveTraining(_Rounds):
         self.record.append((start.step, [i for mb in micro_batches_of(sampler) for i in mb]))
 
     def _enter(
-        self, round_: NodeRound, bound: BoundedWait, holdings: Holdings, start: Start, old: RoundState | None
+        self,
+        round_: NodeRound,
+        bound: BoundedWait,
+        holdings: Holdings,
+        start: Start,
+        old: RoundState | None,
+        ready: str,
     ) -> tuple[RoundState, bool]:
-        """Form ``round_``'s group, build at its world, fill it, position the sampler (the module's steps 1-5); the
-        same code for a survivor (``holdings`` its own) and a fresh process (``Holdings()``). Returns the round's
-        value and whether the step in flight was counted done."""
+        """Form ``round_``'s group (``ready``: this process's ready value for it), build at its world, fill it,
+        position the sampler (the module's steps 1-5); the same code for a survivor (``holdings`` its own) and a
+        fresh process (``Holdings()``). Returns the round's value and whether the step in flight was counted done."""
         reporter().entered_round(round_.number)  # the hang watch: no step in this round yet; no failed collective
         aborted = False
         if old is not None and old.watch is not None:
             old.watch.close()
             aborted = old.watch.fired  # NCCL: the watch aborted the old group (final now)
+            self._drain(round_, aborted, bound)
         spec = group_spec(round_, self.local_rank, self.where, self.group_timeout)
         clock = Phases()
-        ready = self._ready_value()
         group = self.groups.form(spec, ready=ready, aborted=aborted, check=bound.check)  # leavable until all arrived
         sync = not state_follows(self.groups.ready_values(spec))  # the same values, so the same answer, everywhere
         clock.mark("group")
@@ -615,7 +626,7 @@ class LiveTraining(_Rounds):
     def _make(self, group: Any, in_place: bool, sync: bool) -> Any:
         """The round's ``build``: on this process's model of the round it leaves where it keeps it (:meth:`_kept`),
         else afresh; told ``sync_module_states=False`` where some member holds state (not ``sync``: the reshard
-        writes every member's model whole) and the builds take that keyword (:meth:`_unsynced`)."""
+        writes every member's model state) and the builds take that keyword (:meth:`_unsynced`)."""
         kept = self._kept(in_place)
         options = {} if sync or not self._unsynced() else {"sync_module_states": False}
         return self.build(group, **options) if kept is None else self.rebuild(group, kept, **options)  # type: ignore[misc]
@@ -686,18 +697,19 @@ class LiveTraining(_Rounds):
         """Under NCCL (:func:`aborts_on_announce`), a watch that aborts ``group`` once a newer round is announced and
         every member of it is ready (:meth:`_announced`)."""
         if aborts_on_announce(str(dist.get_backend(group))):
-            poll = functools.partial(self._announced, round_.number, propose=False)
+            poll = functools.partial(self._announced, round_.number, loop=False)
             return RoundWatch(poll, group.abort, self.poll_s)
         return None
 
-    def _announced(self, number: int, *, urgent: bool = False, propose: bool = True) -> NodeRound | RoundError | None:
+    def _announced(self, number: int, *, urgent: bool = False, loop: bool = True) -> NodeRound | RoundError | None:
         """The round file's decision for the members of round ``number``: a newer round once every one of its members
         is ready to switch (:meth:`RoundGroups.ready <elasticzero.live.group.RoundGroups.ready>`: meanwhile this
         process trains on in its round — a joiner's worker is starting), at once when it does not name this process
-        (its entry fails with one line) or is no round. Where every member of round ``number`` — the round this
-        process trains in — is in the new one (:func:`~elasticzero.rounds.joins_only`), from the step the members
-        agree on (:meth:`_switch_at`) unless ``urgent`` (a step's collective failed: it completes nowhere); ``propose``
-        False (the NCCL watch's thread, which does not know where the loop is): only a step already agreed on."""
+        (its entry fails with one line) or is no round, when ``urgent`` (a step's collective failed: it completes
+        nowhere) and while this process enters round ``number`` (it trains in none). Else when the members' decision
+        says (:meth:`_switch_at`): at once, or — a join — from the agreed step on, which only the loop itself leaves
+        at (``loop`` False, the NCCL watch's thread: never; the loop drains its device at that boundary, then
+        leaves, :meth:`_enter`)."""
         found = self.rounds.poll(number)
         if not isinstance(found, NodeRound) or found.rank_of(self.local_rank) is None:
             return found
@@ -706,23 +718,40 @@ class LiveTraining(_Rounds):
         if values is None:
             return None
         old = self._settled_round()
-        if urgent or old is None or old.number != number or not joins_only(values, number, old.world_size):
+        if urgent or old is None or old.number != number:
             return found
-        at = self._switch_at(found, spec, propose)
-        return found if at is not None and switches(self.step, at) else None
+        at = self._switch_at(found, spec, values, loop)
+        if at == AT_ONCE:
+            return found
+        return found if loop and at is not None and switches(self.step, at) else None
 
-    def _switch_at(self, found: NodeRound, spec: Any, propose: bool) -> int | None:
-        """The step the members of this process's round switch to ``found`` at (:meth:`RoundGroups.switch_at
-        <elasticzero.live.group.RoundGroups.switch_at>`: this process's proposal, :func:`switch_proposal`, unless
-        one is there), read from the store once per round."""
+    def _switch_at(self, found: NodeRound, spec: Any, values: list[str], loop: bool) -> int | None:
+        """The members' decision for ``found`` (:data:`~elasticzero.rounds.AT_ONCE`, or the step they switch at),
+        read from the round's store once per round (:meth:`RoundGroups.switch_at
+        <elasticzero.live.group.RoundGroups.switch_at>`), else decided here over ``values``
+        (:func:`~elasticzero.rounds.switch_decision`: a join's step is :func:`switch_proposal` for where the loop is,
+        which the watch's thread does not know — it decides only :data:`~elasticzero.rounds.AT_ONCE`); None while
+        nothing is decided."""
         if self._switch is not None and self._switch[0] == found.number:
             return self._switch[1]
+        old = self.now.round
+        assert old is not None, "a settled live round"
         where = "step" if self.in_attempt else "enter" if self.entering else "idle"
-        proposal = switch_proposal(where, self.step, self.now.opt.world_size, self.end) if propose else None
-        at = self.groups.switch_at(spec, proposal)
+        step = switch_proposal(where, self.step, old.world_size, self.end)
+        proposal = switch_decision(values, old.number, old.world_size, step)
+        at = self.groups.switch_at(spec, proposal if loop or proposal == AT_ONCE else None)
         if at is not None:
             self._switch = (found.number, at)
         return at
+
+    def _drain(self, round_: NodeRound, aborted: bool, bound: BoundedWait) -> None:
+        """NCCL, leaving at a join's agreed step (its watch did not abort the old group): wait, bounded, until this
+        device ran the old round's work — a step's trailing collective (the stage's all-gather after the update) may
+        still run there, and a peer's host may wait on it: aborted now, it would never complete there."""
+        agreed = self._switch is not None and self._switch[0] == round_.number and self._switch[1] != AT_ONCE
+        device = self.where.bound_device
+        if agreed and not aborted and device is not None:
+            bound.call(lambda: torch.cuda.synchronize(torch.device(device)), peer_failure)
 
     def _settled_round(self) -> NodeRound | None:
         """The round this process trains in (None before its first is entered)."""
@@ -731,10 +760,12 @@ class LiveTraining(_Rounds):
 
     def _ready_value(self) -> str:
         """What this process says when it is ready for a new round (:func:`~elasticzero.rounds.ready_value`): the
-        round it trains in and its rank there, nothing before its first."""
-        old = self._settled_round()
+        round it trains in and its rank there; that it holds state once it left that round (an entry under way); that
+        it is new before its first."""
+        old = None if self._leaving else self._settled_round()
         rank = old.rank_of(self.local_rank) if old is not None else None
-        return ready_value(None if old is None or rank is None else (old.number, rank))
+        held = old is None and self._leaving
+        return ready_value(None if old is None or rank is None else (old.number, rank), holds=held)
 
     def _bound(self, round_: NodeRound) -> BoundedWait:
         poll = functools.partial(self._announced, round_.number)

@@ -170,7 +170,7 @@ class Training:
             round it leaves (its optimizer released from it; the reshard then overwrites its parameters): build the
             pieces on it instead of a new model (used at stages 1/2 with fp32 parameters; else ``model`` is None).
             A build that takes a keyword ``sync_module_states`` gets False where a live round's members hold state
-            — the round's reshard writes every member's model whole — and passes it on to
+            — the round's reshard writes every member's model state — and passes it on to
             :func:`~elasticzero.config.build_pieces` (the engine's broadcast of the module from rank 0, the
             parameters' bytes again, is left out; a build without it broadcasts on every rank, as before).
         loss: ``loss(net, batch)``, one micro-batch's loss (the batch moved to the device).
@@ -274,7 +274,7 @@ class Training:
         """One round's kit: the user's model and pieces on ``group`` (on ``kept``, a survivor's model, where given),
         the round's checkpointer (a new round claims the directory: a stale rank of an old one — a frozen node
         resumed — can no longer write it). ``sync_module_states`` False (a live round whose reshard writes the
-        models whole) is passed on where the user's build takes it."""
+        models' state) is passed on where the user's build takes it."""
         model = kept if kept is not None else self._take_prepared()
         args = (model,) if self.keeps_model else ()
         sync = {} if sync_module_states else {"sync_module_states": False}

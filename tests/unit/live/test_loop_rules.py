@@ -5,6 +5,7 @@ same member — a fresh default group in the same process, the state carried ove
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import sys
 import weakref
@@ -138,44 +139,89 @@ def test_a_world_of_one_enters_a_second_round_in_the_same_process(tmp_path: Path
 
 
 def test_a_join_is_switched_to_at_the_step_its_members_agree_on(tmp_path: Path, cpu_machine: None) -> None:
-    """The loop's decision for a round every member of its own round is in (:meth:`LiveTraining._announced`): inside
-    a step, round 1 (this process and a fresh one, whose ready key says so) is not taken — the switch step proposed
-    is the first boundary nobody can have passed, alone the next one, set in the round's store for the others; a
-    watch's thread, which proposes nothing, waits for it too; a failed wait (urgent) takes the round at once, and so
-    does everyone from the agreed step on, and an idle member between steps. Round 2, whose other member trained in
-    no round of this job's, is taken at once anywhere: a member was lost or replaced, the step cannot complete."""
+    """The loop's decision for a newer round (:meth:`LiveTraining._announced`), once every member said it is ready:
+    the first member to decide sets it in the round's store, and every member adopts what is there, whatever it reads
+    itself. Round 2, whose other member trained in no round of this job's (a member lost or replaced: the step cannot
+    complete), is taken at once anywhere, the NCCL watch's thread too (``loop=False``). Round 1 (this process and a
+    fresh one) is a join: inside a step it is not taken — the switch step is the first boundary nobody can have
+    passed, alone the next one — and the watch never takes it (the loop leaves at that boundary itself); a failed wait
+    (urgent) takes it at once, and the loop from the agreed step on. Between steps (idle) a join is taken at once.
+    Rounds 4 and 5: a decision already in the store wins over what this process reads — at once for what looks like a
+    join to it (a peer read an older ready value: one that had left its round, ``held``), a step for what does not."""
     path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
     write_round(path, NodeRound(0, 1, ((0, 0),), store, "r0/"))
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the new rounds' store
     joined = StoreAddress("127.0.0.1", port, False)
-    rounds = {n: NodeRound(n, 2, ((0, 1),), joined, f"r{n}/") for n in (1, 2, 3)}  # this process is rank 1
+    rounds = {n: NodeRound(n, 2, ((0, 1),), joined, f"r{n}/") for n in range(1, 6)}  # this process is rank 1
     data = torch.randn(48, 4, generator=torch.Generator().manual_seed(1))
     live = LiveTraining.from_agent(build, sampler=sampler(0, 1), env={ROUND_FILE_ENV: path})
 
-    def announce(n: int, other: str) -> Any:
+    def announce(n: int, other: str, decided: str | None = None) -> Any:
+        at = dist.PrefixStore(f"r{n}/", server)
+        if decided is not None:
+            at.set("switch_at", decided)
         write_round(path, rounds[n])
-        dist.PrefixStore(f"r{n}/", server).set("ready/0", other)
-        return dist.PrefixStore(f"r{n}/", server)
+        at.set("ready/0", other)
+        return at
 
     try:
         attempt = next(live.steps(10))
         with attempt:  # step 0
-            announce(2, "0:5")  # not a member of round 0's
+            r2 = announce(2, "0:5")  # not a member of round 0's
+            assert live._announced(0, loop=False) == rounds[2] and r2.get("switch_at") == b"-1"
             assert live._announced(0) == rounds[2]
             r1 = announce(1, "new")
-            assert live._announced(0, propose=False) is None and not r1.check(["switch_at"])
+            assert live._announced(0, loop=False) is None and not r1.check(["switch_at"])  # the watch: no step
             assert live._announced(0) is None and r1.get("switch_at") == b"1" and r1.get("ready/1") == b"0:0"
-            assert live._announced(0, propose=False) is None
+            assert live._announced(0, loop=False) is None
             assert live._announced(0, urgent=True) == rounds[1]
+            announce(4, "new", decided="-1")
+            assert live._announced(0) == rounds[4]
+            announce(5, "0:5", decided="3")
+            assert live._announced(0) is None
+            r1 = announce(1, "new")
             for idx in attempt.micro_batches:
                 attempt.model(data[idx]).pow(2).mean().backward()
             attempt.opt.step()
             attempt.opt.zero_grad()
         assert attempt.committed and live.step == 1
-        assert live._announced(0) == rounds[1]  # at the agreed step
+        assert live._announced(0) == rounds[1] and live._announced(0, loop=False) is None  # the loop's boundary
         r3 = announce(3, "new")
         assert live._announced(0) == rounds[3] and r3.get("switch_at") == b"1"  # idle between steps: at once
+    finally:
+        live.close()
+        live.groups.abandon()
+
+
+def test_a_member_that_left_its_round_says_so_and_drains_its_device_at_an_agreed_switch(
+    tmp_path: Path, cpu_machine: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ready values: a settled member says its round and rank, one that left it (an entry under way) ``held`` — a
+    peer still in the old round then decides at once, never waits for it in a step. The drain (NCCL: leaving at a
+    join's agreed step, its watch quiet): the device synchronised, bounded, on its device; not after an abort, not at
+    once, not without a device."""
+    path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
+    write_round(path, NodeRound(0, 1, ((0, 0),), store, "r0/"))
+    live = LiveTraining.from_agent(build, sampler=sampler(0, 1), env={ROUND_FILE_ENV: path})
+    synced: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    try:
+        assert live._ready_value() == "0:0"
+        live._leaving = True
+        assert live._ready_value() == "held"
+        live._leaving = False
+        r7 = NodeRound(7, 1, ((0, 0),), store, "r7/")
+        live._switch = (7, 3)
+        live._drain(r7, False, live.bound)  # no device: the CPU
+        live.where = dataclasses.replace(live.where, device="cuda:1", backend="nccl")  # its bound device
+        live._drain(r7, True, live.bound)  # aborted by the watch already
+        live._switch = (7, -1)
+        live._drain(r7, False, live.bound)  # at once: the watch aborted, or a peer may be lost
+        assert synced == []
+        live._switch = (7, 3)
+        live._drain(r7, False, live.bound)
+        assert synced == [torch.device("cuda:1")]
     finally:
         live.close()
         live.groups.abandon()

@@ -465,6 +465,7 @@ def live_rounds(job: Any, data: torch.Tensor, path: str, store: Any, device: tor
     ended = clone_state(job.opt)
     backend0, first_opt = dist.get_backend(), job.opt
     write_round(path, NodeRound(1, 1, ((0, 0),), store, "live1/"))
+    job.bounded(lambda: None)  # between two steps: the round (the same member: a join's rule) is entered here
     live_train(job, LIVE_STEPS[1], data, starts)
     entered = next((st for r, st in starts if r == 1), None)
     diff = "no attempt in round 1" if entered is None else first_difference(entered, ended, "state")

@@ -705,11 +705,11 @@ class LiveTraining(_Rounds):
         """The round file's decision for the members of round ``number``: a newer round once every one of its members
         is ready to switch (:meth:`RoundGroups.ready <elasticzero.live.group.RoundGroups.ready>`: meanwhile this
         process trains on in its round — a joiner's worker is starting), at once when it does not name this process
-        (its entry fails with one line) or is no round, when ``urgent`` (a step's collective failed: it completes
-        nowhere) and while this process enters round ``number`` (it trains in none). Else when the members' decision
-        says (:meth:`_switch_at`): at once, or — a join — from the agreed step on, which only the loop itself leaves
-        at (``loop`` False, the NCCL watch's thread: never; the loop drains its device at that boundary, then
-        leaves, :meth:`_enter`)."""
+        (its entry fails with one line) or is no round, while this process enters round ``number`` (it trains in
+        none), and when ``urgent`` (a step's collective failed: it completes nowhere — decided so for the members
+        unless they decided already). Else when the members' decision says (:meth:`_switch_at`): at once, or — a join
+        — from the agreed step on, which only the loop itself leaves at (``loop`` False, the NCCL watch's thread:
+        never; the loop drains its device at that boundary, then leaves, :meth:`_enter`)."""
         found = self.rounds.poll(number)
         if not isinstance(found, NodeRound) or found.rank_of(self.local_rank) is None:
             return found
@@ -718,7 +718,10 @@ class LiveTraining(_Rounds):
         if values is None:
             return None
         old = self._settled_round()
-        if urgent or old is None or old.number != number:
+        if old is None or old.number != number:
+            return found
+        if urgent:  # what its peers adopt unless they decided already: it leaves its step, theirs cannot complete
+            self._switch = (found.number, self.groups.switch_at(spec, AT_ONCE))
             return found
         at = self._switch_at(found, spec, values, loop)
         if at == AT_ONCE:

@@ -145,7 +145,9 @@ def test_a_join_is_switched_to_at_the_step_its_members_agree_on(tmp_path: Path, 
     complete), is taken at once anywhere, the NCCL watch's thread too (``loop=False``). Round 1 (this process and a
     fresh one) is a join: inside a step it is not taken — the switch step is the first boundary nobody can have
     passed, alone the next one — and the watch never takes it (the loop leaves at that boundary itself); a failed wait
-    (urgent) takes it at once, and the loop from the agreed step on. Between steps (idle) a join is taken at once.
+    (urgent) takes it at once, and the loop from the agreed step on; a failed wait on round 6, not decided yet,
+    decides at once for everyone (it leaves its step: theirs cannot complete). Between steps (idle) a join is taken
+    at once.
     Rounds 4 and 5: a decision already in the store wins over what this process reads — at once for what looks like a
     join to it (a peer read an older ready value: one that had left its round, ``held``), a step for what does not."""
     path, store = str(tmp_path / "round.json"), StoreAddress("127.0.0.1", free_port(), True)
@@ -153,7 +155,7 @@ def test_a_join_is_switched_to_at_the_step_its_members_agree_on(tmp_path: Path, 
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the new rounds' store
     joined = StoreAddress("127.0.0.1", port, False)
-    rounds = {n: NodeRound(n, 2, ((0, 1),), joined, f"r{n}/") for n in range(1, 6)}  # this process is rank 1
+    rounds = {n: NodeRound(n, 2, ((0, 1),), joined, f"r{n}/") for n in range(1, 7)}  # this process is rank 1
     data = torch.randn(48, 4, generator=torch.Generator().manual_seed(1))
     live = LiveTraining.from_agent(build, sampler=sampler(0, 1), env={ROUND_FILE_ENV: path})
 
@@ -175,7 +177,9 @@ def test_a_join_is_switched_to_at_the_step_its_members_agree_on(tmp_path: Path, 
             assert live._announced(0, loop=False) is None and not r1.check(["switch_at"])  # the watch: no step
             assert live._announced(0) is None and r1.get("switch_at") == b"1" and r1.get("ready/1") == b"0:0"
             assert live._announced(0, loop=False) is None
-            assert live._announced(0, urgent=True) == rounds[1]
+            assert live._announced(0, urgent=True) == rounds[1] and r1.get("switch_at") == b"1"  # decided already
+            r6 = announce(6, "new")
+            assert live._announced(0, urgent=True) == rounds[6] and r6.get("switch_at") == b"-1"  # at once, for all
             announce(4, "new", decided="-1")
             assert live._announced(0) == rounds[4]
             announce(5, "0:5", decided="3")

@@ -721,7 +721,8 @@ class LiveTraining(_Rounds):
         if old is None or old.number != number:
             return found
         if urgent:  # what its peers adopt unless they decided already: it leaves its step, theirs cannot complete
-            self._switch = (found.number, self.groups.switch_at(spec, AT_ONCE))
+            decided = self.groups.switch_at(spec, AT_ONCE)
+            self._switch = (found.number, AT_ONCE if decided is None else decided)
             return found
         at = self._switch_at(found, spec, values, loop)
         if at == AT_ONCE:

@@ -120,11 +120,6 @@ def state_follows(values: Sequence[str]) -> bool:
     return any(v != NEW_MEMBER for v in values)
 
 
-#: switch: where a member is when it proposes — between two steps, idle (a hold, a bounded wait outside a step);
-#: entering a step (its attempt's check, before anything of it ran); inside a step
-WHERES = ("idle", "enter", "step")
-
-
 def switch_decision(values: Sequence[str], number: int, world_size: int, proposal: int) -> int:
     """switch: what the first member to find every ready key set decides for the members of round ``number``:
     ``proposal`` (its :func:`switch_proposal`) where the ``values`` are a join (:func:`joins_only`), else
@@ -136,11 +131,12 @@ def switch_proposal(where: str, step: int, world_size: int, end: int | None = No
     """switch: the step a member at ``step`` (its step in flight) of a round of ``world_size`` proposes to switch at —
     the first boundary no member can have passed, so no member leaves a step it began (members are at most one step
     apart: a step's host waits on a collective every member takes part in — the copies' commit gate, the loss's
-    reduction). Idle: ``step`` (at once: a member held between steps holds the others too); entering ``step``: the
-    next one (a peer may be inside ``step``); inside it: two on (a peer may have begun the next), one alone. Never past
-    ``end - 1`` (the job's last step: the old members would end without the joiner) — so a member inside the last
-    step leaves it at once, as every switch did before this step existed (a peer past its commit gate counts it done
-    in the reshard)."""
+    reduction). ``where`` it is: ``"idle"`` between two steps (a hold, a bounded wait outside a step) — ``step``, at
+    once: a member held between steps holds the others too; ``"enter"``, its attempt's check before anything of
+    ``step`` ran — the next one (a peer may be inside ``step``); ``"step"``, inside it — two on (a peer may have begun
+    the next), one alone. Never past ``end - 1`` (the job's last step: the old members would end without the joiner)
+    — so a member inside the last step leaves it at once, as every switch did before this step existed (a peer past
+    its commit gate counts it done in the reshard)."""
     ahead = {"idle": 0, "enter": 1, "step": 1 if world_size == 1 else 2}[where]
     at = step + ahead
     return at if end is None else min(at, end - 1)

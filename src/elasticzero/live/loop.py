@@ -720,29 +720,26 @@ class LiveTraining(_Rounds):
         old = self._settled_round()
         if old is None or old.number != number:
             return found
-        if urgent:  # what its peers adopt unless they decided already: it leaves its step, theirs cannot complete
-            decided = self.groups.switch_at(spec, AT_ONCE)
-            self._switch = (found.number, AT_ONCE if decided is None else decided)
-            return found
-        at = self._switch_at(found, spec, values, loop)
-        if at == AT_ONCE:
+        at = self._switch_at(found, spec, values, loop, urgent)
+        if urgent or at == AT_ONCE:
             return found
         return found if loop and at is not None and switches(self.step, at) else None
 
-    def _switch_at(self, found: NodeRound, spec: Any, values: list[str], loop: bool) -> int | None:
+    def _switch_at(self, found: NodeRound, spec: Any, values: list[str], loop: bool, urgent: bool) -> int | None:
         """The members' decision for ``found`` (:data:`~elasticzero.rounds.AT_ONCE`, or the step they switch at),
         read from the round's store once per round (:meth:`RoundGroups.switch_at
         <elasticzero.live.group.RoundGroups.switch_at>`), else decided here over ``values``
         (:func:`~elasticzero.rounds.switch_decision`: a join's step is :func:`switch_proposal` for where the loop is,
-        which the watch's thread does not know — it decides only :data:`~elasticzero.rounds.AT_ONCE`); None while
-        nothing is decided."""
+        which the watch's thread does not know — it decides only :data:`~elasticzero.rounds.AT_ONCE`; ``urgent``: a
+        failed wait, which leaves its step — the peers' cannot complete — decides that too); None while nothing is
+        decided."""
         if self._switch is not None and self._switch[0] == found.number:
             return self._switch[1]
         old = self.now.round
         assert old is not None, "a settled live round"
         where = "step" if self.in_attempt else "enter" if self.entering else "idle"
         step = switch_proposal(where, self.step, old.world_size, self.end)
-        proposal = switch_decision(values, old.number, old.world_size, step)
+        proposal = AT_ONCE if urgent else switch_decision(values, old.number, old.world_size, step)
         at = self.groups.switch_at(spec, proposal if loop or proposal == AT_ONCE else None)
         if at is not None:
             self._switch = (found.number, at)
@@ -766,10 +763,11 @@ class LiveTraining(_Rounds):
         """What this process says when it is ready for a new round (:func:`~elasticzero.rounds.ready_value`): the
         round it trains in and its rank there; that it holds state once it left that round (an entry under way); that
         it is new before its first."""
-        old = None if self._leaving else self._settled_round()
+        if self._leaving:
+            return ready_value(None, holds=True)
+        old = self._settled_round()
         rank = old.rank_of(self.local_rank) if old is not None else None
-        held = old is None and self._leaving
-        return ready_value(None if old is None or rank is None else (old.number, rank), holds=held)
+        return ready_value(None if old is None or rank is None else (old.number, rank))
 
     def _bound(self, round_: NodeRound) -> BoundedWait:
         poll = functools.partial(self._announced, round_.number)

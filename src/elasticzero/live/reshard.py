@@ -9,9 +9,12 @@ Three steps, the first and last thin I/O, the middle a pure decision over what t
 2. *decide* (:func:`plan_reshard`): the newest step every old rank's state is held at, a source rank for each, and
    the :class:`Transfer` s, or a :class:`Fallback` (some state has no copy left: both copies lost, or the survivors
    are at different steps) — errors as data, nothing touched;
-3. *execute*: each rank packs what it sends to each peer (one message per peer and state key), receives into the
-   buffers of :meth:`~elasticzero.engine.zero.dcp_state.ZeroCheckpointState.load_template`, and installs them with
-   ``load_state_dict`` — the very path a DCP load takes.
+3. *execute*: each rank sends what each peer needs (per peer and state key, one message per range that lies back to
+   back in the old shard and in the new one: :func:`message_runs`), receives into the buffers of
+   :meth:`~elasticzero.engine.zero.dcp_state.ZeroCheckpointState.load_template`, and installs them with
+   ``load_state_dict`` — the very path a DCP load takes. A message is the state's own memory on both sides where it
+   lies so there (a live optimizer's and a copy's state, a load template: one buffer per bucket), packed and unpacked
+   otherwise; the local part is copied while the messages travel.
 
 The chunk arithmetic is the DCP reshard's: what any rank owns of a parameter is
 :meth:`~elasticzero.engine.zero.layout.ZeroLayout.pieces`, and which parts of the old pieces fill a new piece is
@@ -218,7 +221,8 @@ def reshard_from(opt: ZeroOptimizer, holdings: Holdings) -> ReshardPlan | Fallba
     state = ZeroCheckpointState(opt)
     template = state.load_template()
     wire = wire_for(opt.communicator.backend, opt.device)  # the device every message travels on
-    _fill(opt, plan, holdings.states, template, keys, wire)
+    assert src_report.layout is not None  # a plan has a source, which holds state
+    _fill(opt, plan, holdings.states, template, keys, wire, src_report.layout)
     _fill_replicated(opt, plan.sources[0], template, src_report, holdings.states.get(0), wire)
     state.load_state_dict(template)
     return plan
@@ -238,26 +242,98 @@ def _fill(
     template: Mapping[str, Any],
     keys: Sequence[str],
     wire: torch.device,
+    old: ZeroLayout,
 ) -> None:
-    """Run this rank's transfers into ``template``: local ones as copies, the others one packed message per peer and
-    state key (every rank posts them in the same order: keys, then peer pairs), sent and received on the wire
-    (:func:`~elasticzero.engine.zero.comm.backends.wire_for`) and unpacked into ``template`` wherever it lives."""
-    me, sends, recvs = opt.rank, [], []
+    """Run this rank's transfers into ``template``: the messages of :func:`message_runs` (every rank posts them in the
+    same order: keys, peer pairs, runs), on the wire (:func:`~elasticzero.engine.zero.comm.backends.wire_for`) —
+    each the held state's or the template's own memory where it lies back to back there, else packed and unpacked —
+    and, while they travel, the local transfers as copies (a rank's local and received pieces are disjoint)."""
+    me, sends, recvs, unpacks, local = opt.rank, [], [], [], []
     trees = {r: st.state_dict() for r, st in held.items()}
     peers = sorted({(t.src, t.dst) for t in plan.transfers if me in (t.src, t.dst)})
     for key in ("params", *keys):
         for src, dst in peers:
             ts = plan.between(src, dst)
             if src == dst:
-                _copy_local(template, trees, ts, key)
-            elif src == me:
-                sends.append((_pack(trees, ts, key, wire), dst))
-            else:
-                dtype = _chunk(template, ts[0].name, key).dtype
-                recvs.append((torch.empty(_length(ts), dtype=dtype, device=wire), src, ts, key))
-    opt.communicator.exchange(sends, [(buf, src) for buf, src, _, _ in recvs], tag="reshard")
-    for buf, _, ts, key in recvs:
+                local.append((ts, key))
+                continue
+            for run in message_runs(ts, old, opt.layout):
+                if src == me:
+                    sends.append((_outgoing(trees, run, key, wire), dst))
+                    continue
+                into = _joined([_slice(_chunk(template, t.name, key), t.dst_offset, t) for t in run], wire)
+                if into is None:
+                    into = torch.empty(_length(run), dtype=_chunk(template, run[0].name, key).dtype, device=wire)
+                    unpacks.append((into, run, key))
+                recvs.append((into, src))
+    work = opt.communicator.exchange(sends, recvs, tag="reshard", async_op=True)
+    for ts, key in local:
+        _copy_local(template, trees, ts, key)
+    if work is not None:
+        work.wait()
+        opt.communicator.settle()
+    for buf, ts, key in unpacks:
         _unpack(template, buf, ts, key)
+
+
+def message_runs(ts: Sequence[Transfer], old: ZeroLayout, new: ZeroLayout) -> list[list[Transfer]]:
+    """The messages the transfers ``ts`` between one pair of ranks travel in (in order): consecutive transfers share
+    one while each continues the one before in the old rank's bucket shard (layout ``old``) and in the new rank's
+    (``new``) — ranges that lie back to back in any state laid out one buffer per bucket, so neither side copies them
+    (:func:`_joined`). Pure, over the layouts alone: both sides split alike, whatever their memory."""
+    olds = {r: old.pieces(r) for r in {t.old_rank for t in ts}}
+    news = {d: new.pieces(d) for d in {t.dst for t in ts}}
+    out: list[list[Transfer]] = []
+    for t in ts:
+        if out and _continues(out[-1][-1], t, old, new, olds, news):
+            out[-1].append(t)
+        else:
+            out.append([t])
+    return out
+
+
+def _continues(
+    a: Transfer,
+    b: Transfer,
+    old: ZeroLayout,
+    new: ZeroLayout,
+    olds: Mapping[int, Mapping[str, Piece]],
+    news: Mapping[int, Mapping[str, Piece]],
+) -> bool:
+    """Whether transfer ``b`` starts where ``a`` ends in the same old rank's bucket shard and the same new one's."""
+    n = a.end - a.start
+    if (a.old_rank, a.dst) != (b.old_rank, b.dst):
+        return False
+    if (old.params[a.name].bucket, new.params[a.name].bucket) != (old.params[b.name].bucket, new.params[b.name].bucket):
+        return False
+    at_old = olds[b.old_rank][b.name].shard_offset + b.src_offset
+    at_new = news[b.dst][b.name].shard_offset + b.dst_offset
+    return at_old == olds[a.old_rank][a.name].shard_offset + a.src_offset + n and at_new == (
+        news[a.dst][a.name].shard_offset + a.dst_offset + n
+    )
+
+
+def _joined(parts: Sequence[torch.Tensor], wire: torch.device) -> torch.Tensor | None:
+    """One 1-D tensor viewing ``parts`` (1-D tensors, in order) where they lie back to back in one storage on the
+    ``wire``; None where they do not (they are packed then)."""
+    first = parts[0]
+    if first.device != wire:
+        return None
+    storage, at = first.untyped_storage().data_ptr(), first.storage_offset()
+    for p in parts:
+        if p.untyped_storage().data_ptr() != storage or p.storage_offset() != at or p.stride() != (1,):
+            return None
+        at += p.numel()
+    return first.as_strided((at - first.storage_offset(),), (1,))
+
+
+def _outgoing(
+    trees: Mapping[int, Mapping[str, Any]], ts: Sequence[Transfer], key: str, wire: torch.device
+) -> torch.Tensor:
+    """What a message of transfers ``ts`` sends: the held state's own memory where the elements lie back to back
+    there (:func:`_joined`), else :func:`_pack`."""
+    joined = _joined([_slice(_chunk(trees[t.old_rank], t.name, key), t.src_offset, t) for t in ts], wire)
+    return joined if joined is not None else _pack(trees, ts, key, wire)
 
 
 def _pack(trees: Mapping[int, Mapping[str, Any]], ts: Sequence[Transfer], key: str, wire: torch.device) -> torch.Tensor:

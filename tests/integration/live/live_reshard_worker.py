@@ -171,7 +171,8 @@ def join(case: tuple[Any, ...], rank: int, work: Path) -> list[str]:
         saved = full_state(opt)
         problems += copies_problems(rep, saved)
         rep.close()
-        holdings = rep.holdings()
+        # rank 1 as a survivor that wraps its model again in place: its masters copied aside (each bucket's in one)
+        holdings = rep.holdings().detached() if rank == 1 else rep.holdings()
         box = [(saved, opt.full_state_dict()["frozen.weight"])]
     dist.broadcast_object_list(box, src=0)
     saved, frozen = box[0]

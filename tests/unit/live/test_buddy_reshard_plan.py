@@ -4,19 +4,33 @@ once from a rank that holds it, a loss of both copies of a shard (or no common s
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from elasticzero.engine.zero.flat import layout_buckets, size_groups
-from elasticzero.engine.zero.layout import ZeroLayout
+from elasticzero.engine.zero.layout import FlatChunk, ZeroLayout
 from elasticzero.engine.zero.stage3 import UnitPlan
 from elasticzero.errors import UsageError
 from elasticzero.live.buddy import BuddyPlan, place_buddies
-from elasticzero.live.reshard import Fallback, Report, ReshardPlan, choose_sources, plan_reshard
+from elasticzero.live.reshard import (
+    Fallback,
+    Report,
+    ReshardPlan,
+    Transfer,
+    _joined,
+    _outgoing,
+    _slice,
+    choose_sources,
+    message_runs,
+    plan_reshard,
+)
 
+CPU = torch.device("cpu")
 SHAPES = [("a", (1,)), ("b", (2, 3)), ("c", ()), ("d", (11,)), ("e", (3, 1, 2)), ("f", (5,)), ("g", (2,))]
 # the same parameters bucketed three ways: by size (stages 1/2), one unit per parameter (stage 3), all in one
 BUCKETINGS = {
@@ -119,6 +133,68 @@ def test_every_element_is_delivered_once(
     for old_rank, src in plan.sources.items():  # a survivor serves its own state, not a copy
         if old_rank in survivors:
             assert survivors[src] == old_rank
+
+
+def _laid_out(layout: ZeroLayout, rank: int) -> dict[str, Any]:
+    """A state tree of ``rank``'s shard of ``layout``, one buffer per bucket (as a live optimizer, a copy and a load
+    template lay theirs out), each element its global index in the flattened parameter."""
+    bufs = [torch.full((b.shard_numel,), -1.0) for b in layout.buckets]
+    chunks = layout.chunks(rank, bufs)
+    for c in chunks.values():
+        c.tensor.copy_(torch.arange(c.offset, c.offset + c.tensor.numel(), dtype=torch.float32))
+    return {"params": chunks}
+
+
+@pytest.mark.parametrize(("old_nodes", "survivors"), CASES)
+@pytest.mark.parametrize(
+    ("old_bucketing", "new_bucketing"),
+    [("by_size", "by_size"), ("units", "units"), ("by_size", "units"), ("one", "units"), ("one", "one")],
+)
+def test_messages_are_the_states_own_memory_on_both_sides(
+    old_nodes: list[int], survivors: list[int | None], old_bucketing: str, new_bucketing: str
+) -> None:
+    """``message_runs`` splits a pair's transfers (in order, none left out) into messages that lie back to back in
+    the sender's held state and in the receiver's template — one view each side, nothing packed — and no two
+    neighbouring messages could be one on both sides (as few messages as the memory allows)."""
+    old, new = _layout(old_bucketing, len(old_nodes)), _layout(new_bucketing, len(survivors))
+    plan = plan_reshard(_reports(old, place_buddies(old_nodes), survivors), new)
+    assert isinstance(plan, ReshardPlan), plan
+    held = {r: _laid_out(old, r) for r in range(old.world_size)}
+    for src, dst in sorted({(t.src, t.dst) for t in plan.transfers if t.src != t.dst}):
+        ts = plan.between(src, dst)
+        runs = message_runs(ts, old, new)
+        assert [t for run in runs for t in run] == ts
+        template = _laid_out(new, dst)
+        sides = []
+        for run in runs:
+            sent = _joined([_slice(held[t.old_rank]["params"][t.name].tensor, t.src_offset, t) for t in run], CPU)
+            into = _joined([_slice(template["params"][t.name].tensor, t.dst_offset, t) for t in run], CPU)
+            assert sent is not None and into is not None, run
+            assert torch.equal(sent, torch.cat([torch.arange(t.start, t.end, dtype=torch.float32) for t in run]))
+            assert torch.equal(into, sent)  # the elements the receiver's pieces want, in its layout's order
+            sides.append((sent, into))
+        for (a_sent, a_into), (b_sent, b_into) in itertools.pairwise(sides):
+            one_send = _joined([a_sent, b_sent], CPU) is not None
+            assert not (one_send and _joined([a_into, b_into], CPU) is not None)
+
+
+def test_a_message_is_packed_only_where_its_memory_is_not_one_view() -> None:
+    """``_joined``: one view over parts back to back in one storage on the wire; None across a gap, another storage,
+    a strided part or another device — where ``_outgoing`` packs the same elements into a buffer of its own."""
+    buf = torch.arange(10.0)
+    joined = _joined([buf[2:4], buf[4:7]], CPU)
+    assert joined is not None and joined.data_ptr() == buf[2:].data_ptr() and torch.equal(joined, buf[2:7])
+    assert _joined([buf[2:4], buf[5:7]], CPU) is None  # a gap
+    assert _joined([buf[2:4], torch.arange(4.0, 6.0)], CPU) is None  # another storage
+    assert _joined([buf[0:6:2]], CPU) is None  # strided
+    assert _joined([buf[2:4]], torch.device("meta")) is None  # not on the wire
+    ts = [Transfer("w", 0, 0, 1, 2, 4, 2, 0), Transfer("w", 0, 0, 1, 5, 7, 5, 2)]
+    trees = {0: {"params": {"w": FlatChunk(buf, 0, 10)}}}
+    packed = _outgoing(trees, ts, "params", CPU)
+    assert torch.equal(packed, torch.tensor([2.0, 3.0, 5.0, 6.0]))
+    assert packed.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+    whole = _outgoing(trees, ts[:1], "params", CPU)
+    assert whole.data_ptr() == buf[2:].data_ptr()  # sent from the state itself
 
 
 def test_both_copies_lost_is_a_fallback() -> None:

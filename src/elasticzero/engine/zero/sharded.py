@@ -120,8 +120,7 @@ class ShardedState:
         module = {k: _copied(v, memo) for k, v in self.module.items()}
         if not masters:
             return dataclasses.replace(self, module=module)
-        params = {n: FlatChunk(c.tensor.clone(), c.offset, c.numel) for n, c in self.params.items()}
-        return dataclasses.replace(self, params=params, module=module)
+        return dataclasses.replace(self, params=_copied_together(self.params), module=module)
 
     def state_dict(self) -> dict[str, Any]:
         """The tree a checkpoint stores (see the module's docstring)."""
@@ -133,6 +132,37 @@ class ShardedState:
             "optim": {"state": self.optim_state, "scalars": scalars, "param_groups": groups},
             "layout": layout_record(self.layout, self.origin, self.aliases),
         }
+
+
+def _copied_together(chunks: Mapping[str, FlatChunk]) -> dict[str, FlatChunk]:
+    """``chunks`` over copies of their tensors: chunks that lie back to back in one storage (a bucket shard's pieces)
+    over one copy of that span, at the same distances (one buffer, as before, and one allocation)."""
+    order = sorted(chunks, key=lambda n: (_storage(chunks[n].tensor), chunks[n].tensor.storage_offset()))
+    runs: list[list[str]] = []
+    for n in order:
+        t = chunks[n].tensor
+        if runs and t.stride() == (1,) and _ends(chunks[runs[-1][-1]].tensor) == (_storage(t), t.storage_offset()):
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    out = {}
+    for run in runs:
+        first = chunks[run[0]].tensor
+        lo, total = first.storage_offset(), sum(chunks[n].tensor.numel() for n in run)
+        copy = first.as_strided((total,), (1,), lo).clone() if first.stride() == (1,) else first.clone()
+        for n in run:
+            at = chunks[n].tensor.storage_offset() - lo
+            out[n] = chunks[n].with_tensor(copy[at : at + chunks[n].tensor.numel()])
+    return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _ends(t: torch.Tensor) -> tuple[int, int] | None:
+    """Where a 1-D tensor's next element would be (storage, offset); None for one not laid out element after element."""
+    return (_storage(t), int(t.storage_offset()) + t.numel()) if t.stride() == (1,) else None
 
 
 def _copied(t: torch.Tensor, memo: dict[Hashable, torch.Tensor]) -> torch.Tensor:

@@ -59,10 +59,10 @@ from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.comm.backends import wire_for
 from elasticzero.engine.zero.comm.communicator import Communicator, OwnsCommunicator
 from elasticzero.engine.zero.comm.work import AnyWork, Waiter
-from elasticzero.engine.zero.sharded import ShardedState
+from elasticzero.engine.zero.sharded import ShardedState, is_shard_state
 from elasticzero.engine.zero.watch import Factor
 from elasticzero.live.buddy import BuddyPlan, place_buddies
-from elasticzero.live.reshard import Holdings
+from elasticzero.live.reshard import Holdings, Seed
 from elasticzero.proc import AGENT_PID_ENV
 
 #: Linux pids are below 2^22 (``PID_MAX_LIMIT``): a host hash shifted past them keeps every (host, pid) apart
@@ -257,6 +257,9 @@ class BuddyCopies(OwnsCommunicator):
             (:meth:`ZeroOptimizer.watch_grads <elasticzero.engine.zero.base.ZeroOptimizer.watch_grads>`), overlapping
             the rest of backward; the pre-step hook then waits for them and sends a note of what happened to the
             gradients since (:func:`early_grads_usable` decides per step). False: every gradient at the pre-step hook.
+        seed: what this rank kept of the round's reshard (:class:`~elasticzero.live.reshard.Seed`): a ward whose
+            whole state this rank sent it there gets its copy made here from the same elements instead of mirrored
+            back (:attr:`seeded`), and a rank whose holder sent it its whole state sends no mirror.
 
     Collective: every rank of ``opt``'s group builds one at the same point (it mirrors the current state to the
     holders). BuddyCopies has its own :class:`Communicator` on ``opt.process_group`` (``copies.comm_stats``:
@@ -274,8 +277,12 @@ class BuddyCopies(OwnsCommunicator):
         overlap: bool = True,
         waiter: Waiter | None = None,
         early: bool = True,
+        seed: Seed | None = None,
     ) -> None:
         self.opt = opt
+        self._seed = seed
+        #: the wards whose first copy this rank made from the seed (not mirrored)
+        self.seeded: frozenset[int] = frozenset()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ez-copies") if overlap else None
         self._applying: Future[None] | None = None
         self._communicator = Communicator(opt.process_group, owner="BuddyCopies", waiter=waiter)
@@ -462,13 +469,47 @@ class BuddyCopies(OwnsCommunicator):
     @torch.no_grad()
     def _mirror(self) -> None:
         """Send this rank's state to its holder, receive the wards' (the starting point the gradients advance), on the
-        wire; the received tensors land in the host copies."""
+        wire; the received tensors land in the host copies. Where the round's reshard left a seed, a ward this rank
+        sent its whole state there is not mirrored back: its copy is made here (:meth:`_seed_box`) while the other
+        messages travel (every rank decides alike: the plan is the same everywhere)."""
         own = self._state_tensors(self.opt.masters, self.opt.optim.state)
-        sends = [(on(t, self.wire).reshape(-1), self.holder) for t in own] if self.holder is not None else []
-        inboxes = {w: mirror_inbox(own, self.wire) for w in self.copies}
-        self.communicator.exchange(sends, [(t, w) for w, box in inboxes.items() for t in box])
+        self.seeded = frozenset(w for w in self.copies if self._served(w, self.rank))
+        holder = None if self._served(self.rank, self.holder) else self.holder  # it made this rank's copy itself
+        sends = [(on(t, self.wire).reshape(-1), holder) for t in own] if holder is not None else []
+        inboxes = {w: mirror_inbox(own, self.wire) for w in self.copies if w not in self.seeded}
+        recvs = [(t, w) for w, box in inboxes.items() for t in box]
+        work = self.communicator.exchange(sends, recvs, async_op=True)
+        for w in self.seeded:
+            self._install(self.copies[w], self._seed_box(w))
+        if work is not None:
+            work.wait()
+            self.communicator.settle()
         for w, box in inboxes.items():
             self._install(self.copies[w], box)
+
+    def _served(self, ward: int, holder: int | None) -> bool:
+        return self._seed is not None and holder is not None and self._seed.serves(ward, holder)
+
+    def _seed_box(self, ward: int) -> list[Any]:
+        """What ``ward``'s mirror would bring (laid out as :meth:`_state_tensors`), made from the seed: the masters
+        written straight into the copy's own (:meth:`_install` then leaves them), every element-wise state tensor
+        into a new host buffer the copy adopts, the others (a step counter: every rank's is the same) copies of this
+        rank's own."""
+        assert self._seed is not None
+        opt, copy = self.opt, self.copies[ward]
+        states = [opt.optim.state.get(m, {}) for m in opt.masters]
+        self._seed.fill(ward, opt.layout, "params", {i: m.detach() for i, m in enumerate(copy.masters)})
+        boxes: dict[tuple[int, str], torch.Tensor] = {}
+        for key in sorted({k for st in states for k in st}):
+            like = {i: st[key] for i, st in enumerate(states) if key in st and torch.is_tensor(st[key])}
+            shard = {i: t for i, t in like.items() if is_shard_state(t, opt.masters[i])}
+            out = {i: torch.empty(t.numel(), dtype=t.dtype) for i, t in shard.items()}
+            self._seed.fill(ward, opt.layout, key, out)
+            boxes |= {(i, key): out.get(i, t.detach().cpu().clone()) for i, t in like.items()}
+        box: list[Any] = []
+        for i, (m, st) in enumerate(zip(copy.masters, states, strict=True)):
+            box += [m.detach(), *(boxes[i, k] for k in sorted(st) if torch.is_tensor(st[k]))]
+        return box
 
     def _state_tensors(self, masters: Sequence[torch.Tensor], state: Mapping[Any, Mapping[str, Any]]) -> list[Any]:
         """Per bucket: the master, then its optimizer state's tensors by sorted key (the order both sides agree on:
@@ -485,7 +526,9 @@ class BuddyCopies(OwnsCommunicator):
         wire is the host, else copies (no device tensor in a shadow optimizer)."""
         it = iter(box)
         for m, mine in zip(copy.masters, self.opt.masters, strict=True):
-            m.data.copy_(next(it))
+            got = next(it)
+            if got.data_ptr() != m.data_ptr():  # a seeded copy's masters are written in place already
+                m.data.copy_(got)
             st = self.opt.optim.state.get(mine, {})
             if st:
                 copy.optim.state[m] = {

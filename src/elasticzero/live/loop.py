@@ -74,7 +74,7 @@ from elasticzero.errors import UsageError
 from elasticzero.live.bounded import BoundedWait, LiveError, Reconfigure, Unbounded
 from elasticzero.live.copies import BuddyCopies
 from elasticzero.live.group import RoundGroups, RoundWatch, aborts_on_announce, group_spec
-from elasticzero.live.reshard import Fallback, Holdings, ReshardPlan, reshard_from
+from elasticzero.live.reshard import Fallback, Holdings, ReshardPlan, Seed, reshard_from
 from elasticzero.progress import reporter
 from elasticzero.rounds import (
     AT_ONCE,
@@ -689,7 +689,8 @@ class LiveTraining(_Rounds):
         caught_up = holdings.owner is not None and caught_up_with(at.step, start.step)
         sampler = recut(template, at.position, at.behind, opt.rank, opt.world_size)
         clock.mark("agree")
-        copies = self._make_copies(opt, at.step, bound, getattr(built, "copies_config", None))
+        seed = Seed(plan, holdings.states) if isinstance(plan, ReshardPlan) else None  # the reshard's sources
+        copies = self._make_copies(opt, at.step, bound, getattr(built, "copies_config", None), seed)
         clock.mark("copies")
         return RoundState(round_, bound, watch, built, opt, copies, sampler, at.step, clock.seconds()), caught_up
 
@@ -776,16 +777,20 @@ class LiveTraining(_Rounds):
         grace, lost = self.failure_grace_s, self.groups.lost  # lost: the current group's connections (gloo)
         return BoundedWait(poll, poll_s=self.poll_s, failure_grace_s=grace, device=device, lost=lost, urgent=urgent)
 
-    def _make_copies(self, opt: ZeroOptimizer, step: int, bound: BoundedWait, config: Any) -> BuddyCopies:
+    def _make_copies(
+        self, opt: ZeroOptimizer, step: int, bound: BoundedWait, config: Any, seed: Seed | None = None
+    ) -> BuddyCopies:
         """The round's copies: the constructor's settings, or ``config`` (what ``build`` returned says: a config's
-        ``zero.copies``, with ``enabled``, ``node_shift``, ``overlap``, ``early``) when given."""
+        ``zero.copies``, with ``enabled``, ``node_shift``, ``overlap``, ``early``) when given; ``seed``: the round's
+        reshard, whose sources make the first copies of the wards they sent a whole state (not mirrored back)."""
         nodes = self.nodes(opt.world_size) if self.nodes is not None else None
         r = config
         on, shift = (self.replicate, self.node_shift) if r is None else (r.enabled, r.node_shift)
         overlap, early = (self.overlap, self.early) if r is None else (r.overlap, r.early)
         return BuddyCopies(
-            opt, nodes=nodes, step=step, waiter=bound, enabled=on, node_shift=shift, overlap=overlap, early=early
-        )
+            opt, nodes=nodes, step=step, waiter=bound, enabled=on, node_shift=shift, overlap=overlap, early=early,
+            seed=seed,
+        )  # fmt: skip
 
 
 def warm_up() -> None:

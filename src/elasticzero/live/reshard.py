@@ -228,6 +228,47 @@ def reshard_from(opt: ZeroOptimizer, holdings: Holdings) -> ReshardPlan | Fallba
     return plan
 
 
+def served_by(plan: ReshardPlan, dst: int, src: int) -> bool:
+    """Whether every element new rank ``dst`` received in ``plan`` came from new rank ``src`` (``src`` sent ``dst``
+    its whole state: a joiner's from the one survivor that held it). Pure: every rank decides alike."""
+    return all(t.src == src for t in plan.transfers if t.dst == dst)
+
+
+@dataclass(frozen=True)
+class Seed:
+    """What a rank keeps of a round's reshard, for its wards' first copies (:class:`~elasticzero.live.copies.
+    BuddyCopies`, ``seed=``): the ``plan`` it ran and the states it ``held`` (by old rank; unchanged since). A ward
+    whose whole state this rank sent it (:func:`served_by`) has its copy made here from the same elements, not
+    mirrored back: bitwise what the ward holds, without its bytes crossing the wire a second time."""
+
+    plan: ReshardPlan
+    held: Mapping[int, ShardedState]
+
+    def serves(self, ward: int, holder: int) -> bool:
+        """Whether ``holder`` sent ``ward`` its whole state in the reshard (and makes its copy from the seed)."""
+        return served_by(self.plan, ward, holder)
+
+    def fill(self, ward: int, layout: ZeroLayout, key: str, boxes: Mapping[int, torch.Tensor]) -> None:
+        """Write the elements ``ward`` received of state ``key`` (``"params"``: the master) into ``boxes`` (by bucket
+        of ``layout``, the new layout: 1-D, laid out as ``ward``'s shard of that bucket), the rest of each (its
+        padding) zeroed. Only for a ward this rank :meth:`serves`."""
+        trees = {r: st.state_dict() for r, st in self.held.items()}
+        pieces = layout.pieces(ward)
+        for index, box in boxes.items():
+            lo, hi = layout.buckets[index].shard_range(ward)
+            box[max(0, min(hi, layout.buckets[index].numel) - lo) :].zero_()
+        for t in self.plan.transfers:
+            into = boxes.get(layout.params[t.name].bucket)
+            if t.dst == ward and into is not None:
+                at = pieces[t.name].shard_offset + t.dst_offset
+                into[at : at + t.end - t.start].copy_(source_of(trees, t, key))
+
+
+def source_of(trees: Mapping[int, Mapping[str, Any]], t: Transfer, key: str) -> torch.Tensor:
+    """The elements transfer ``t`` moves of state ``key``, in the held states' trees (by old rank)."""
+    return _slice(_chunk(trees[t.old_rank], t.name, key), t.src_offset, t)
+
+
 def _chunk(tree: Mapping[str, Any], name: str, key: str) -> torch.Tensor:
     """The tensor of ``name``'s piece for state ``key`` (``"params"``: the master) in a state dict of
     :class:`ShardedState`'s shape."""
@@ -332,14 +373,14 @@ def _outgoing(
 ) -> torch.Tensor:
     """What a message of transfers ``ts`` sends: the held state's own memory where the elements lie back to back
     there (:func:`_joined`), else :func:`_pack`."""
-    joined = _joined([_slice(_chunk(trees[t.old_rank], t.name, key), t.src_offset, t) for t in ts], wire)
+    joined = _joined([source_of(trees, t, key) for t in ts], wire)
     return joined if joined is not None else _pack(trees, ts, key, wire)
 
 
 def _pack(trees: Mapping[int, Mapping[str, Any]], ts: Sequence[Transfer], key: str, wire: torch.device) -> torch.Tensor:
     """The elements of transfers ``ts`` of state ``key``, from the held states' trees (this rank's own state on its
     device, its wards' copies on the host), back to back in one buffer on the ``wire``."""
-    parts = [_slice(_chunk(trees[t.old_rank], t.name, key), t.src_offset, t) for t in ts]
+    parts = [source_of(trees, t, key) for t in ts]
     out = torch.empty(_length(ts), dtype=parts[0].dtype, device=wire)
     at = 0
     for part in parts:
@@ -358,9 +399,7 @@ def _copy_local(
 ) -> None:
     """Transfers ``ts`` of state ``key`` within this rank: straight from the held states into ``template``."""
     for t in ts:
-        _slice(_chunk(template, t.name, key), t.dst_offset, t).copy_(
-            _slice(_chunk(trees[t.old_rank], t.name, key), t.src_offset, t)
-        )
+        _slice(_chunk(template, t.name, key), t.dst_offset, t).copy_(source_of(trees, t, key))
 
 
 def _unpack(template: Mapping[str, Any], buf: torch.Tensor, ts: Sequence[Transfer], key: str) -> None:

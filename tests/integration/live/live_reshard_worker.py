@@ -36,7 +36,7 @@ from ckpt_model import PlainState, build, continue_plainly, full_state, mismatch
 from elasticzero.engine.zero.comm.backends import wire_for
 from elasticzero.engine.zero.comm.communicator import Communicator
 from elasticzero.live.copies import BuddyCopies
-from elasticzero.live.reshard import Fallback, Holdings, ReshardPlan, reshard_from
+from elasticzero.live.reshard import Fallback, Holdings, ReshardPlan, Seed, reshard_from
 from ez_numerics import error_ratio
 from ez_testing import free_port
 
@@ -49,6 +49,8 @@ CASES = [
     (3, "bf16", "drop", 3),
     (2, "fp32", "join", 3),
     (2, "fp32", "lose2", 2),
+    (2, "fp32", "grow", 2),
+    (1, "fp32", "grow", 2),
 ]
 
 
@@ -184,13 +186,49 @@ def join(case: tuple[Any, ...], rank: int, work: Path) -> list[str]:
     return problems + continuation(fresh, saved, frozen, prec)
 
 
+def grow(case: tuple[Any, ...], rank: int, work: Path) -> list[str]:
+    """1 -> 2: rank 0 trains alone, rank 1 joins (rank 2 only takes part in making the groups). Rank 0 sends rank 1
+    its whole state in the reshard, so it makes rank 1's first copy from the same elements (seeded, not mirrored
+    back) while rank 1 gets rank 0's by the mirror; both copies equal their wards' state bitwise, then and after two
+    more steps (the seeded copy's optimizer state is its own: its step counters too)."""
+    s, prec, _, s_new = case
+    alone, pair = dist.new_group([0]), dist.new_group([0, 1])
+    if rank == 2:
+        return []
+    box: list[Any] = [None]
+    holdings = Holdings()
+    if rank == 0:
+        opt = build(s, prec, alone, seed=1)
+        rep = BuddyCopies(opt, nodes=[0])  # one node: no copies, its own state held
+        train(opt, range(K))
+        rep.close()
+        holdings = rep.holdings()
+        box = [(full_state(opt), opt.full_state_dict()["frozen.weight"])]
+    dist.broadcast_object_list(box, src=0, group=pair)
+    saved, frozen = box[0]
+    fresh = build(s_new, prec, pair, seed=2 + rank)
+    plan = reshard_from(fresh, holdings)
+    if not isinstance(plan, ReshardPlan) or plan.step != K or plan.sources != {0: 0}:
+        return [f"reshard: {plan}"]
+    problems = [f"not bit-exact after the reshard: {k}" for k in mismatches(fresh, saved)]
+    again = BuddyCopies(fresh, nodes=[0, 1], step=plan.step, seed=Seed(plan, holdings.states))
+    want = {0: {1}, 1: set()}[rank]
+    problems += [] if set(again.seeded) == want else [f"seeded {sorted(again.seeded)}, expected {sorted(want)}"]
+    problems += [f"first copies: {p}" for p in copies_problems(again, full_state(fresh))]
+    problems += continuation(fresh, saved, frozen, prec)
+    problems += [f"after two steps: {p}" for p in copies_problems(again, full_state(fresh))]
+    census = again.census()
+    again.close()
+    return problems + ([] if set(census.values()) == {K + 2} else [f"census after two more steps: {census}"])
+
+
 def child(case: tuple[Any, ...], rank: int, port: str, out: Path) -> int:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="3")
     name = "_".join(map(str, case))
     work = Path(f"{out}.{name}.d")
     try:
         dist.init_process_group("gloo")
-        problems = (join if case[2] == "join" else drop)(case, rank, work)
+        problems = {"join": join, "grow": grow}.get(case[2], drop)(case, rank, work)
         Path(f"{out}.{name}.rank{rank}").write_text(json.dumps(problems))
         return 0
     except BaseException:
@@ -208,7 +246,7 @@ def run_case(case: tuple[Any, ...], out: Path) -> None:
         if pid == 0:
             os._exit(child(case, r, port, out))
         pids.append(pid)
-    dead = {"drop": [2], "lose2": [1, 2], "join": []}[case[2]]
+    dead = {"drop": [2], "lose2": [1, 2], "join": [], "grow": []}[case[2]]
     for r, pid in enumerate(pids):
         code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         want = -signal.SIGKILL if r in dead else 0

@@ -28,6 +28,7 @@ from elasticzero.live.reshard import (
     choose_sources,
     message_runs,
     plan_reshard,
+    served_by,
 )
 
 CPU = torch.device("cpu")
@@ -195,6 +196,21 @@ def test_a_message_is_packed_only_where_its_memory_is_not_one_view() -> None:
     assert packed.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
     whole = _outgoing(trees, ts[:1], "params", CPU)
     assert whole.data_ptr() == buf[2:].data_ptr()  # sent from the state itself
+
+
+@pytest.mark.parametrize(("old_nodes", "survivors"), [*CASES, ([0], [0, None]), ([0], [None, 0]), ([0, 1], [0, None])])
+def test_served_by_names_the_rank_that_sent_a_whole_state(old_nodes: list[int], survivors: list[int | None]) -> None:
+    """``served_by(plan, dst, src)``: every element ``dst`` received came from ``src`` — a joiner whose whole state
+    one survivor sent it (its holder then makes its first copy from the same elements, not mirrored back)."""
+    old, new = _layout("by_size", len(old_nodes)), _layout("by_size", len(survivors))
+    plan = plan_reshard(_reports(old, place_buddies(old_nodes), survivors), new)
+    assert isinstance(plan, ReshardPlan), plan
+    for dst, src in itertools.product(range(len(survivors)), repeat=2):
+        sources = {t.src for t in plan.transfers if t.dst == dst}
+        assert served_by(plan, dst, src) == (sources <= {src}), (dst, src, sources)
+    if old_nodes == [0]:  # one rank held everything: the joiner got it all from that survivor
+        joiner, survivor = survivors.index(None), survivors.index(0)
+        assert served_by(plan, joiner, survivor) and not served_by(plan, survivor, joiner)
 
 
 def test_both_copies_lost_is_a_fallback() -> None:

@@ -280,7 +280,6 @@ class BuddyCopies(OwnsCommunicator):
         seed: Seed | None = None,
     ) -> None:
         self.opt = opt
-        self._seed = seed
         #: the wards whose first copy this rank made from the seed (not mirrored)
         self.seeded: frozenset[int] = frozenset()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="ez-copies") if overlap else None
@@ -301,7 +300,7 @@ class BuddyCopies(OwnsCommunicator):
         self.early_steps = 0
         self._hooks: list[Any] = [opt.optim.register_step_post_hook(self._after_step)]  # counts steps, even off
         if self.plan.enabled:
-            self._mirror()
+            self._mirror(seed)
             self._hooks.append(opt.optim.register_step_pre_hook(self._before_step))
         if self.plan.enabled and early:
             self._hooks.append(opt.watch_grads(self))
@@ -467,44 +466,42 @@ class BuddyCopies(OwnsCommunicator):
         return WardCopy(ward, masters, shadow, grads, present, self.step, inbox, wire_present, note, wire_note)
 
     @torch.no_grad()
-    def _mirror(self) -> None:
+    def _mirror(self, seed: Seed | None) -> None:
         """Send this rank's state to its holder, receive the wards' (the starting point the gradients advance), on the
         wire; the received tensors land in the host copies. Where the round's reshard left a seed, a ward this rank
         sent its whole state there is not mirrored back: its copy is made here (:meth:`_seed_box`) while the other
         messages travel (every rank decides alike: the plan is the same everywhere)."""
         own = self._state_tensors(self.opt.masters, self.opt.optim.state)
-        self.seeded = frozenset(w for w in self.copies if self._served(w, self.rank))
-        holder = None if self._served(self.rank, self.holder) else self.holder  # it made this rank's copy itself
+        self.seeded = frozenset(w for w in self.copies if seed is not None and seed.serves(w, self.rank))
+        served = seed is not None and self.holder is not None and seed.serves(self.rank, self.holder)
+        holder = None if served else self.holder  # the holder made this rank's copy itself
         sends = [(on(t, self.wire).reshape(-1), holder) for t in own] if holder is not None else []
         inboxes = {w: mirror_inbox(own, self.wire) for w in self.copies if w not in self.seeded}
         recvs = [(t, w) for w, box in inboxes.items() for t in box]
         work = self.communicator.exchange(sends, recvs, async_op=True)
         for w in self.seeded:
-            self._install(self.copies[w], self._seed_box(w))
+            assert seed is not None
+            self._install(self.copies[w], self._seed_box(seed, w))
         if work is not None:
             work.wait()
             self.communicator.settle()
         for w, box in inboxes.items():
             self._install(self.copies[w], box)
 
-    def _served(self, ward: int, holder: int | None) -> bool:
-        return self._seed is not None and holder is not None and self._seed.serves(ward, holder)
-
-    def _seed_box(self, ward: int) -> list[Any]:
+    def _seed_box(self, seed: Seed, ward: int) -> list[Any]:
         """What ``ward``'s mirror would bring (laid out as :meth:`_state_tensors`), made from the seed: the masters
         written straight into the copy's own (:meth:`_install` then leaves them), every element-wise state tensor
         into a new host buffer the copy adopts, the others (a step counter: every rank's is the same) copies of this
         rank's own."""
-        assert self._seed is not None
         opt, copy = self.opt, self.copies[ward]
         states = [opt.optim.state.get(m, {}) for m in opt.masters]
-        self._seed.fill(ward, opt.layout, "params", {i: m.detach() for i, m in enumerate(copy.masters)})
+        seed.fill(ward, opt.layout, "params", {i: m.detach() for i, m in enumerate(copy.masters)})
         boxes: dict[tuple[int, str], torch.Tensor] = {}
         for key in sorted({k for st in states for k in st}):
             like = {i: st[key] for i, st in enumerate(states) if key in st and torch.is_tensor(st[key])}
             shard = {i: t for i, t in like.items() if is_shard_state(t, opt.masters[i])}
             out = {i: torch.empty(t.numel(), dtype=t.dtype) for i, t in shard.items()}
-            self._seed.fill(ward, opt.layout, key, out)
+            seed.fill(ward, opt.layout, key, out)
             boxes |= {(i, key): out.get(i, t.detach().cpu().clone()) for i, t in like.items()}
         box: list[Any] = []
         for i, (m, st) in enumerate(zip(copy.masters, states, strict=True)):

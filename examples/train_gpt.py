@@ -12,6 +12,7 @@ state in memory and go on from the last committed step (docs/elastic-training.md
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,10 +68,14 @@ def training(args: argparse.Namespace, hooks: Sequence[Hooks] = ()) -> Training:
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         return GPT(config_for(args.size, vocab_size=256, block_size=args.seq_len)).to(device)
 
+    @functools.cache
+    def config(world_size: int) -> Any:  # read once per world size: a live round's build is on its switch's path
+        return load_config(args.config, overrides=overrides(args), world_size=world_size)
+
     def build(
         group: dist.ProcessGroup, device: torch.device, model: torch.nn.Module, sync_module_states: bool = True
     ) -> tuple[torch.nn.Module, Any]:  # a live survivor's model is its own, kept; False: the peers' state follows
-        cfg = load_config(args.config, overrides=overrides(args), world_size=dist.get_world_size(group))
+        cfg = config(dist.get_world_size(group))
         return model, build_pieces(model, cfg, process_group=group, sync_module_states=sync_module_states)
 
     def loss(net: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -5,6 +5,9 @@ optimizer that then trains exactly as a fresh one (a node joined or left before 
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -21,7 +24,7 @@ from elasticzero.live.copies import (
     node_key,
     note_of,
 )
-from elasticzero.live.reshard import ReshardPlan, reshard_from
+from elasticzero.live.reshard import ReshardPlan, Seed, reshard_from
 
 
 def test_node_key_prefers_torchelastic_node_rank() -> None:
@@ -112,3 +115,16 @@ def test_replayed_note_gives_the_owners_gradients_bitwise() -> None:
     copy.replay()
     assert all(torch.equal(a, b) for a, b in zip(copy.grads[:2], owned, strict=True))
     assert torch.equal(copy.grads[2], torch.full((3,), 9.0)) and not torch.equal(before, owned[0])
+
+
+def test_the_copies_keep_nothing_of_the_seed(group: None) -> None:
+    """A seed holds the round before's state (the holdings its reshard read): BuddyCopies uses it for its first
+    mirror only and keeps no reference to it — else every round's copies would keep the round before alive."""
+    opt = ZeroStage2(nn.Linear(3, 2), torch.optim.AdamW, lr=0.1)
+    held = {0: opt.sharded_state()}
+    probe = weakref.ref(held[0])
+    rep = BuddyCopies(opt, nodes=[0], seed=Seed(ReshardPlan(0, {0: 0}, ()), held))
+    del held
+    gc.collect()
+    assert probe() is None
+    rep.close()

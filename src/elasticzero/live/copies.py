@@ -476,7 +476,7 @@ class BuddyCopies(OwnsCommunicator):
         served = seed is not None and self.holder is not None and seed.serves(self.rank, self.holder)
         holder = None if served else self.holder  # the holder made this rank's copy itself
         sends = [(on(t, self.wire).reshape(-1), holder) for t in own] if holder is not None else []
-        inboxes = {w: mirror_inbox(own, self.wire) for w in self.copies if w not in self.seeded}
+        inboxes = {w: self._landing(w, own) for w in self.copies if w not in self.seeded}
         recvs = [(t, w) for w, box in inboxes.items() for t in box]
         work = self.communicator.exchange(sends, recvs, async_op=True)
         for w in self.seeded:
@@ -487,6 +487,17 @@ class BuddyCopies(OwnsCommunicator):
             self.communicator.settle()
         for w, box in inboxes.items():
             self._install(self.copies[w], box)
+
+    def _landing(self, ward: int, own: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Where ``ward``'s mirror is received (:func:`mirror_inbox`, laid out as ``own``); on the host wire its masters
+        land in the copy's own masters (:meth:`_install` then leaves them: no second buffer, no copy)."""
+        if self.wire.type != "cpu":
+            return mirror_inbox(own, self.wire)
+        masters, at = {}, 0
+        for m, mine in zip(self.copies[ward].masters, self.opt.masters, strict=True):
+            masters[at] = m.detach().view(-1)
+            at += 1 + sum(torch.is_tensor(v) for v in self.opt.optim.state.get(mine, {}).values())
+        return [masters[i] if i in masters else mirror_inbox([t], self.wire)[0] for i, t in enumerate(own)]
 
     def _seed_box(self, seed: Seed, ward: int) -> list[Any]:
         """What ``ward``'s mirror would bring (laid out as :meth:`_state_tensors`), made from the seed: the masters
@@ -524,7 +535,7 @@ class BuddyCopies(OwnsCommunicator):
         it = iter(box)
         for m, mine in zip(copy.masters, self.opt.masters, strict=True):
             got = next(it)
-            if got.data_ptr() != m.data_ptr():  # a seeded copy's masters are written in place already
+            if got.data_ptr() != m.data_ptr():  # a seeded copy's, a host mirror's masters are in place already
                 m.data.copy_(got)
             st = self.opt.optim.state.get(mine, {})
             if st:

@@ -157,3 +157,26 @@ class _Chunk:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
+
+
+def test_a_host_mirror_lands_the_masters_in_the_copy_itself(group: None) -> None:
+    """The first mirror's receive buffers: on the host wire a ward's masters land in its copy's own masters (no
+    second buffer, and ``_install`` leaves them), everything else in new flat buffers laid out as this rank's state;
+    on a device wire every buffer is on the wire."""
+    opt = ZeroStage2(nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)), torch.optim.AdamW, lr=0.1, bucket_bytes=16)
+    opt.module(torch.ones(1, 3)).sum().backward()
+    opt.step()  # every bucket has its moments and step: the layout has more than masters
+    rep = BuddyCopies(opt, nodes=[0])
+    rep.copies[0] = rep._empty_copy(0)
+    own = rep._state_tensors(opt.masters, opt.optim.state)
+    box = rep._landing(0, own)
+    at = [0]
+    for mine in opt.masters[:-1]:
+        at.append(at[-1] + 1 + sum(torch.is_tensor(v) for v in opt.optim.state[mine].values()))
+    assert len(opt.masters) > 1 and len(box) == len(own) > len(opt.masters)
+    assert [box[i].data_ptr() for i in at] == [m.data_ptr() for m in rep.copies[0].masters]
+    assert [(t.numel(), t.dtype) for t in box] == [(t.numel(), t.dtype) for t in own]
+    assert {t.data_ptr() for i, t in enumerate(box) if i not in at}.isdisjoint({t.data_ptr() for t in own})
+    rep.wire = META
+    assert {t.device for t in rep._landing(0, own)} == {META}
+    rep.close()

@@ -58,7 +58,7 @@ from torch import nn
 from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.comm.backends import wire_for
 from elasticzero.engine.zero.comm.communicator import Communicator, OwnsCommunicator
-from elasticzero.engine.zero.comm.work import AnyWork, Waiter
+from elasticzero.engine.zero.comm.work import AnyWork, Waiter, same_memory
 from elasticzero.engine.zero.sharded import ShardedState, is_shard_state
 from elasticzero.engine.zero.watch import Factor
 from elasticzero.live.buddy import BuddyPlan, place_buddies
@@ -513,7 +513,7 @@ class BuddyCopies(OwnsCommunicator):
             shard = {i: t for i, t in like.items() if is_shard_state(t, opt.masters[i])}
             out = {i: torch.empty(t.numel(), dtype=t.dtype) for i, t in shard.items()}
             seed.fill(ward, opt.layout, key, out)
-            boxes |= {(i, key): out.get(i, t.detach().cpu().clone()) for i, t in like.items()}
+            boxes |= {(i, key): out[i] if i in out else t.detach().cpu().clone() for i, t in like.items()}
         box: list[Any] = []
         for i, (m, st) in enumerate(zip(copy.masters, states, strict=True)):
             box += [m.detach(), *(boxes[i, k] for k in sorted(st) if torch.is_tensor(st[k]))]
@@ -535,7 +535,7 @@ class BuddyCopies(OwnsCommunicator):
         it = iter(box)
         for m, mine in zip(copy.masters, self.opt.masters, strict=True):
             got = next(it)
-            if got.data_ptr() != m.data_ptr():  # a seeded copy's, a host mirror's masters are in place already
+            if not same_memory(got, m):  # a seeded copy's, a host mirror's masters are in place already
                 m.data.copy_(got)
             st = self.opt.optim.state.get(mine, {})
             if st:

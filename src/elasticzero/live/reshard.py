@@ -25,6 +25,7 @@ pieces coincide.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from elasticzero.engine.zero.base import ZeroOptimizer
 from elasticzero.engine.zero.comm.backends import wire_for
+from elasticzero.engine.zero.comm.work import follows
 from elasticzero.engine.zero.dcp_state import ZeroCheckpointState
 from elasticzero.engine.zero.layout import Piece, ZeroLayout
 from elasticzero.engine.zero.sharded import ShardedState
@@ -269,6 +271,11 @@ def source_of(trees: Mapping[int, Mapping[str, Any]], t: Transfer, key: str) -> 
     return _slice(_chunk(trees[t.old_rank], t.name, key), t.src_offset, t)
 
 
+def _dest_of(template: Mapping[str, Any], t: Transfer, key: str) -> torch.Tensor:
+    """Where transfer ``t``'s elements of state ``key`` go in the new rank's ``template``."""
+    return _slice(_chunk(template, t.name, key), t.dst_offset, t)
+
+
 def _chunk(tree: Mapping[str, Any], name: str, key: str) -> torch.Tensor:
     """The tensor of ``name``'s piece for state ``key`` (``"params"``: the master) in a state dict of
     :class:`ShardedState`'s shape."""
@@ -302,7 +309,7 @@ def _fill(
                 if src == me:
                     sends.append((_outgoing(trees, run, key, wire), dst))
                     continue
-                into = _joined([_slice(_chunk(template, t.name, key), t.dst_offset, t) for t in run], wire)
+                into = _joined([_dest_of(template, t, key) for t in run], wire)
                 if into is None:
                     into = torch.empty(_length(run), dtype=_chunk(template, run[0].name, key).dtype, device=wire)
                     unpacks.append((into, run, key))
@@ -358,14 +365,9 @@ def _joined(parts: Sequence[torch.Tensor], wire: torch.device) -> torch.Tensor |
     """One 1-D tensor viewing ``parts`` (1-D tensors, in order) where they lie back to back in one storage on the
     ``wire``; None where they do not (they are packed then)."""
     first = parts[0]
-    if first.device != wire:
+    if first.device != wire or first.stride() != (1,) or not all(itertools.starmap(follows, itertools.pairwise(parts))):
         return None
-    storage, at = first.untyped_storage().data_ptr(), first.storage_offset()
-    for p in parts:
-        if p.untyped_storage().data_ptr() != storage or p.storage_offset() != at or p.stride() != (1,):
-            return None
-        at += p.numel()
-    return first.as_strided((at - first.storage_offset(),), (1,))
+    return first.as_strided((sum(p.numel() for p in parts),), (1,))
 
 
 def _outgoing(
@@ -399,14 +401,14 @@ def _copy_local(
 ) -> None:
     """Transfers ``ts`` of state ``key`` within this rank: straight from the held states into ``template``."""
     for t in ts:
-        _slice(_chunk(template, t.name, key), t.dst_offset, t).copy_(source_of(trees, t, key))
+        _dest_of(template, t, key).copy_(source_of(trees, t, key))
 
 
 def _unpack(template: Mapping[str, Any], buf: torch.Tensor, ts: Sequence[Transfer], key: str) -> None:
     """Copy a packed ``buf`` (transfers ``ts`` of state ``key``, back to back) into the new pieces of ``template``."""
     at = 0
     for t in ts:
-        _slice(_chunk(template, t.name, key), t.dst_offset, t).copy_(buf[at : at + t.end - t.start])
+        _dest_of(template, t, key).copy_(buf[at : at + t.end - t.start])
         at += t.end - t.start
 
 

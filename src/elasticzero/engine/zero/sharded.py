@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from elasticzero.engine.zero.comm.work import follows
 from elasticzero.engine.zero.layout import FlatChunk, ZeroLayout
 from elasticzero.errors import UsageError
 
@@ -140,8 +141,7 @@ def _copied_together(chunks: Mapping[str, FlatChunk]) -> dict[str, FlatChunk]:
     order = sorted(chunks, key=lambda n: (_storage(chunks[n].tensor), chunks[n].tensor.storage_offset()))
     runs: list[list[str]] = []
     for n in order:
-        t = chunks[n].tensor
-        if runs and t.stride() == (1,) and _ends(chunks[runs[-1][-1]].tensor) == (_storage(t), t.storage_offset()):
+        if runs and follows(chunks[runs[-1][-1]].tensor, chunks[n].tensor):
             runs[-1].append(n)
         else:
             runs.append([n])
@@ -158,11 +158,6 @@ def _copied_together(chunks: Mapping[str, FlatChunk]) -> dict[str, FlatChunk]:
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
-
-
-def _ends(t: torch.Tensor) -> tuple[int, int] | None:
-    """Where a 1-D tensor's next element would be (storage, offset); None for one not laid out element after element."""
-    return (_storage(t), int(t.storage_offset()) + t.numel()) if t.stride() == (1,) else None
 
 
 def _copied(t: torch.Tensor, memo: dict[Hashable, torch.Tensor]) -> torch.Tensor:

@@ -82,6 +82,15 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.device, a.dtype, a.data_ptr(), a.numel()) == (b.device, b.dtype, b.data_ptr(), b.numel())
 
 
+def follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether 1-D ``b`` starts at the element after 1-D ``a``'s last, in the same storage, both laid out element after
+    element (one view can cover the two)."""
+    if a.stride() != (1,) or b.stride() != (1,) or a.dtype != b.dtype:
+        return False
+    same = a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    return same and b.storage_offset() == a.storage_offset() + a.numel()
+
+
 Waiter = Callable[[Callable[[], None]], None]
 """How a :class:`Communicator` waits: ``waiter(work.wait)`` blocks until the work completed or raises (a bounded wait
 that gives up on a group being reconfigured: ``elasticzero.live.bounded``)."""

@@ -9,6 +9,11 @@
   :func:`exit_status` for ``Popen``/torch return codes, which are ``-N``).
 * **Stop signals.** The signals that stop a job everywhere (:data:`STOP_SIGNALS`): the launcher forwards them to
   its commands, and the agent exits on them while it starts.
+* **Leaving with threads left behind.** A process whose daemon threads may still sit in a C++ call it gave up on (a
+  store call on a store out of reach) ends with :func:`leave_now`, not the interpreter's finalization
+  (:func:`leave_if_threads_left`): CPython before 3.14 ends a daemon thread that takes the GIL back during
+  finalization with ``pthread_exit``, and its forced unwind through a C++ ``noexcept`` frame (torch's binding
+  re-acquiring the GIL as the call returns) is ``std::terminate`` — SIGABRT, whatever the exit status was.
 * **Job id.** Every process of a job carries ``ELASTICZERO_JOB_ID=<id>`` (:data:`JOB_ID_ENV`); cleanup
   (``elasticzero-run --kill-job``) is scoped by it. :func:`check_job_id` is the one rule for a valid id.
 
@@ -22,7 +27,9 @@ import os
 import re
 import signal
 import sys
+import threading
 from collections.abc import Callable
+from typing import NoReturn
 
 from elasticzero.errors import UsageError
 
@@ -100,3 +107,26 @@ def parent_death_preexec(signum: int, parent_pid: int) -> Callable[[], None] | N
             os._exit(signal_exit_code(signum))
 
     return preexec
+
+
+def leave_now(code: int) -> NoReturn:
+    """End this process with ``code`` at once: stdio and logging flushed, then ``os._exit`` (no finalization: its
+    atexit hooks and finalizers do not run)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging = sys.modules.get("logging")  # flushed where this process logs (not imported here: the exec shim's cost)
+    if logging is not None:
+        logging.shutdown()
+    os._exit(code)
+
+
+def leave_if_threads_left(code: int) -> int:
+    """``code`` when the calling thread is the process's last, else :func:`leave_now` with it.
+
+    A thread still alive when the entry point returns was given up on: finalization would race its C++ call's
+    return (a store host that exits with this job closes the connection, and the blocked call returns then: within
+    the ~0.1 s torch's finalization lasts, the process aborts). Leaving at once takes nothing the process still owes:
+    its work is done and its threads are abandoned."""
+    if any(t is not threading.current_thread() for t in threading.enumerate()):
+        leave_now(code)
+    return code

@@ -64,6 +64,52 @@ def test_arm_sets_the_calling_process_signal() -> None:
     assert (p.returncode, p.stdout.strip()) == (0, str(int(signal.SIGUSR1)).encode()), p.stderr
 
 
+#: a daemon thread blocked in a store call, whose store host ends once this interpreter is finalizing (``__main__``'s
+#: names are cleared then; the object holds only builtins, as module globals may be gone): argv[1] says how to end
+BLOCKED_AT_EXIT = """
+import os, subprocess, sys, threading, time
+from datetime import timedelta
+import torch.distributed as dist
+from elasticzero.proc import leave_if_threads_left
+HOST = ("import os, sys, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)"
+        "; print(s.port, flush=True); sys.stdin.read(); os._exit(0)")  # ends as its stdin closes
+class HostEndsInFinalization:
+    def __init__(self, host):
+        self.close, self.pid, self.waitpid, self.sleep = host.stdin.close, host.pid, os.waitpid, time.sleep
+    def __del__(self):
+        self.close(); self.waitpid(self.pid, 0); self.sleep(2)  # the blocked call returns meanwhile
+host = subprocess.Popen([sys.executable, "-c", HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+client = dist.TCPStore("127.0.0.1", int(host.stdout.readline()), is_master=False, timeout=timedelta(seconds=60))
+threading.Thread(target=client.get, args=("never set",), daemon=True).start()  # start() returns once it runs
+time.sleep(0.2)  # it is in the call then (no function of __main__ may hold its names alive: they go at finalization)
+ending = HostEndsInFinalization(host)
+sys.exit(leave_if_threads_left(3) if sys.argv[1] == "leave" else 3)
+"""
+
+
+def _blocked_at_exit(how: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", BLOCKED_AT_EXIT, how], capture_output=True, text=True, timeout=120)
+
+
+def test_a_thread_left_in_a_store_call_does_not_abort_the_exit() -> None:
+    """The agent's end after a cut-off (``elasticzero-run``'s ``main``): its exit status, not SIGABRT."""
+    left = _blocked_at_exit("leave")
+    assert left.returncode == 3 and "terminate called" not in left.stderr, left.stderr[-2000:]
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 14), reason="CPython 3.14 hangs such a thread instead of pthread_exit")
+def test_the_plain_exit_with_that_thread_aborts() -> None:
+    """The hazard :func:`~elasticzero.proc.leave_if_threads_left` avoids is real (else the test above shows nothing)."""
+    plain = _blocked_at_exit("plain")
+    assert plain.returncode == -signal.SIGABRT and "terminate called" in plain.stderr, plain.stderr[-2000:]
+
+
+def test_the_last_thread_leaves_through_finalization() -> None:
+    """Alone, the call returns (the status + 1 shows it did), and the interpreter ends as usual."""
+    code = "import sys; from elasticzero.proc import leave_if_threads_left as leave; sys.exit(leave(5) + 1)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 6
+
+
 # --- the source scan: each rule is written once, in elasticzero/proc.py ----------------------------------------
 
 

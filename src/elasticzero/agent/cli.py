@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from elasticzero.errors import UsageError, cli_main
-from elasticzero.proc import STOP_SIGNALS, check_job_id, exit_status, signal_exit_code
+from elasticzero.proc import STOP_SIGNALS, check_job_id, exit_status, leave_if_threads_left, signal_exit_code
 
 if TYPE_CHECKING:
     from elasticzero.agent.plan import AgentPlan
@@ -244,10 +244,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     startup = exit_on_stop_signals(process=argv is None)
     try:
         logging.basicConfig(level=os.environ.get("LOGLEVEL", "WARNING").upper())
-        return cli_main(PROG, run, argv)
+        code = cli_main(PROG, run, argv)
     finally:
         if argv is not None:
             restore_handlers(startup)
+    # a node cut off from its store left threads blocked in calls on it (an abandoned handler's keep-alive): a store
+    # host ending with the job would return them into this interpreter's finalization (SIGABRT)
+    return code if argv is not None else leave_if_threads_left(code)
 
 
 if __name__ == "__main__":

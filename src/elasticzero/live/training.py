@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -67,6 +66,7 @@ from elasticzero.live.loop import (
     accepts,
     release_optimizer,
 )
+from elasticzero.proc import leave_now
 from elasticzero.progress import heartbeat
 from elasticzero.rounds import ROUND_FILE_ENV
 
@@ -500,7 +500,7 @@ class Training:
         rounds, (_, stream) = getattr(self, "rounds", None), self._stream
         self._stream = (None, iter(()))
         if hasattr(stream, "close"):
-            stream.close()  # the DataLoader's worker processes stop now (os._exit below would leave them running)
+            stream.close()  # the DataLoader's worker processes stop now (leave_now below would leave them running)
         try:
             if rounds is not None:
                 rounds.close()
@@ -510,9 +510,7 @@ class Training:
             if self._own_group and dist.is_initialized():
                 dist.destroy_process_group()
         if self.live and exc is None and self.leave_process:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+            leave_now(0)
 
 
 def _endless(loader: DataLoader[Any]) -> Iterator[Any]:

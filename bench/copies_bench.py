@@ -6,7 +6,9 @@ from this driver (torch imported once). Each round runs every arm in the same ra
 (round 1: off then on; round 2: on then off...), so a drift of the machine's load does not favour one arm; the step
 time is the median over every timed step of every round. Arms: ``off`` (no copies), ``on`` (copies, gradients sent
 during backward: ``BuddyCopies(early=True)``), with ``--compare-late`` also ``late`` (``early=False``: every gradient
-at the pre-step hook, the path before the overlap). Not a test: nothing asserts, every number is this run's.
+at the pre-step hook, the path before the overlap). ``overhead_pct_by_round``: each round's ratio of its arms (seconds
+apart), whose spread is the machine's drift — on a shared 2-core machine wider than the copies' cost. Not a test:
+nothing asserts, every number is this run's.
 
     .venv/bin/python bench/copies_bench.py                       # small GPT (~3.4M), ZeRO-2, fp32
     .venv/bin/python bench/copies_bench.py --size bench --stage 1 --rounds 3   # the 29.5M GPT of the issue's goal
@@ -176,7 +178,20 @@ def median_ms(ranks: list[dict[str, Any]], key: str) -> float:
     return 1e3 * statistics.median(t for r in ranks for t in r[key])
 
 
-def summary(ranks: list[dict[str, Any]], world: int) -> dict[str, Any]:
+def by_round(ranks: list[dict[str, Any]], key: str, steps: int) -> list[float]:
+    """Per round, the median over every rank's timed steps of ``key`` in that round (seconds)."""
+    rounds = len(ranks[0][key]) // steps
+    return [statistics.median(t for r in ranks for t in r[key][i * steps : (i + 1) * steps]) for i in range(rounds)]
+
+
+def round_overheads(ranks: list[dict[str, Any]], arm: str, steps: int) -> list[float]:
+    """Per round, ``arm``'s step time over ``off``'s in the same round, in percent: the arms of a round run minutes
+    apart at most, so the spread of these is the machine's drift the one median of all rounds carries too."""
+    pairs = zip(by_round(ranks, arm, steps), by_round(ranks, "off", steps), strict=True)
+    return [round(100 * (a / b - 1), 1) for a, b in pairs]
+
+
+def summary(ranks: list[dict[str, Any]], world: int, steps: int) -> dict[str, Any]:
     off, on = median_ms(ranks, "off"), median_ms(ranks, "on")
     copies = median_ms(ranks, "copies")
     train_sent = max(r["train_buffers"] for r in ranks) * (world - 1) / world  # a ring sends (N-1)/N of each buffer
@@ -185,6 +200,7 @@ def summary(ranks: list[dict[str, Any]], world: int) -> dict[str, Any]:
         "step_ms_off": off,
         "step_ms_on": on,
         "overhead_pct": 100 * (on / off - 1),
+        "overhead_pct_by_round": round_overheads(ranks, "on", steps),
         "copies_ms": copies,
         "copies_pct_of_off": 100 * copies / off,
         "copies_exchange_gate_ms": median_ms(ranks, "copies_pre"),
@@ -203,6 +219,7 @@ def summary(ranks: list[dict[str, Any]], world: int) -> dict[str, Any]:
         res |= {
             "step_ms_late": late,
             "late_overhead_pct": 100 * (late / off - 1),
+            "late_overhead_pct_by_round": round_overheads(ranks, "late", steps),
             "late_exchange_gate_ms": median_ms(ranks, "late_copies_pre"),
             "fwd_bwd_ms_late": median_ms(ranks, "late_fwd_bwd"),
             "late_early_steps": min(r["late_early_steps"] for r in ranks),
@@ -225,10 +242,10 @@ def main(argv: list[str] | None = None) -> None:
         if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
             raise SystemExit("a rank failed")
     ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
-    res = {"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary(ranks, 2), "ranks": ranks}
+    res = {"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary(ranks, 2, args.steps), "ranks": ranks}
     out.write_text(json.dumps(res, indent=1))
     for k, v in res["summary"].items():
-        print(f"{k:32s} {v:,.1f}")
+        print(f"{k:32s} {v}" if isinstance(v, list) else f"{k:32s} {v:,.1f}")
     print(f"saved {out}")
 
 

@@ -242,7 +242,11 @@ def main(argv: list[str] | None = None) -> None:
         if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
             raise SystemExit("a rank failed")
     ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
-    res = {"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary(ranks, 2, args.steps), "ranks": ranks}
+    res: dict[str, Any] = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "summary": summary(ranks, 2, args.steps),
+        "ranks": ranks,
+    }
     out.write_text(json.dumps(res, indent=1))
     for k, v in res["summary"].items():
         print(f"{k:32s} {v}" if isinstance(v, list) else f"{k:32s} {v:,.1f}")

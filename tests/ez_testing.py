@@ -141,13 +141,15 @@ def run_driver(driver: Path, out: Path, timeout: float = 300) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-def run_ranks(worker: Path, world: int, out: Path, timeout: float = 240) -> list[dict[str, Any]]:
-    """Run ``python worker out`` as ``world`` gloo ranks on loopback (``RANK``/``WORLD_SIZE``/``MASTER_*`` set); every
-    rank must exit 0 without a C++ abort, and rank r's JSON result is read from ``{out}.rank{r}``."""
+def run_ranks(
+    worker: Path, world: int, out: Path, timeout: float = 240, args: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """Run ``python worker out *args`` as ``world`` gloo ranks on loopback (``RANK``/``WORLD_SIZE``/``MASTER_*`` set);
+    every rank must exit 0 without a C++ abort, and rank r's JSON result is read from ``{out}.rank{r}``."""
     port = str(free_port())
     procs = [
         subprocess.Popen(
-            [PYTHON, str(worker), str(out)],
+            [PYTHON, str(worker), str(out), *args],
             env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE=str(world)),
             stderr=subprocess.PIPE,
             text=True,

@@ -8,16 +8,20 @@ Usable on its own for DDP-style data parallelism::
 
 and used by ZeRO stages 2/3 with ``op="reduce_scatter"`` (each rank receives only its shard of every bucket).
 
-How it works: a post-accumulate-grad hook on every parameter adds ``grad / world_size`` into its bucket's flat
-buffer (in ``reduce_dtype``, fp32 by default) and drops ``param.grad``. Buckets are keyed by dtype, bounded by
-``bucket_bytes``, and a tensor of ``bucket_bytes`` or more is a bucket of its own (see
-:func:`elasticzero.engine.zero.flat.build_buckets`). A bucket is *launched* (async collective) once all its parameters
-have their gradient **and every bucket before it in the fixed flush order has been launched**. The flush order is
-reverse bucket order (buckets are numbered by parameter registration, backward roughly visits them last to first);
-it never depends on the order hooks fire in, which may differ between ranks and is the classic cause of ZeRO hangs.
+How it works: a post-accumulate-grad hook on every parameter adds ``grad / contributors`` (the world size, unless
+some ranks sit a step out: :meth:`GradBucketer.contributing`) into its bucket's flat buffer (in ``reduce_dtype``,
+fp32 by default) and drops ``param.grad``. Buckets are keyed by dtype, bounded by ``bucket_bytes``, and a tensor of
+``bucket_bytes`` or more is a bucket of its own (see :func:`elasticzero.engine.zero.flat.build_buckets`). A bucket is
+*launched* (async collective) once all its parameters have their gradient **and every bucket before it in the fixed
+flush order has been launched**. The flush order is reverse bucket order (buckets are numbered by parameter
+registration, backward roughly visits them last to first); it never depends on the order hooks fire in, which may
+differ between ranks and is the classic cause of ZeRO hangs.
 At the end of backward (an autograd engine callback) every remaining bucket is launched in order, parameters that got
 no gradient contributing zeros, and all outstanding collectives are waited for. At most ``max_inflight`` collectives
 are outstanding; the oldest is completed before the next is launched, which bounds the transient buffer memory.
+
+A rank that computes nothing in a step still takes part in its reductions, with zeros: :meth:`GradBucketer.finalize`
+without a backward launches every bucket, in the flush order the others launch theirs in.
 
 Repeated ``backward()`` calls accumulate. Inside :meth:`no_sync` nothing is communicated: gradients accumulate in the
 full-size bucket buffers (Ψ elements of ``reduce_dtype`` held until the boundary) and are reduced by the first
@@ -116,6 +120,8 @@ class GradBucketer(OwnsCommunicator):
         self._communicator = communicator
         self.world_size = self._communicator.size
         self.rank = self._communicator.rank
+        #: the ranks whose gradients a reduction averages (:meth:`contributing`); the others add zeros
+        self.contributors = self.world_size
         self.reduce_dtype = reduce_dtype
         if buckets is None:
             pairs: list[tuple[str, nn.Parameter]] = [
@@ -172,6 +178,18 @@ class GradBucketer(OwnsCommunicator):
         finally:
             self._sync = old
 
+    @contextlib.contextmanager
+    def contributing(self, ranks: int) -> Iterator[None]:
+        """Average the gradients accumulated inside over ``ranks`` ranks instead of the world size: a step in which
+        the other ranks sit out (their reductions add zeros), whose mean is over the ranks that computed it."""
+        if not 1 <= ranks <= self.world_size:
+            raise UsageError(f"contributing({ranks}): between 1 and the group's {self.world_size} ranks")
+        old, self.contributors = self.contributors, ranks
+        try:
+            yield
+        finally:
+            self.contributors = old
+
     def allocate_buffers(self) -> None:
         """Allocate (zeroed) every bucket buffer now."""
         for b in self.buckets:
@@ -187,7 +205,7 @@ class GradBucketer(OwnsCommunicator):
         return buf
 
     def _accumulate(self, bucket: FlatBucket, pos: int, grad: torch.Tensor) -> None:
-        """Add ``grad / world_size`` into the bucket slot of parameter ``pos``.
+        """Add ``grad / contributors`` into the bucket slot of parameter ``pos``.
 
         A transient buffer (``keep_buffers=False``) is allocated uninitialised and each slot's first gradient is
         written, not added: no zero-fill pass and no read of the buffer; slots left unwritten are zeroed before
@@ -206,9 +224,9 @@ class GradBucketer(OwnsCommunicator):
         with torch.no_grad():
             if unwritten is not None and pos in unwritten:
                 unwritten.discard(pos)
-                torch.mul(grad.reshape(-1), 1.0 / self.world_size, out=buf[off : off + n])
+                torch.mul(grad.reshape(-1), 1.0 / self.contributors, out=buf[off : off + n])
             else:
-                buf[off : off + n].add_(grad.reshape(-1), alpha=1.0 / self.world_size)
+                buf[off : off + n].add_(grad.reshape(-1), alpha=1.0 / self.contributors)
 
     def _transient(self, bucket: FlatBucket) -> torch.Tensor:
         """An uninitialised buffer for ``bucket``: the smallest spare large enough (on its device), else a new one."""
@@ -263,8 +281,9 @@ class GradBucketer(OwnsCommunicator):
     def finalize(self) -> None:
         """Launch every bucket not yet launched (in flush order) and complete all reductions.
 
-        Runs automatically at the end of every backward that touched a bucketed parameter; call it yourself only
-        when gradients were produced without autograd hooks.
+        Runs automatically at the end of every backward that touched a bucketed parameter; call it yourself when
+        gradients were produced without autograd hooks, or when this rank computed nothing: its reductions then add
+        zeros.
         """
         self._callback_queued = False
         if self._sync:

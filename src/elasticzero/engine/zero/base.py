@@ -84,6 +84,8 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
     keeps_whole_params: bool = True
     """Whether the module's parameters hold their whole values between steps (stages 1/2; stage 3 frees them): after
     :meth:`release` the module can be wrapped again — a live survivor keeps its model across a round change."""
+    sit_out_refused: str | None = None
+    """Why no rank of this stage can sit a step out (:meth:`sit_out`), or None: it can."""
 
     def __init__(
         self,
@@ -157,6 +159,7 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
             self._bind_offload(self._offload)
             self._offload.push_all()
         self._grad_watchers: OrderedDict[int, GradWatcher] = OrderedDict()  # a RemovableHandle refers to it weakly
+        self._reduced_in_step = False  # a gradient reduction since the last zero_grad (sit_out must come before)
         self.bucketer = self._make_bucketer()
         self._bound_hook = module.register_forward_pre_hook(outside_graph(self._before_forward), prepend=True)
         self._input_hook = None
@@ -277,6 +280,7 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
 
     def _reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
         """The bucketer's ``on_reduced``: the stage's :meth:`_on_reduced`, between telling the watchers."""
+        self._reduced_in_step = True
         watchers = list(self._grad_watchers.values())
         for w in watchers:
             w.grads_changing(bucket.index)
@@ -338,6 +342,7 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
         for p in self._managed_params():
             p.grad = None
         self.bucketer.zero_buffers()
+        self._reduced_in_step = False
         for m in self.masters:
             if m.grad is not None:
                 if set_to_none:
@@ -442,6 +447,36 @@ class ZeroOptimizer(ZeroStateViews, torch.optim.Optimizer):
         handle = RemovableHandle(self._grad_watchers)
         self._grad_watchers[handle.id] = watcher
         return handle
+
+    def sit_out(self) -> None:
+        """This rank's part in a step it computes nothing for (no forward, no backward): the step's gradient
+        reductions with zeros for its own gradients, every bucket in the order the other ranks launch theirs, so its
+        shard gets their reduced gradients and :meth:`step` follows as on every rank. The ranks that compute the step
+        run their backward inside :meth:`contributing`, with their own number: the mean is theirs (a step with one
+        rank sitting out is then the step of the others alone: x + 0 is x). Call it where the backward would be, after
+        ``zero_grad()``; the others reduce once in the step, as they do when they accumulate their micro-batches
+        under :meth:`no_sync` (:class:`~elasticzero.engine.accumulation.GradAccumulation` does): one backward outside
+        it is one round of reductions, which is what a rank sitting out issues.
+
+        Raises :class:`~elasticzero.errors.UsageError` on stage 3 (:attr:`sit_out_refused`), in a one-rank group,
+        and after a reduction in this step (a backward ran: the others would wait for a second round of reductions)."""
+        name = f"{type(self).__name__}.sit_out()"
+        if self.sit_out_refused is not None:
+            raise UsageError(f"{name}: {self.sit_out_refused}")
+        if self.world_size == 1:
+            raise UsageError(f"{name}: a one-rank group has no other rank to compute the step")
+        if self._reduced_in_step:
+            raise UsageError(
+                f"{name} after this step's gradients were reduced: call it instead of the backward, after zero_grad()"
+            )
+        self.bucketer.finalize()
+
+    def contributing(self, ranks: int) -> contextlib.AbstractContextManager[None]:
+        """Average the gradients of the backward inside over ``ranks`` ranks instead of the world size: the step's
+        other ranks sit it out (:meth:`sit_out`). Refused where no rank can (:attr:`sit_out_refused`)."""
+        if self.sit_out_refused is not None:
+            raise UsageError(f"{type(self).__name__}.contributing(): {self.sit_out_refused}")
+        return self.bucketer.contributing(ranks)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients without communicating until the first backward outside the context.

@@ -77,6 +77,7 @@ class ZeroStage3(ZeroOptimizer):
     stage = 3
     supports_no_sync = False
     keeps_whole_params = False  # between uses a parameter's storage is freed: a new optimizer would read nothing
+    sit_out_refused = "stage 3's forward gathers every unit's parameters from every rank: no rank can sit a step out"
 
     def __init__(
         self,

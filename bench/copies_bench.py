@@ -18,12 +18,9 @@ nothing asserts, every number is this run's.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +28,10 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "examples"), str(HERE.parent / "tests")]
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 from elasticzero import ZeroStage1, ZeroStage2, ZeroStage3  # noqa: E402
 from elasticzero.live.copies import BuddyCopies  # noqa: E402
-from ez_ports import free_port  # noqa: E402
+from forked_ranks import result_path, run_forked, save  # noqa: E402
 from gpt import GPT, config_for  # noqa: E402
 
 STAGES = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
@@ -162,17 +158,6 @@ def record_copies(out: dict[str, Any], prefix: str, clock: HookClock, rep: Buddy
     out[prefix + "early_steps"] = out.get(prefix + "early_steps", 0) + rep.early_steps
 
 
-def child(rank: int, port: str, args: argparse.Namespace, out: Path) -> int:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    res = rank_main(args)
-    Path(f"{out}.rank{rank}").write_text(json.dumps(res))
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
-
-
 def median_ms(ranks: list[dict[str, Any]], key: str) -> float:
     """Median over every rank's samples of ``key`` (seconds), in milliseconds."""
     return 1e3 * statistics.median(t for r in ranks for t in r[key])
@@ -229,26 +214,11 @@ def summary(ranks: list[dict[str, Any]], world: int, steps: int) -> dict[str, An
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out = args.out or HERE / "results" / f"copies_bench-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    port, pids = str(free_port()), []
-    for r in range(2):
-        pid = os.fork()
-        if pid == 0:
-            os._exit(child(r, port, args, out))
-        pids.append(pid)
-    for pid in pids:
-        if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
-            raise SystemExit("a rank failed")
-    ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
-    res: dict[str, Any] = {
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "summary": summary(ranks, 2, args.steps),
-        "ranks": ranks,
-    }
-    out.write_text(json.dumps(res, indent=1))
-    for k, v in res["summary"].items():
+    out = result_path(args.out, "copies_bench")
+    ranks = run_forked(2, lambda rank, a: rank_main(a), args, out)
+    summed = summary(ranks, 2, args.steps)
+    save(out, args, summed, ranks)
+    for k, v in summed.items():
         print(f"{k:32s} {v}" if isinstance(v, list) else f"{k:32s} {v:,.1f}")
     print(f"saved {out}")
 

@@ -26,12 +26,9 @@ nothing asserts, every number is this run's.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +38,7 @@ sys.path[:0] = [str(HERE.parent / "examples"), str(HERE.parent / "tests")]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from ez_ports import free_port  # noqa: E402
+from forked_ranks import result_path, run_forked, save  # noqa: E402
 from gpt import GPT, config_for  # noqa: E402
 
 ARMS = ("compute", "transfer", "overlap")
@@ -115,16 +112,6 @@ def rank_main(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def child(rank: int, port: str, args: argparse.Namespace, out: Path) -> int:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    Path(f"{out}.rank{rank}").write_text(json.dumps(rank_main(rank, args)))
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
-
-
 def summary(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians (ms) of each arm, the slower rank's per round; the share of the transfer hidden."""
     ms = {a: 1e3 * statistics.median(max(r[a][i] for r in ranks) for i in range(len(ranks[0][a]))) for a in ARMS}
@@ -139,26 +126,11 @@ def summary(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out = args.out or HERE / "results" / f"join_overlap-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    port, pids = str(free_port()), []
-    for r in range(2):
-        pid = os.fork()
-        if pid == 0:
-            os._exit(child(r, port, args, out))
-        pids.append(pid)
-    for pid in pids:
-        if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
-            raise SystemExit("a rank failed")
-    ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
-    res: dict[str, Any] = {
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "summary": summary(ranks),
-        "ranks": ranks,
-    }
-    out.write_text(json.dumps(res, indent=1))
-    for k, v in res["summary"].items():
+    out = result_path(args.out, "join_overlap")
+    ranks = run_forked(2, rank_main, args, out)
+    summed = summary(ranks)
+    save(out, args, summed, ranks)
+    for k, v in summed.items():
         print(f"{k:24s} {v:,.2f}")
     print(f"saved {out}")
 

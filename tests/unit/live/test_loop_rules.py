@@ -165,6 +165,9 @@ def test_a_join_is_switched_to_at_the_step_its_members_agree_on(tmp_path: Path, 
             at.set("switch_at", decided)
         write_round(path, rounds[n])
         at.set("ready/0", other)
+        # TCPStore's set sends no reply: the server may read the loop's own connection first (a check right after
+        # found ready/0 unset once in CI). A round trip on this connection lands the sets before anything reads them.
+        at.check(["ready/0"])
         return at
 
     try:
